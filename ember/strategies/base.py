@@ -1,0 +1,216 @@
+"""The Strategy interface: *where* the work runs.
+
+A Strategy owns the process group and cluster environment, the root device,
+wrapping the module, preparing optimizers, sharding data, backward and
+``no_backward_sync``, collectives, and how checkpoints are written and read.
+The single-device strategy below is the reference implementation; DDP, FSDP
+and DeepSpeed override what differs. Strategies never import the trainer.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from ember.precision import Precision
+
+_NULL = contextlib.nullcontext()
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)((k, move_to_device(v, device, non_blocking)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        out = [move_to_device(v, device, non_blocking) for v in batch]
+        return type(batch)(*out) if hasattr(batch, "_fields") else type(batch)(out)
+    if hasattr(batch, "to") and callable(batch.to) and not isinstance(batch, nn.Module):
+        try:  # e.g. transformers' BatchEncoding
+            return batch.to(device)
+        except TypeError:
+            return batch
+    return batch
+
+
+class Strategy:
+    """Base strategy; also the behaviour of one process on one device."""
+
+    name = "single"
+    #: True when each rank holds only a shard of the parameters
+    is_sharded = False
+    #: True when the strategy runs backward/step itself (DeepSpeed)
+    owns_optimizer_step = False
+
+    def __init__(self, device: "str | torch.device | None" = None):
+        self._device = torch.device(device) if device is not None else None
+        self.precision: Precision = Precision()
+        self.num_processes = 1
+
+    # -- topology ----------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        return self._device or torch.device("cpu")
+
+    @root_device.setter
+    def root_device(self, device) -> None:
+        self._device = torch.device(device)
+
+    world_size = 1
+    global_rank = 0
+    local_rank = 0
+    node_rank = 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def is_local_zero(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    # -- lifecycle -----------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Create process groups, pick the device. Called once, before any model work."""
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        self.precision.setup(self.root_device)
+
+    def module_init_context(self):
+        """Context in which ``configure_model`` builds layers (meta device for FSDP)."""
+        ctx = getattr(self.precision, "module_init_context", None)
+        return ctx() if ctx is not None else _NULL
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move to device, convert to the precision's dtype, wrap for the strategy."""
+        module = self.precision.convert_module(module)
+        return module.to(self.root_device)
+
+    def setup_optimizers(self, module: nn.Module, optimizers: list) -> tuple[nn.Module, list]:
+        """Last chance to rewrap module and optimizers together (DeepSpeed, FSDP)."""
+        return module, optimizers
+
+    def unwrap_module(self, module: nn.Module) -> nn.Module:
+        while hasattr(module, "module") and isinstance(module.module, nn.Module) and (
+                type(module).__name__ in ("DistributedDataParallel", "DeepSpeedEngine",
+                                          "OptimizedModule", "_EmberModuleWrapper")):
+            module = module.module
+        return getattr(module, "_orig_mod", module)
+
+    def teardown(self) -> None:
+        pass
+
+    # -- data ------------------------------------------------------------------
+    def distributed_sampler_kwargs(self) -> dict | None:
+        """``num_replicas``/``rank`` for sharding, or None when not distributed."""
+        return None
+
+    def batch_to_device(self, batch: Any) -> Any:
+        return move_to_device(batch, self.root_device)
+
+    # -- step ----------------------------------------------------------------
+    def forward_context(self):
+        return self.precision.forward_context()
+
+    def backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs) -> None:
+        self.precision.backward(loss, **kwargs)
+
+    def optimizer_step(self, optimizer, module: nn.Module | None = None, closure=None) -> None:
+        self.precision.optimizer_step(optimizer, closure)
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        """Context that skips the gradient all-reduce (accumulation micro-batches)."""
+        return _NULL
+
+    def clip_gradients(self, module: nn.Module, optimizer, clip_val: float,
+                       algorithm: str = "norm") -> torch.Tensor | None:
+        self.precision.unscale_gradients(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+            return None
+        return torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
+
+    # -- collectives (identity on one process) ---------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stack ``tensor`` from every rank along a new dim 0 (shape [world, ...])."""
+        return tensor.unsqueeze(0)
+
+    def all_gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate along dim 0; ranks may hold different first dimensions."""
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list:
+        return [obj]
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        return tensor
+
+    # -- checkpoints -------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights, on every rank that needs them."""
+        return self.unwrap_module(module).state_dict()
+
+    def load_module_state_dict(self, module: nn.Module, state: dict, strict: bool = True):
+        return self.unwrap_module(module).load_state_dict(state, strict=strict)
+
+    def optimizer_state_dict(self, optimizer, module: nn.Module | None = None) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer, state: dict, module: nn.Module | None = None):
+        optimizer.load_state_dict(state)
+
+    def save_checkpoint(self, path: str, module: nn.Module, optimizers: list,
+                        trainer_state: dict, meta: dict, weights_only: bool = False) -> None:
+        """Write a checkpoint directory atomically (rank zero writes; all ranks return
+        after it is complete). ``trainer_state`` excludes model and optimizers."""
+        from ember import checkpoint_io as cio
+        weights = self.module_state_dict(module)
+        opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
+        if self.is_global_zero:
+            state = dict(trainer_state, optimizers=opt_states) if not weights_only else None
+            cio.write_checkpoint(path, weights, state, meta)
+        self.barrier("save_checkpoint")
+
+    def load_checkpoint(self, path: str, module: nn.Module, optimizers: list,
+                        strict: bool = True, weights_only: bool = False) -> dict:
+        """Load weights (and optimizer states) in place; return the trainer state."""
+        from ember import checkpoint_io as cio
+        weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
+        cio.check_compatible(self.unwrap_module(module), weights, path)
+        self.load_module_state_dict(module, weights, strict=strict)
+        state = state or {}
+        for opt, s in zip(optimizers, state.get("optimizers", [])):
+            self.load_optimizer_state_dict(opt, s, module)
+        state["meta"] = meta
+        return state
+
+
+class SingleDeviceStrategy(Strategy):
+    """One process, one device (``cpu``, ``cuda:N`` or ``mps``)."""
+
+    name = "single"
+
+
+def auto_device() -> torch.device:
+    """cuda > mps > cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count()))
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
