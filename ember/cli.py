@@ -1,0 +1,597 @@
+"""The ``ember`` command line.
+
+``ember fit|validate|test|predict`` build a Trainer, a TrainModule and a
+DataModule from YAML files plus dotted overrides and run the subcommand;
+``ember launch`` starts a script on several processes/machines (torchrun's
+elastic agent); ``ember config`` writes the launch defaults; ``ember env``
+prints the environment for bug reports. See docs/cli.md.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import sys
+import typing
+from pathlib import Path, PurePath
+from typing import Any, Sequence
+
+from ember.launch import UsageError
+
+RUN_COMMANDS = ("fit", "validate", "test", "predict")
+TOP_KEYS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
+
+_RUN_EPILOG = """\
+overrides (applied after every --config file, in command-line order):
+  --trainer.KEY VALUE        a Trainer argument, e.g. --trainer.max_epochs 3
+  --model.KEY VALUE          an init argument of the model (same as --model.init_args.KEY)
+  --model CLASS              the model class (same as --model.class_path CLASS)
+  --data.KEY VALUE           an init argument of the DataModule
+  --data CLASS               the DataModule class
+  --seed_everything INT|true seed every RNG before the model is built (true: a random seed)
+  --ckpt_path PATH|last|best checkpoint to start from
+  VALUE is parsed as YAML: 3 -> int, 1e-3 -> float, null -> None, [1, 2] -> list.
+  --KEY=VALUE works too.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit code 2)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"ember: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _RunHelp(argparse.Action):
+    """--help for fit/validate/test/predict: also lists the Trainer's arguments."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            import inspect
+            from ember import Trainer
+            names = [n for n in inspect.signature(Trainer).parameters if n != "self"]
+            parser.epilog = _RUN_EPILOG + "\ntrainer keys:\n  " + _wrap(", ".join(names))
+        except Exception:  # the Trainer failing to import must not break --help
+            pass
+        parser.print_help()
+        parser.exit()
+
+
+def _wrap(text: str, width: int = 76) -> str:
+    import textwrap
+    return "\n  ".join(textwrap.wrap(text, width))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ember import __version__
+    from ember import launch as _launch
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = _Parser(prog="ember", description="ember: train PyTorch models from the command line.",
+                formatter_class=fmt, allow_abbrev=False)
+    p.add_argument("--version", action="version", version=f"ember {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    blurbs = {"fit": "train a model (and validate it)", "validate": "run the validation loop once",
+              "test": "run the test loop", "predict": "run the predict loop"}
+    for name in RUN_COMMANDS:
+        sp = sub.add_parser(name, help=blurbs[name], formatter_class=fmt, add_help=False,
+                            allow_abbrev=False, epilog=_RUN_EPILOG,
+                            description=f"{blurbs[name].capitalize()} with a Trainer, a model "
+                                        "and a DataModule built from YAML (trainer:, model:, data:, "
+                                        "seed_everything:, ckpt_path:).")
+        sp.add_argument("-h", "--help", action=_RunHelp, help="show this help message and exit")
+        sp.add_argument("-c", "--config", action="append", default=[], metavar="FILE",
+                        help="YAML config; repeat to merge several (later files win)")
+        sp.add_argument("--print_config", "--print-config", action="store_true",
+                        help="print the fully resolved config (defaults filled in) and exit")
+    lp = sub.add_parser("launch", help="run a script on several processes / machines (torchrun)",
+                        formatter_class=fmt, allow_abbrev=False,
+                        description="Start SCRIPT on --num-processes processes per machine with "
+                                    "torchrun's elastic agent. Each process gets RANK, LOCAL_RANK, "
+                                    "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, plus EMBER_PRECISION and "
+                                    "EMBER_STRATEGY.",
+                        epilog="examples:\n  ember launch --num-processes 2 train.py --lr 1e-3\n"
+                               "  ember launch --num-processes 2 -m ember fit --config cfg.yaml\n"
+                               "  ember launch --num-machines 2 --machine-rank 0 --main-process-ip "
+                               "10.0.0.1 --main-process-port 29500 --num-processes 8 train.py")
+    _launch.add_launch_arguments(lp)
+    cp = sub.add_parser("config", help="write the default launch config (interactive)",
+                        formatter_class=fmt, allow_abbrev=False,
+                        description="Ask how to launch (machines, processes, strategy, precision) "
+                                    "and save the answers as the defaults of `ember launch`.")
+    cp.add_argument("--config_file", "--config-file", default=None, metavar="PATH",
+                    help="where to write (default: $XDG_CONFIG_HOME/ember/default_config.yaml, "
+                         "~/.config/ember/default_config.yaml when XDG_CONFIG_HOME is unset)")
+    cp.add_argument("--default", action="store_true",
+                    help="write a config for this machine without asking (one process per GPU)")
+    sub.add_parser("env", help="print versions and hardware for a bug report", allow_abbrev=False)
+    return p
+
+
+# --------------------------------------------------------------------------- config parsing
+def _load_yaml_file(path: str) -> dict:
+    import yaml
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise UsageError(f"--config: cannot read {path!r}: {err.strerror or err}")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "syntax error"
+        raise UsageError(f"--config: {path!r} is not valid YAML{where}: {problem}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config: {path!r} must hold a mapping with keys "
+                         f"{', '.join(TOP_KEYS)}; got {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict, new: dict) -> dict:
+    out = dict(base)
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and "class_path" not in value:
+            out[key] = _merge(out[key], value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict) and \
+                value.get("class_path") in (None, out[key].get("class_path")):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Pull ``--trainer.x V``, ``--model.y=V``, ``--model CLASS``... out of ``argv``."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name = tok[2:].split("=", 1)[0] if tok.startswith("--") else ""
+        if name.split(".")[0].replace("-", "_") in TOP_KEYS:
+            if "=" in tok:
+                overrides.append((name, tok.split("=", 1)[1]))
+            elif i + 1 < len(argv):
+                overrides.append((name, argv[i + 1]))
+                i += 1
+            else:
+                raise UsageError(f"--{name}: expected a value")
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, overrides
+
+
+def apply_override(cfg: dict, dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    parts[0] = parts[0].replace("-", "_")
+    value = _parse_value(raw)
+    if parts[0] in ("model", "data"):
+        if len(parts) == 1:
+            parts = [parts[0], "class_path"]
+        elif parts[1] not in ("class_path", "init_args"):
+            parts.insert(1, "init_args")
+    node: Any = cfg
+    for i, key in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            try:
+                node = node[int(key)]
+                continue
+            except (ValueError, IndexError):
+                raise UsageError(f"--{dotted}: {'.'.join(parts[:i])} has no item {key!r}")
+        nxt = node.get(key)
+        if isinstance(nxt, str) and i > 0:   # `class_path` given as a plain string
+            nxt = node[key] = {"class_path": nxt}
+        if not isinstance(nxt, (dict, list)):
+            nxt = node[key] = {}
+        if isinstance(nxt, dict) and "class_path" in nxt and parts[i + 1] not in ("class_path", "init_args"):
+            if not isinstance(nxt.get("init_args"), dict):
+                nxt["init_args"] = {}
+            nxt = nxt["init_args"]
+        node = nxt
+    if isinstance(node, list):
+        try:
+            node[int(parts[-1])] = value
+        except (ValueError, IndexError):
+            raise UsageError(f"--{dotted}: no item {parts[-1]!r} in the list")
+    else:
+        node[parts[-1]] = value
+
+
+def load_config(files: Sequence[str], overrides: Sequence[tuple[str, str]]) -> dict:
+    cfg: dict = {}
+    for path in files:
+        cfg = _merge(cfg, _load_yaml_file(path))
+    for key in cfg:
+        if key not in TOP_KEYS:
+            raise UsageError(_unknown(str(key), TOP_KEYS, "top-level key"))
+    for section in ("model", "data"):
+        if isinstance(cfg.get(section), str):
+            cfg[section] = {"class_path": cfg[section]}
+    for dotted, raw in overrides:
+        apply_override(cfg, dotted, raw)
+    return cfg
+
+
+def _unknown(where: str, valid, what: str = "key") -> str:
+    import difflib
+    name = where.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{where}: unknown {what}{hint}; valid: {', '.join(valid) or '(none)'}"
+
+
+# --------------------------------------------------------------------------- validation
+_SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_FLOAT = re.compile(r"[-+]?((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
+_CLASSES: dict[str, type] = {}     # class_path -> class, filled while resolving
+_DROP = object()
+
+
+def _type_name(tp) -> str:
+    if tp is type(None) or tp is None:
+        return "None"
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return str(tp).replace("typing.", "").replace("NoneType", "None")
+
+
+def _short_name_modules(base) -> list[str]:
+    if base is None:
+        return ["ember.callbacks", "ember.loggers", "ember.strategies"]
+    parts = base.__module__.split(".")
+    return [".".join(parts[:i]) for i in range(min(2, len(parts)), len(parts) + 1)]
+
+
+def _import_class(where: str, path: Any, base=None) -> type:
+    import importlib
+    if not isinstance(path, str) or not path:
+        raise UsageError(f"{where}: expected a class path like my_package.module.MyClass, got {path!r}")
+    if "." in path:
+        candidates = [tuple(path.rsplit(".", 1))]
+    else:
+        candidates = [(m, path) for m in _short_name_modules(base)]
+    for mod_name, name in candidates:
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as err:
+            if "." in path:
+                raise UsageError(f"{where}: cannot import {path!r}: {err}")
+            continue
+        try:
+            obj = getattr(module, name, None)
+        except ImportError as err:      # a lazily imported attribute whose module failed
+            raise UsageError(f"{where}: cannot import {path!r}: {err}")
+        if obj is None and "." in path:
+            raise UsageError(f"{where}: cannot import {path!r}: module {mod_name!r} has no "
+                             f"attribute {name!r}")
+        if obj is not None:
+            if not inspect.isclass(obj):
+                raise UsageError(f"{where}: {path!r} is not a class")
+            return obj
+    raise UsageError(f"{where}: class {path!r} not found in {', '.join(m for m, _ in candidates)}; "
+                     "give its full path, e.g. my_package.module.MyClass")
+
+
+def resolve_class(where: str, value: Any, base=None, fixed=None, required=True) -> dict:
+    """Check a ``{class_path, init_args}`` entry; returns it with init_args complete."""
+    if value is None and fixed is None:
+        raise UsageError(f"{where}: missing; give {where}: {{class_path: my_package.module.MyClass, "
+                         "init_args: {...}}")
+    value = {} if value is None else value
+    if isinstance(value, str):
+        value = {"class_path": value}
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: expected a mapping with class_path and init_args, got {value!r}")
+    if fixed is not None and not {"class_path", "init_args"} & set(value):
+        value = {"init_args": value}       # a fixed class: init arguments given directly
+    for key in value:
+        if key not in ("class_path", "init_args"):
+            raise UsageError(_unknown(f"{where}.{key}", ("class_path", "init_args")))
+    if value.get("class_path") is None:
+        if fixed is None:
+            raise UsageError(f"{where}.class_path: missing; name the class, e.g. "
+                             "class_path: my_package.module.MyClass")
+        cls = fixed
+    else:
+        cls = _import_class(f"{where}.class_path", value["class_path"], base)
+    if base is not None and not issubclass(cls, base):
+        raise UsageError(f"{where}.class_path: {value.get('class_path')!r} is not a subclass of "
+                         f"{base.__name__}")
+    init = value.get("init_args") or {}
+    if not isinstance(init, dict):
+        raise UsageError(f"{where}.init_args: expected a mapping, got {init!r}")
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    _CLASSES[path] = cls
+    return {"class_path": path, "init_args": check_kwargs(f"{where}.init_args", cls, init)}
+
+
+def check_kwargs(where: str, target, kwargs: dict, fill_defaults: bool = True) -> dict:
+    """Check ``kwargs`` against the signature and type hints of ``target``."""
+    sig = inspect.signature(target)
+    try:
+        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:      # unresolvable forward references: check what we can
+        hints = {}
+    P = inspect.Parameter
+    params = [p for p in sig.parameters.values()
+              if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.name != "self"]
+    var_kw = any(p.kind == P.VAR_KEYWORD for p in sig.parameters.values())
+    names = [p.name for p in params]
+    for key in kwargs:
+        if key not in names and not var_kw:
+            raise UsageError(_unknown(f"{where}.{key}", names))
+    out: dict[str, Any] = {}
+    for p in params:
+        tp = hints.get(p.name, p.annotation if not isinstance(p.annotation, str) else Any)
+        if tp is P.empty:   # unannotated: a numeric default tells the type
+            tp = {float: float, int: typing.Union[int, float]}.get(type(p.default), Any)
+        if p.name in kwargs:
+            out[p.name] = _check(f"{where}.{p.name}", kwargs[p.name], tp)
+        elif p.default is P.empty:
+            raise UsageError(f"{where}: missing required argument {p.name!r} of "
+                             f"{getattr(target, '__qualname__', target)}")
+        elif fill_defaults:
+            out[p.name] = p.default
+    for key in kwargs:
+        if key not in names:
+            out[key] = _untyped(f"{where}.{key}", kwargs[key])
+    return out
+
+
+def _check(where: str, value: Any, tp) -> Any:
+    ok, out = _match(where, value, tp)
+    if not ok:
+        raise UsageError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    return out
+
+
+def _untyped(where: str, value: Any) -> Any:
+    if isinstance(value, dict) and "class_path" in value:
+        return resolve_class(where, value)
+    if isinstance(value, dict):
+        return {k: _untyped(f"{where}.{k}", v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_untyped(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
+        return float(value)      # YAML 1.1 reads 1e-3 as a string
+    return value
+
+
+def _match(where: str, value: Any, tp) -> tuple[bool, Any]:
+    import collections.abc as abc
+    import enum
+    import types
+    if tp is Any or isinstance(tp, typing.TypeVar):
+        return True, _untyped(where, value)
+    if tp is None or tp is type(None):
+        return value is None, value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _match(where, value, args[0])
+    if origin in (typing.Union, types.UnionType):
+        for arm in sorted(args, key=lambda a: a is str):     # '1e-3' prefers float over str
+            ok, out = _match(where, value, arm)
+            if ok:
+                return True, out
+        return False, value
+    if origin is typing.Literal:
+        return value in args, value
+    if origin in (list, set, frozenset, abc.Sequence, abc.MutableSequence, abc.Iterable,
+                  abc.Collection) or tp in (list, set, frozenset):
+        if not isinstance(value, list):
+            return False, value
+        items = [_check(f"{where}[{i}]", v, args[0] if args else Any) for i, v in enumerate(value)]
+        return True, (set(items) if (origin or tp) in (set, frozenset) else items)
+    if origin is tuple or tp is tuple:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        kinds = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if args and len(kinds) != len(value):
+            return False, value
+        kinds = kinds or [Any] * len(value)
+        return True, tuple(_check(f"{where}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, kinds)))
+    if origin in (dict, abc.Mapping, abc.MutableMapping) or tp is dict:
+        if not isinstance(value, dict):
+            return False, value
+        vt = args[1] if len(args) == 2 else Any
+        return True, {k: _check(f"{where}.{k}", v, vt) for k, v in value.items()}
+    if origin is not None or not isinstance(tp, type):   # Callable, type[...], protocols...
+        return True, _untyped(where, value)
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if isinstance(value, dict) and "class_path" in value:
+        return True, resolve_class(where, value, base=tp)
+    if isinstance(value, tp):
+        return True, value
+    if isinstance(value, str) and (tp is os.PathLike or issubclass(tp, PurePath)):
+        return True, Path(value) if tp is os.PathLike else tp(value)
+    if issubclass(tp, enum.Enum):
+        for member in tp:
+            if value in (member.value, member.name):
+                return True, member
+    return False, value
+
+
+def to_yaml_safe(value: Any) -> Any:
+    """The config as plain YAML data (values YAML cannot hold are left out)."""
+    import enum
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return to_yaml_safe(value.value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [to_yaml_safe(v) for v in value]
+        return [v for v in items if v is not _DROP]
+    if isinstance(value, dict):
+        items = {str(k): to_yaml_safe(v) for k, v in value.items()}
+        return {k: v for k, v in items.items() if v is not _DROP}
+    return _DROP
+
+
+def instantiate(value: Any) -> Any:
+    """Build the objects of a resolved config: ``{class_path, init_args}`` -> instance."""
+    if isinstance(value, dict) and "class_path" in value:
+        path = value["class_path"]
+        cls = _CLASSES.get(path) or _import_class("class_path", path)
+        return cls(**{k: instantiate(v) for k, v in (value.get("init_args") or {}).items()})
+    if isinstance(value, dict):
+        return {k: instantiate(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [instantiate(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(instantiate(v) for v in value)
+    return value
+
+
+# --------------------------------------------------------------------------- running
+def _add_import_paths(files: Sequence[str]) -> None:
+    for path in [os.getcwd(), *(os.path.dirname(os.path.abspath(f)) for f in files)]:
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+class _CLI:
+    def __init__(self, model_class=None, datamodule_class=None):
+        self.model_class, self.datamodule_class = model_class, datamodule_class
+
+    def resolve(self, cfg: dict) -> dict:
+        from ember import DataModule, Trainer, TrainModule
+        out: dict[str, Any] = {}
+        seed = cfg.get("seed_everything")
+        if seed is not None and not isinstance(seed, (bool, int)):
+            raise UsageError(f"seed_everything: expected int or bool, got {seed!r}")
+        out["seed_everything"] = seed
+        trainer = cfg.get("trainer") or {}
+        if not isinstance(trainer, dict):
+            raise UsageError(f"trainer: expected a mapping of Trainer arguments, got {trainer!r}")
+        given = dict(trainer)
+        for key, env in (("precision", "EMBER_PRECISION"), ("strategy", "EMBER_STRATEGY")):
+            if key not in given and os.environ.get(env):   # set by `ember launch`
+                given[key] = os.environ[env]
+        self.trainer_given = check_kwargs("trainer", Trainer, given, fill_defaults=False)
+        out["trainer"] = check_kwargs("trainer", Trainer, given)
+        out["model"] = resolve_class("model", cfg.get("model"), TrainModule,
+                                             self.model_class, required=True)
+        data = cfg.get("data")
+        out["data"] = None if data is None and self.datamodule_class is None else \
+            resolve_class("data", data, DataModule, self.datamodule_class, required=True)
+        ckpt = cfg.get("ckpt_path")
+        if ckpt is not None and not isinstance(ckpt, str):
+            raise UsageError(f"ckpt_path: expected str, got {ckpt!r}")
+        out["ckpt_path"] = ckpt
+        return out
+
+    def run(self, command: str, resolved: dict) -> int:
+        from ember import Trainer, seed_everything
+        from ember.errors import MisconfigurationError
+        seed = resolved["seed_everything"]
+        if seed is True:
+            seed = _shared_random_seed()
+        if seed is not False and seed is not None:
+            resolved["seed_everything"] = seed
+            seed_everything(seed)
+        try:
+            trainer = Trainer(**instantiate(self.trainer_given))
+            model = instantiate(resolved["model"])
+            data = instantiate(resolved["data"]) if resolved["data"] is not None else None
+        except MisconfigurationError as err:
+            raise UsageError(str(err))
+        trainer.callbacks.append(_save_config_callback(to_yaml_safe(resolved)))
+        getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
+        return 0
+
+
+def _shared_random_seed() -> int:
+    """`seed_everything: true`: a random seed, the same on every rank of one launch."""
+    import random
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        import zlib
+        return zlib.crc32(f"{run_id}:{os.environ.get('MASTER_PORT')}".encode()) % (2**31)
+    return random.randint(0, 2**31 - 1)
+
+
+def _save_config_callback(config: dict):
+    from ember.callbacks import Callback
+
+    class SaveConfigCallback(Callback):
+        """Writes the resolved CLI config as ``config.yaml`` into the run directory (rank 0)."""
+
+        def setup(self, trainer, module, stage):
+            if not trainer.is_global_zero or getattr(self, "_done", False):
+                return
+            import yaml
+            path = Path(trainer.log_dir) / "config.yaml"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(yaml.safe_dump(config, sort_keys=False))
+            self._done = True
+
+    return SaveConfigCallback()
+
+
+def run_command(args: argparse.Namespace, overrides, cli: _CLI) -> int:
+    import yaml
+    _add_import_paths(args.config)
+    cfg = load_config(args.config, overrides)
+    resolved = cli.resolve(cfg)
+    if args.print_config:
+        sys.stdout.write(yaml.safe_dump(to_yaml_safe(resolved), sort_keys=False))
+        return 0
+    return cli.run(args.command, resolved)
+
+
+def main(argv: Sequence[str] | None = None, *, model_class=None, datamodule_class=None) -> int:
+    """Entry point of ``ember`` / ``python -m ember``; returns the exit code.
+
+    Scripts can fix the model / DataModule class (then the ``model:`` section may
+    hold its init arguments directly)::
+
+        if __name__ == "__main__":
+            raise SystemExit(ember.cli.main(model_class=MyModel, datamodule_class=MyData))
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        overrides: list = []
+        if argv and argv[0] in RUN_COMMANDS:
+            rest, overrides = split_overrides(argv[1:])
+            argv = [argv[0], *rest]
+        args = build_parser().parse_args(argv)
+        if args.command in RUN_COMMANDS:
+            return run_command(args, overrides, _CLI(model_class, datamodule_class))
+        from ember import launch as _launch
+        if args.command == "launch":
+            return _launch.launch(args)
+        if args.command == "config":
+            return _launch.config_command(args)
+        return _launch.env_command(args)
+    except UsageError as err:
+        msg = " ".join(str(err).split("\n"))
+        print(f"ember: error: {msg}", file=sys.stderr)
+        return 2

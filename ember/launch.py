@@ -1,0 +1,417 @@
+"""`ember launch`, `ember config` and `ember env`.
+
+``ember launch`` is a thin translation layer over torchrun's elastic agent
+(:mod:`torch.distributed.run`): ember's flags (and the defaults saved by
+``ember config``) become torchrun arguments, and the precision and strategy
+choices are exported to every worker as environment variables:
+
+=================================  ==========================================
+``EMBER_PRECISION``                ``32-true`` | ``16-mixed`` | ``bf16-mixed``
+``EMBER_STRATEGY``                 ``ddp`` | ``fsdp`` | ``deepspeed`` (unset for ``no``)
+``EMBER_FSDP_RESHARD_AFTER_FORWARD``  ``1`` | ``0``  (strategy ``fsdp`` only)
+``EMBER_FSDP_CPU_OFFLOAD``         ``1`` | ``0``  (strategy ``fsdp`` only)
+``EMBER_DEEPSPEED_ZERO_STAGE``     ``1`` | ``2`` | ``3``  (strategy ``deepspeed`` only)
+``EMBER_DEEPSPEED_OFFLOAD_OPTIMIZER``  ``none`` | ``cpu``
+``EMBER_DEEPSPEED_OFFLOAD_PARAMS``  ``none`` | ``cpu``
+=================================  ==========================================
+
+The Trainer and the Accelerator read them as defaults when their own argument
+is left at ``"auto"`` / its default. An explicit argument always wins.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PRECISION_ENV = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
+STRATEGIES = ("no", "ddp", "fsdp", "deepspeed")
+ENVIRONMENTS = ("local_machine", "multi_machine")
+RDZV_BACKENDS = ("static", "c10d")
+OFFLOAD = ("none", "cpu")
+
+DEFAULTS: dict[str, Any] = {
+    "compute_environment": "local_machine",
+    "num_machines": 1,
+    "machine_rank": 0,
+    "main_process_ip": None,
+    "main_process_port": None,
+    "rdzv_backend": "static",
+    "num_processes": 1,
+    "strategy": "no",
+    "mixed_precision": "no",
+    "fsdp_config": {"reshard_after_forward": True, "cpu_offload": False},
+    "deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "none",
+                         "offload_param_device": "none"},
+}
+
+
+class UsageError(Exception):
+    """A bad command-line value or config entry: reported as one line, exit code 2."""
+
+
+def default_config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "ember" / "default_config.yaml"
+
+
+# --------------------------------------------------------------------------- config file
+def _check_choice(key: str, value: Any, choices) -> Any:
+    if value not in choices:
+        raise UsageError(f"{key}: {value!r} is not valid; choose one of: "
+                         + ", ".join(repr(c) for c in choices))
+    return value
+
+
+def _check_int(key: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{key}: expected int, got {value!r}")
+    if value < minimum:
+        raise UsageError(f"{key}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_keys(where: str, data: dict, valid) -> None:
+    import difflib
+    for key in data:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), list(valid), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"{where}{key}: unknown key{hint}; valid keys: " + ", ".join(valid))
+
+
+def load_launch_config(path: "str | Path") -> dict:
+    """Read and validate a launch config file (the one ``ember config`` writes)."""
+    import yaml
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise UsageError(f"--config_file: cannot read {str(path)!r}: {err.strerror or err}")
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise UsageError(f"--config_file: {str(path)!r} is not valid YAML{where}")
+    if not isinstance(data, dict):
+        raise UsageError(f"--config_file: {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    _check_keys("config_file: ", data, DEFAULTS)
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
+    for key in ("fsdp_config", "deepspeed_config"):
+        section = data.pop(key, None) or {}
+        if not isinstance(section, dict):
+            raise UsageError(f"config_file: {key}: expected a mapping, got {section!r}")
+        _check_keys(f"config_file: {key}.", section, DEFAULTS[key])
+        out[key].update(section)
+    out.update(data)
+    return out
+
+
+def validate_launch_config(cfg: dict) -> dict:
+    _check_choice("compute_environment", cfg["compute_environment"], ENVIRONMENTS)
+    _check_int("num_machines", cfg["num_machines"], 1)
+    _check_int("machine_rank", cfg["machine_rank"], 0)
+    _check_int("num_processes", cfg["num_processes"], 1)
+    if cfg["machine_rank"] >= cfg["num_machines"]:
+        raise UsageError(f"machine_rank: {cfg['machine_rank']} must be below num_machines "
+                         f"({cfg['num_machines']})")
+    if cfg["main_process_port"] is not None:
+        _check_int("main_process_port", cfg["main_process_port"], 0)
+    _check_choice("rdzv_backend", cfg["rdzv_backend"], RDZV_BACKENDS)
+    _check_choice("strategy", cfg["strategy"], STRATEGIES)
+    _check_choice("mixed_precision", cfg["mixed_precision"], tuple(PRECISION_ENV))
+    fsdp, ds = cfg["fsdp_config"], cfg["deepspeed_config"]
+    for key in ("reshard_after_forward", "cpu_offload"):
+        if not isinstance(fsdp[key], bool):
+            raise UsageError(f"fsdp_config.{key}: expected bool, got {fsdp[key]!r}")
+    _check_choice("deepspeed_config.zero_stage", ds["zero_stage"], (1, 2, 3))
+    _check_choice("deepspeed_config.offload_optimizer_device", ds["offload_optimizer_device"], OFFLOAD)
+    _check_choice("deepspeed_config.offload_param_device", ds["offload_param_device"], OFFLOAD)
+    if cfg["num_machines"] > 1 and cfg["main_process_ip"] is None:
+        raise UsageError("--main-process-ip is required when --num-machines > 1")
+    return cfg
+
+
+def worker_env(cfg: dict) -> dict[str, "str | None"]:
+    """The EMBER_* variables exported to the workers (None: remove)."""
+    env: dict[str, "str | None"] = {"EMBER_PRECISION": PRECISION_ENV[cfg["mixed_precision"]]}
+    strategy = cfg["strategy"]
+    env["EMBER_STRATEGY"] = None if strategy == "no" else strategy
+    fsdp, ds = cfg["fsdp_config"], cfg["deepspeed_config"]
+    on = strategy == "fsdp"
+    env["EMBER_FSDP_RESHARD_AFTER_FORWARD"] = str(int(fsdp["reshard_after_forward"])) if on else None
+    env["EMBER_FSDP_CPU_OFFLOAD"] = str(int(fsdp["cpu_offload"])) if on else None
+    on = strategy == "deepspeed"
+    env["EMBER_DEEPSPEED_ZERO_STAGE"] = str(ds["zero_stage"]) if on else None
+    env["EMBER_DEEPSPEED_OFFLOAD_OPTIMIZER"] = ds["offload_optimizer_device"] if on else None
+    env["EMBER_DEEPSPEED_OFFLOAD_PARAMS"] = ds["offload_param_device"] if on else None
+    return env
+
+
+# --------------------------------------------------------------------------- launch
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config_file", "--config-file", default=None, metavar="PATH",
+                   help="launch defaults written by `ember config` (default: the file at "
+                        "$XDG_CONFIG_HOME/ember/default_config.yaml when it exists); flags override it")
+    g = p.add_argument_group("topology")
+    g.add_argument("--num-processes", "--num_processes", "--nproc_per_node", "--nproc-per-node",
+                   dest="num_processes", type=int, metavar="N", help="processes per machine")
+    g.add_argument("--num-machines", "--num_machines", "--nnodes", dest="num_machines",
+                   type=int, metavar="M", help="number of machines")
+    g.add_argument("--machine-rank", "--machine_rank", "--node_rank", "--node-rank",
+                   dest="machine_rank", type=int, metavar="R", help="rank of this machine (0 .. M-1)")
+    g.add_argument("--main-process-ip", "--main_process_ip", "--master_addr", "--master-addr",
+                   dest="main_process_ip", metavar="IP", help="address of machine 0")
+    g.add_argument("--main-process-port", "--main_process_port", "--master_port", "--master-port",
+                   dest="main_process_port", type=int, metavar="PORT",
+                   help="port of machine 0 (default 29500 on several machines; a free port on one)")
+    g.add_argument("--rdzv_backend", "--rdzv-backend", dest="rdzv_backend", choices=RDZV_BACKENDS,
+                   help="static: fixed machine ranks (default); c10d: elastic rendezvous at IP:PORT")
+    g.add_argument("--rdzv_id", "--rdzv-id", dest="rdzv_id", default="ember",
+                   help="job id shared by all machines (c10d only)")
+    g = p.add_argument_group("training")
+    g.add_argument("--mixed_precision", "--mixed-precision", choices=tuple(PRECISION_ENV),
+                   help="exported as EMBER_PRECISION (no=32-true, fp16=16-mixed, bf16=bf16-mixed)")
+    g.add_argument("--strategy", choices=STRATEGIES, help="exported as EMBER_STRATEGY")
+    g.add_argument("--fsdp_reshard_after_forward", choices=("true", "false"))
+    g.add_argument("--fsdp_cpu_offload", choices=("true", "false"))
+    g.add_argument("--zero_stage", type=int, choices=(1, 2, 3))
+    g.add_argument("--offload_optimizer_device", choices=OFFLOAD)
+    g.add_argument("--offload_param_device", choices=OFFLOAD)
+    g = p.add_argument_group("agent (passed to torchrun)")
+    g.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
+    g.add_argument("--monitor_interval", "--monitor-interval", type=float, default=0.1)
+    g.add_argument("-m", "--module", action="store_true",
+                   help="run SCRIPT as a module, like `python -m` (e.g. `-m ember fit ...`)")
+    g.add_argument("--no_python", "--no-python", action="store_true",
+                   help="run SCRIPT directly as an executable")
+    g.add_argument("--log_dir", "--log-dir", default=None, help="torchrun's log directory")
+    p.add_argument("training_script", metavar="SCRIPT", help="the script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="arguments for the script")
+
+
+def resolve_launch_config(args: argparse.Namespace) -> dict:
+    path = args.config_file
+    if path is None and default_config_path().is_file():
+        path = default_config_path()
+    cfg = load_launch_config(path) if path is not None else \
+        {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
+    for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip",
+                "main_process_port", "rdzv_backend", "strategy", "mixed_precision"):
+        value = getattr(args, key)
+        if value is not None:
+            cfg[key] = value
+    for flag, key in (("fsdp_reshard_after_forward", "reshard_after_forward"),
+                      ("fsdp_cpu_offload", "cpu_offload")):
+        if getattr(args, flag) is not None:
+            cfg["fsdp_config"][key] = getattr(args, flag) == "true"
+    for flag in ("zero_stage", "offload_optimizer_device", "offload_param_device"):
+        if getattr(args, flag) is not None:
+            cfg["deepspeed_config"][flag] = getattr(args, flag)
+    if cfg["num_machines"] > 1:
+        cfg["compute_environment"] = "multi_machine"
+    return validate_launch_config(cfg)
+
+
+def torchrun_argv(cfg: dict, args: argparse.Namespace) -> list[str]:
+    """The torchrun command line equivalent to an ``ember launch`` call."""
+    argv = [f"--nnodes={cfg['num_machines']}", f"--nproc-per-node={cfg['num_processes']}",
+            f"--max-restarts={args.max_restarts}", f"--monitor-interval={args.monitor_interval}"]
+    port = cfg["main_process_port"]
+    if cfg["num_machines"] == 1 and port is None:
+        argv.append("--standalone")  # c10d store on a free local port
+    elif cfg["rdzv_backend"] == "static":
+        argv += ["--rdzv-backend=static", f"--node-rank={cfg['machine_rank']}",
+                 f"--master-addr={cfg['main_process_ip'] or '127.0.0.1'}",
+                 f"--master-port={29500 if port is None else port}"]
+    else:
+        argv += ["--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={cfg['main_process_ip'] or '127.0.0.1'}:{29500 if port is None else port}",
+                 f"--rdzv-id={args.rdzv_id}"]
+    if args.module:
+        argv.append("--module")
+    if args.no_python:
+        argv.append("--no-python")
+    if args.log_dir:
+        argv.append(f"--log-dir={args.log_dir}")
+    return argv + [args.training_script, *args.script_args]
+
+
+def launch(args: argparse.Namespace) -> int:
+    cfg = resolve_launch_config(args)
+    if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
+        raise UsageError(f"launch: script {args.training_script!r} not found "
+                         "(use -m to run a module)")
+    for key, value in worker_env(cfg).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_argv(cfg, args)))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        if failure.exitcode < 0:
+            how = f"was killed by signal {failure.signal_name()}"
+            code = 128 - failure.exitcode
+        else:
+            how = f"exited with code {failure.exitcode}"
+            code = failure.exitcode or 1
+        print(f"ember: error: launch: rank {rank} (local rank {failure.local_rank}) {how}; "
+              "its error is printed above", file=sys.stderr)
+        return code
+    except SignalException as err:
+        print(f"ember: error: launch: stopped by signal {err.sigval.name}", file=sys.stderr)
+        return 128 + int(err.sigval)
+    return 0
+
+
+# --------------------------------------------------------------------------- config wizard
+def default_launch_config() -> dict:
+    """1 machine, one process per local GPU (or 1), ddp when that is more than one."""
+    try:
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # pragma: no cover - broken CUDA driver
+        n = 0
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
+    cfg["num_processes"] = max(n, 1)
+    cfg["strategy"] = "ddp" if n > 1 else "no"
+    return cfg
+
+
+def _ask_int(question: str, default: int, minimum: int, maximum: "int | None" = None) -> int:
+    from rich.prompt import IntPrompt
+    while True:
+        value = IntPrompt.ask(question, default=default)
+        if value >= minimum and (maximum is None or value <= maximum):
+            return value
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        print(f"Please enter a number {bound}")
+
+
+def wizard() -> dict:
+    """Ask the launch questions on the terminal (or from scripted stdin)."""
+    from rich.prompt import Confirm, Prompt
+    cfg = default_launch_config()
+    env = Prompt.ask("Which compute environment are you running in?", choices=list(ENVIRONMENTS),
+                     default="local_machine")
+    cfg["compute_environment"] = env
+    if env == "multi_machine":
+        cfg["num_machines"] = _ask_int("How many machines?", 2, 1)
+        cfg["machine_rank"] = _ask_int("What is the rank of this machine?", 0, 0,
+                                       cfg["num_machines"] - 1)
+        cfg["main_process_ip"] = Prompt.ask("What is the IP address of the main machine (rank 0)?",
+                                            default="127.0.0.1")
+        cfg["main_process_port"] = _ask_int("What port does the main machine listen on?",
+                                            29500, 1, 65535)
+    cfg["num_processes"] = _ask_int("How many processes per machine (usually one per GPU)?",
+                                    cfg["num_processes"], 1)
+    strategy = Prompt.ask("Which distributed strategy?", choices=list(STRATEGIES),
+                          default="ddp" if cfg["num_processes"] * cfg["num_machines"] > 1 else "no")
+    cfg["strategy"] = strategy
+    if strategy == "fsdp":
+        cfg["fsdp_config"] = {
+            "reshard_after_forward": Confirm.ask(
+                "FSDP: reshard parameters after forward (less memory, more communication)?",
+                default=True),
+            "cpu_offload": Confirm.ask("FSDP: offload parameters and gradients to CPU?",
+                                       default=False)}
+    elif strategy == "deepspeed":
+        ds = cfg["deepspeed_config"]
+        ds["zero_stage"] = int(Prompt.ask("DeepSpeed: ZeRO stage?", choices=["1", "2", "3"],
+                                          default="2"))
+        ds["offload_optimizer_device"] = Prompt.ask(
+            "DeepSpeed: offload optimizer state to?", choices=list(OFFLOAD), default="none")
+        ds["offload_param_device"] = Prompt.ask(
+            "DeepSpeed: offload parameters to?", choices=list(OFFLOAD), default="none") \
+            if ds["zero_stage"] == 3 else "none"
+    cfg["mixed_precision"] = Prompt.ask("Mixed precision?", choices=list(PRECISION_ENV),
+                                        default="no")
+    return validate_launch_config(cfg)
+
+
+def write_config(cfg: dict, path: "str | Path") -> Path:
+    import yaml
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def config_command(args: argparse.Namespace) -> int:
+    path = Path(args.config_file) if args.config_file else default_config_path()
+    if args.default:
+        cfg = default_launch_config()
+    else:
+        try:
+            cfg = wizard()
+        except EOFError:
+            raise UsageError("config: input ended before every question was answered")
+        except KeyboardInterrupt:
+            print()
+            return 130
+    write_config(cfg, path)
+    print(f"ember: configuration saved at {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- env
+OPTIONAL_PACKAGES = ("tensorboard", "wandb", "deepspeed", "transformers", "torchmetrics",
+                     "rich", "safetensors", "pyyaml")
+
+
+def _version(dist: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env_report() -> str:
+    import platform
+    import torch
+    import ember
+    lines = [f"- `ember` version: {ember.__version__}",
+             f"- Python version: {platform.python_version()} ({sys.implementation.name})",
+             f"- Platform: {platform.platform()}",
+             f"- PyTorch version: {torch.__version__}",
+             f"- CUDA version (torch build): {torch.version.cuda or 'none'}",
+             f"- cuDNN version: {torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else 'none'}",
+             f"- CUDA available: {torch.cuda.is_available()}"]
+    if torch.cuda.is_available():
+        lines.append(f"- GPUs ({torch.cuda.device_count()}):")
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            lines.append(f"  - cuda:{i}: {props.name} ({props.total_memory / 2**30:.1f} GiB)")
+    else:
+        lines.append("- GPUs: none")
+    mps = getattr(torch.backends, "mps", None)
+    lines.append(f"- MPS available: {bool(mps and mps.is_available())}")
+    lines.append(f"- CPU cores: {os.cpu_count()}")
+    lines.append(f"- numpy version: {_version('numpy')}")
+    for dist in OPTIONAL_PACKAGES:
+        lines.append(f"- {dist} version: {_version(dist)}")
+    path = default_config_path()
+    if path.is_file():
+        lines.append(f"- Default launch config ({path}):")
+        lines.append("  ```yaml")
+        lines += ["  " + line for line in path.read_text().rstrip().splitlines()]
+        lines.append("  ```")
+    else:
+        lines.append(f"- Default launch config: none ({path} does not exist)")
+    return "\n".join(lines)
+
+
+def env_command(args: argparse.Namespace) -> int:
+    print("Copy-and-paste the text below in your issue.\n")
+    print(env_report())
+    return 0
