@@ -1,0 +1,22 @@
+"""Built-in callbacks. Heavy ones import their dependencies lazily."""
+from ember.callbacks.base import Callback
+
+_LAZY = {
+    "ModelCheckpoint": "ember.callbacks.checkpoint",
+    "EarlyStopping": "ember.callbacks.early_stopping",
+    "LearningRateMonitor": "ember.callbacks.lr_monitor",
+    "RichProgressBar": "ember.callbacks.progress",
+    "ProgressBar": "ember.callbacks.progress",
+    "Timer": "ember.callbacks.timer",
+    "ModelSummary": "ember.callbacks.summary",
+    "GatherMetrics": "ember.callbacks.gather_metrics",
+}
+
+__all__ = ["Callback", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ember.callbacks' has no attribute {name!r}")

@@ -1,0 +1,214 @@
+"""TrainModule and DataModule: what users subclass."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.errors import CheckpointError, MisconfigurationError
+
+
+class AttributeDict(dict):
+    """A dict whose keys are also attributes (``self.hparams.lr``)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError as e:
+            raise AttributeError(key) from e
+
+    def __setattr__(self, key, value):
+        self[key] = value
+
+
+class TrainModule(nn.Module):
+    """Subclass and implement ``training_step`` and ``configure_optimizers``.
+
+    Hooks (all optional): ``validation_step``, ``test_step``, ``predict_step``,
+    ``configure_model``, ``on_fit_start/end``, ``on_train_epoch_start/end``,
+    ``on_train_batch_start/end``, ``on_validation_epoch_start/end``,
+    ``on_test_epoch_start/end``, ``on_before_optimizer_step``,
+    ``on_save_checkpoint``, ``on_load_checkpoint``. The loop calls only the ones
+    a subclass overrides.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = True
+        self.hparams = AttributeDict()
+        self._trainer = None
+        self._results = None
+
+    # -- hyperparameters -----------------------------------------------------
+    def save_hyperparameters(self, *names: str, ignore: "list[str] | str | None" = None) -> None:
+        """Record the ``__init__`` arguments of the caller in ``self.hparams`` (and in
+        every checkpoint's meta.json, so ``load_from_checkpoint`` can rebuild the module)."""
+        frame = inspect.currentframe().f_back
+        init_args = {}
+        # walk up through super().__init__ chains to the outermost subclass __init__
+        while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is self:
+            code = frame.f_code
+            params = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+            for p in params:
+                if p in frame.f_locals and p not in init_args:
+                    init_args[p] = frame.f_locals[p]
+            if code.co_flags & inspect.CO_VARKEYWORDS:
+                kw = code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)]
+                for k, v in frame.f_locals.get(kw, {}).items():
+                    init_args.setdefault(k, v)
+            frame = frame.f_back
+        ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
+        if names:
+            init_args = {k: init_args[k] for k in names if k in init_args}
+        for k in ignore:
+            init_args.pop(k, None)
+        for k, v in init_args.items():
+            if isinstance(v, nn.Module):
+                continue  # modules are not hyperparameters
+            self.hparams[k] = v
+
+    # -- context ---------------------------------------------------------------
+    @property
+    def trainer(self):
+        if self._trainer is None:
+            raise MisconfigurationError(f"{type(self).__name__} is not attached to a Trainer")
+        return self._trainer
+
+    @property
+    def device(self) -> torch.device:
+        if self._trainer is not None:
+            return self._trainer.strategy.root_device
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    @property
+    def global_step(self) -> int:
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    # -- logging -----------------------------------------------------------------
+    def log(self, name: str, value, prog_bar: bool = False, logger: bool = True, on_step=None,
+            on_epoch=None, reduce_fx="mean", sync_dist: bool = False, batch_size: int | None = None,
+            **_ignored) -> None:
+        """Log a scalar tensor, number or ``torchmetrics.Metric``. Costs a dict lookup
+        per call; values reach the host only when a logger or the progress bar emits."""
+        results = self._results
+        if results is None:
+            return  # outside a loop (e.g. a plain forward): nothing to record
+        results.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
+
+    def log_dict(self, values: dict, **kwargs) -> None:
+        for k, v in values.items():
+            self.log(k, v, **kwargs)
+
+    def print(self, *args, **kwargs) -> None:
+        """``print`` on global rank zero only."""
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(*args, **kwargs)
+
+    # -- optimizers (manual optimization) -----------------------------------------
+    def optimizers(self):
+        opts = self.trainer._manual_optimizers
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self):
+        s = [c["scheduler"] for c in self.trainer.lr_scheduler_configs]
+        return None if not s else (s[0] if len(s) == 1 else s)
+
+    def manual_backward(self, loss: torch.Tensor, **kwargs) -> None:
+        t = self.trainer
+        t.strategy.backward(loss, t.model, **kwargs)
+
+    # -- collectives ----------------------------------------------------------------
+    def all_gather(self, data, sync_grads: bool = False):
+        """Stack ``data`` from every rank: tensors get a leading world dim."""
+        from ember import distributed
+        return distributed.apply(data, self.trainer.strategy.all_gather)
+
+    def gather_for_metrics(self, data):
+        """Gather from every rank, dropping sampler padding: exactly the dataset."""
+        from ember import distributed
+        t = self.trainer
+        return distributed.gather_for_metrics(data, num_padded=t._current_padding(), strategy=t.strategy)
+
+    # -- steps --------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        raise MisconfigurationError(f"{type(self).__name__} must implement training_step(batch, batch_idx)")
+
+    def configure_optimizers(self):
+        raise MisconfigurationError(
+            f"{type(self).__name__}.configure_optimizers is missing: return an optimizer, a list of "
+            "optimizers, or {'optimizer': opt, 'lr_scheduler': ...}")
+
+    def configure_model(self) -> None:
+        """Build large layers here: called inside the strategy's init context (meta device
+        under FSDP), after the strategy is set up and before the optimizers."""
+
+    # Lightning-style hooks; the loop calls only those a subclass overrides.
+    def on_fit_start(self): ...
+    def on_fit_end(self): ...
+    def on_train_start(self): ...
+    def on_train_end(self): ...
+    def on_train_epoch_start(self): ...
+    def on_train_epoch_end(self): ...
+    def on_train_batch_start(self, batch, batch_idx): ...
+    def on_train_batch_end(self, outputs, batch, batch_idx): ...
+    def on_validation_epoch_start(self): ...
+    def on_validation_epoch_end(self): ...
+    def on_test_epoch_start(self): ...
+    def on_test_epoch_end(self): ...
+    def on_predict_epoch_start(self): ...
+    def on_predict_epoch_end(self): ...
+    def on_before_optimizer_step(self, optimizer): ...
+    def on_save_checkpoint(self, checkpoint: dict): ...
+    def on_load_checkpoint(self, checkpoint: dict): ...
+
+    # -- checkpoints ----------------------------------------------------------------------
+    @classmethod
+    def load_from_checkpoint(cls, path: str, map_location="cpu", strict: bool = True, **overrides):
+        """Rebuild the module from the hparams saved in ``path`` (updated by
+        ``overrides``) and load its weights. No trainer state is unpickled."""
+        from ember import checkpoint_io as cio
+        weights, _, meta = cio.read_checkpoint(str(path), load_state=False)
+        hparams = dict(meta.get("hparams") or {})
+        hparams.update(overrides)
+        try:
+            module = cls(**hparams)
+        except TypeError as e:
+            raise CheckpointError(f"cannot rebuild {cls.__name__} from the checkpoint's hparams "
+                                  f"{sorted(hparams)}: {e}. Pass the missing arguments as keywords.") from e
+        module.configure_model()
+        if weights is None:
+            raise CheckpointError(f"{path} holds sharded weights; load it with trainer.fit/validate(ckpt_path=...)")
+        cio.check_compatible(module, weights, str(path)) if strict else None
+        module.load_state_dict(weights, strict=strict)
+        return module.to(map_location)
+
+
+class DataModule:
+    """Bundles the data of a run: ``prepare_data`` (once, rank zero), ``setup(stage)``
+    (every rank), ``*_dataloader()``, and optional ``state_dict``/``load_state_dict``
+    stored in checkpoints."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+
+    def prepare_data(self) -> None: ...
+    def setup(self, stage: str) -> None: ...
+    def teardown(self, stage: str) -> None: ...
+    def train_dataloader(self): raise NotImplementedError
+    def val_dataloader(self): return None
+    def test_dataloader(self): raise NotImplementedError
+    def predict_dataloader(self): raise NotImplementedError
+    def state_dict(self) -> dict: return {}
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def overrides(obj: Any, base: type, name: str) -> bool:
+    """True when ``type(obj)`` overrides ``base.name``."""
+    return getattr(type(obj), name, None) is not getattr(base, name, None)

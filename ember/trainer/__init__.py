@@ -1,0 +1,3 @@
+from ember.trainer.trainer import Trainer
+
+__all__ = ["Trainer"]

@@ -1,0 +1,192 @@
+"""Values logged with ``self.log``: kept as tensors on the device until they are
+emitted (every ``log_every_n_steps`` and at epoch end), then moved to the host in
+one transfer. Nothing here runs a collective or a host sync per step."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ember.errors import MisconfigurationError, invalid_choice
+
+_REDUCE = ("mean", "sum", "max", "min")
+# (on_step, on_epoch) defaults per stage, as in Lightning
+_DEFAULTS = {"train": (True, False), "validate": (False, True), "test": (False, True),
+             "predict": (False, False), "sanity": (False, True)}
+
+
+def _is_metric(value) -> bool:
+    """A torchmetrics.Metric? (without importing torchmetrics: a user who passes one
+    has imported it already)."""
+    tm = sys.modules.get("torchmetrics")
+    return tm is not None and isinstance(value, tm.Metric)
+
+
+class _Entry:
+    __slots__ = ("name", "on_step", "on_epoch", "prog_bar", "logger", "reduce_fx", "sync_dist",
+                 "last", "total", "weight", "metric", "updated")
+
+    def __init__(self, name, on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist, metric):
+        self.name, self.on_step, self.on_epoch = name, on_step, on_epoch
+        self.prog_bar, self.logger, self.reduce_fx, self.sync_dist = prog_bar, logger, reduce_fx, sync_dist
+        self.metric = metric
+        self.last = None
+        self.total = None
+        self.weight = 0
+        self.updated = False
+
+    def epoch_value(self):
+        if self.metric is not None:
+            return self.metric.compute()
+        if self.total is None:
+            return None
+        if self.reduce_fx == "mean":
+            return self.total / max(self.weight, 1)
+        return self.total
+
+
+class Results:
+    """The logged values of one stage (train / validate / test)."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.entries: dict[str, _Entry] = {}
+        self.batch = None          # set by the loop; used to infer batch sizes lazily
+        self._batch_size = None
+
+    def new_batch(self, batch) -> None:
+        self.batch, self._batch_size = batch, None
+
+    def _infer_batch_size(self) -> int:
+        if self._batch_size is None:
+            self._batch_size = _batch_size(self.batch)
+        return self._batch_size
+
+    def log(self, name, value, prog_bar=False, logger=True, on_step=None, on_epoch=None,
+            reduce_fx="mean", sync_dist=False, batch_size=None):
+        e = self.entries.get(name)
+        if e is None:
+            e = self._new_entry(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        if e.metric is not None:
+            e.last = e.metric._forward_cache if e.on_step else None
+            e.updated = True
+            return
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if value.numel() != 1:
+                raise MisconfigurationError(
+                    f"self.log({name!r}, ...): value must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        e.last = value
+        e.updated = True
+        if e.on_epoch:
+            if e.reduce_fx == "mean":
+                bs = batch_size if batch_size is not None else self._infer_batch_size()
+                e.total = value * bs if e.total is None else e.total + value * bs
+                e.weight += bs
+            elif e.total is None:
+                e.total = value
+            elif e.reduce_fx == "sum":
+                e.total = e.total + value
+            elif e.reduce_fx == "max":
+                e.total = torch.maximum(torch.as_tensor(e.total), torch.as_tensor(value))
+            else:
+                e.total = torch.minimum(torch.as_tensor(e.total), torch.as_tensor(value))
+
+    def _new_entry(self, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist):
+        if not isinstance(name, str) or not name:
+            raise MisconfigurationError(f"self.log: name must be a non-empty string, got {name!r}")
+        if callable(reduce_fx) and not isinstance(reduce_fx, str):
+            reduce_fx = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, reduce_fx)
+        if reduce_fx not in _REDUCE:
+            raise invalid_choice(f"self.log({name!r}, reduce_fx)", reduce_fx, _REDUCE)
+        d_step, d_epoch = _DEFAULTS.get(self.stage, (False, True))
+        on_step = d_step if on_step is None else bool(on_step)
+        on_epoch = d_epoch if on_epoch is None else bool(on_epoch)
+        if self.stage != "train" and on_step and not on_epoch:
+            pass  # allowed: per-step validation values (emitted at every step's log point)
+        metric = value if _is_metric(value) else None
+        if metric is None and not isinstance(value, (torch.Tensor, int, float, bool)):
+            raise MisconfigurationError(
+                f"self.log({name!r}, value): expected a tensor, a number or a torchmetrics.Metric, "
+                f"got {type(value).__name__}")
+        e = _Entry(name, on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist, metric)
+        self.entries[name] = e
+        return e
+
+    # -- reading (only at emission points) --------------------------------------
+    def step_values(self) -> dict:
+        """Latest on-step values (tensors), keyed as they are logged."""
+        out = {}
+        for e in self.entries.values():
+            if e.on_step and e.updated and e.last is not None:
+                out[e.name + "_step" if e.on_epoch else e.name] = (e, e.last)
+        return out
+
+    def epoch_values(self) -> dict:
+        out = {}
+        for e in self.entries.values():
+            if e.on_epoch and (e.updated or e.metric is not None):
+                v = e.epoch_value()
+                if v is not None:
+                    out[e.name + "_epoch" if e.on_step else e.name] = (e, v)
+        return out
+
+    def prog_bar_values(self) -> dict:
+        out = {}
+        for e in list(self.entries.values()):
+            if e.prog_bar and e.last is not None:
+                out[e.name] = e.last
+        return out
+
+    def reset(self) -> None:
+        for e in self.entries.values():
+            e.total, e.weight, e.updated, e.last = None, 0, False, None
+            if e.metric is not None:
+                e.metric.reset()
+
+
+def _batch_size(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, dict):
+        for v in batch.values():
+            return _batch_size(v)
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    shape = getattr(batch, "shape", None)
+    return shape[0] if shape else 1
+
+
+def to_host(named: dict, strategy=None) -> dict[str, float]:
+    """Reduce the sync_dist values across ranks, then turn everything into Python
+    floats with a single device->host transfer."""
+    if not named:
+        return {}
+    names = list(named)
+    vals = []
+    for n in names:
+        e, v = named[n]
+        v = torch.as_tensor(v).detach().float().reshape(())
+        vals.append(v)
+    dev = vals[0].device
+    vals = [v.to(dev) for v in vals]
+    if strategy is not None and strategy.world_size > 1:
+        sync = [i for i, n in enumerate(names) if named[n][0].sync_dist and named[n][0].metric is None]
+        if sync:
+            _check_same_keys(strategy, [names[i] for i in sync])
+            for op in _REDUCE:
+                idx = [i for i in sync if named[names[i]][0].reduce_fx == op]
+                if idx:
+                    red = strategy.reduce(torch.stack([vals[i] for i in idx]), op)
+                    for j, i in enumerate(idx):
+                        vals[i] = red[j]
+    return dict(zip(names, torch.stack(vals).tolist()))
+
+
+def _check_same_keys(strategy, keys: list[str]) -> None:
+    all_keys = strategy.all_gather_object(sorted(keys))
+    if any(k != all_keys[0] for k in all_keys):
+        detail = "; ".join(f"rank {r}: {k}" for r, k in enumerate(all_keys))
+        raise MisconfigurationError(
+            "self.log(..., sync_dist=True): ranks logged different metric names, which would hang the "
+            f"reduction. Log the same names on every rank. {detail}")

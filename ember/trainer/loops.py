@@ -1,0 +1,305 @@
+"""The loops. The order of events is documented once, here.
+
+Event order of ``trainer.fit`` (hooks run on callbacks first, then the module;
+a hook nobody overrides is never called)::
+
+    setup(stage="fit")                       # strategy env, configure_model, optimizers, data
+    [restore checkpoint]                     # ckpt_path: weights, optimizers, loop position, RNG
+    on_fit_start
+    [sanity check: validation loop on num_sanity_val_steps batches, results discarded]
+    on_train_start
+    while not stopped:                       # one epoch
+        sampler.set_epoch(epoch)
+        on_train_epoch_start
+        for batch_idx, batch in loader:      # resumed epochs skip sampler indices, not batches
+            batch = strategy.batch_to_device(batch)     # skipped when already on device
+            on_train_batch_start              # module may return -1 to end the epoch
+            with no_sync(unless last micro-batch), precision.forward_context():
+                out = module.training_step(batch, batch_idx)   # loss | {"loss": ...} | None (skip)
+            strategy.backward(loss / accumulate_grad_batches)
+            if last micro-batch of the window (or of the epoch):
+                on_before_optimizer_step
+                clip gradients (unscaled first)
+                strategy.optimizer_step(opt); opt.zero_grad(set_to_none=True)
+                step-interval schedulers; global_step += 1
+                every log_every_n_steps: emit step metrics to loggers (one host transfer)
+            on_train_batch_end
+            if val_check_interval reached mid-epoch: validation loop
+            stop when max_steps / max_time / should_stop / preemption signal
+        emit epoch metrics of the training stage
+        if epoch % check_val_every_n_epoch == 0: validation loop   # on_validation_* hooks
+        epoch-interval schedulers (ReduceLROnPlateau reads its monitor)
+        on_train_epoch_end                   # ModelCheckpoint / EarlyStopping act here
+        epoch += 1
+    on_train_end
+    on_fit_end
+    teardown
+
+Validation / test loop::
+
+    module.eval(); torch.no_grad()
+    on_{stage}_start; on_{stage}_epoch_start
+    for each dataloader, batch: on_{stage}_batch_start; {stage}_step; on_{stage}_batch_end
+    emit epoch metrics (sync_dist reduced here); on_{stage}_epoch_end; on_{stage}_end
+    module.train()
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+
+import torch
+
+from ember import data as edata
+from ember.errors import MisconfigurationError
+from ember.trainer.logging import Results
+
+
+def extract_loss(out, hook: str = "training_step"):
+    if out is None or isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise MisconfigurationError(
+                f"{hook} returned a dict without a 'loss' key (keys: {sorted(out)}); return a loss tensor, "
+                "a dict with 'loss', or None to skip the batch")
+        return out["loss"]
+    raise MisconfigurationError(
+        f"{hook} returned {type(out).__name__}; return a loss tensor, a dict with 'loss', or None to skip the batch")
+
+
+def _call(hooks, *args):
+    for h in hooks:
+        h(*args)
+
+
+class FitLoop:
+    """Runs the epochs of ``trainer.fit``. The training step is inline in
+    :meth:`run_epoch` so it reads top to bottom."""
+
+    def __init__(self, trainer):
+        self.t = trainer
+
+    # ------------------------------------------------------------------ epochs
+    def run(self) -> None:
+        t = self.t
+        t._call_hook("on_train_start")
+        while not self._done():
+            self.run_epoch()
+            if t._stop_now:
+                break
+            t._epoch_finished = True
+            t._emit_epoch(t._results["train"])
+            if t._val_loaders and (t.current_epoch + 1) % max(t.check_val_every_n_epoch or 1, 1) == 0 \
+                    and t.check_val_every_n_epoch is not None and not t._val_ran_at_batch_end:
+                t._run_validation()
+            t._step_schedulers("epoch")
+            t._call_hook("on_train_epoch_end")
+            t.current_epoch += 1
+            t._batches_done = 0
+            t._epoch_finished = False
+            t._check_signal(force=True)
+            if t._stop_now or t.should_stop:
+                break
+        t._call_hook("on_train_end")
+
+    def _done(self) -> bool:
+        t = self.t
+        if t.max_steps >= 0 and t.global_step >= t.max_steps:
+            return True
+        if t.max_epochs is not None and t.max_epochs >= 0 and t.current_epoch >= t.max_epochs:
+            return True
+        if t.should_stop or t._stop_now:
+            return True
+        return t._deadline is not None and time.monotonic() >= t._deadline
+
+    # ------------------------------------------------------------------- steps
+    def run_epoch(self) -> None:
+        t = self.t
+        module, model, strategy, precision = t.module, t.model, t.strategy, t.strategy.precision
+        loader = t._train_loader
+        edata.set_epoch(loader, t.current_epoch)
+        t._val_ran_at_batch_end = False
+        results = t._results["train"]
+        results.reset()
+        module._results = results
+        module.train()
+        t._call_hook("on_train_epoch_start")
+
+        start = t._batches_done
+        limit = t.num_training_batches
+        if start and not edata.skip_batches(loader, start):
+            raise MisconfigurationError("cannot resume mid-epoch: the train dataloader is not index-based "
+                                        "(IterableDataset); save checkpoints at epoch ends instead")
+        if start >= limit:
+            return
+        acc_n = t.accumulate_grad_batches
+        automatic = module.automatic_optimization
+        opt = t.optimizers[0] if t.optimizers else None
+        multi_opt = len(t.optimizers) > 1
+        backward, opt_step, no_sync = strategy.backward, strategy.optimizer_step, strategy.no_backward_sync
+        fwd_ctx = precision.forward_context if precision.autocast_dtype is not None else None
+        to_device = strategy.batch_to_device if t._needs_transfer else None
+        cast = precision.convert_input if precision.needs_input_cast else None
+        use_no_sync = acc_n > 1 and strategy.world_size > 1
+        h_start, h_end = t._hooks["on_train_batch_start"], t._hooks["on_train_batch_end"]
+        m_start = t._module_hook("on_train_batch_start")
+        m_end = t._module_hook("on_train_batch_end")
+        step_sched = t._step_schedulers_list
+        log_every = t.log_every_n_steps
+        val_every = t._val_every_n_batches
+        deadline = t._deadline
+        clip = t.gradient_clip_val
+        training_step = module.training_step
+        owns_step = strategy.owns_optimizer_step
+        last_window_start = (limit // acc_n) * acc_n
+
+        batch_idx = start - 1
+        for batch in loader:
+            batch_idx += 1
+            if batch_idx >= limit:
+                break
+            if to_device is not None:
+                batch = to_device(batch)
+            if cast is not None:
+                batch = cast(batch)
+            results.batch, results._batch_size = batch, None
+            t._batch_idx = batch_idx
+            if h_start:
+                _call(h_start, t, module, batch, batch_idx)
+            if m_start is not None and m_start(batch, batch_idx) == -1:
+                break
+            boundary = (batch_idx + 1) % acc_n == 0 or batch_idx + 1 == limit
+            if automatic:
+                # forward + backward of one micro-batch
+                sync_ctx = no_sync(model, True) if (use_no_sync and not boundary) else None
+                if sync_ctx is not None:
+                    sync_ctx.__enter__()
+                if fwd_ctx is not None:
+                    with fwd_ctx():
+                        out = training_step(batch, batch_idx)
+                else:
+                    out = training_step(batch, batch_idx)
+                loss = out if type(out) is torch.Tensor else extract_loss(out)
+                if loss is not None:
+                    if acc_n > 1:
+                        # the last window of an epoch may be shorter than acc_n
+                        loss = loss / (acc_n if batch_idx < last_window_start else (limit - last_window_start))
+                    backward(loss, model)
+                if sync_ctx is not None:
+                    sync_ctx.__exit__(None, None, None)
+                # optimizer step on the last micro-batch of the window
+                if boundary and (loss is not None or t._grads_pending):
+                    t._grads_pending = False
+                    if t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"):
+                        t._before_optimizer_step(opt)
+                    if clip is not None and not owns_step:
+                        strategy.clip_gradients(model, opt, clip, t.gradient_clip_algorithm)
+                    if multi_opt:
+                        for o in t.optimizers:
+                            opt_step(o, model)
+                            o.zero_grad(set_to_none=True)
+                    else:
+                        opt_step(opt, model)
+                        if not owns_step:
+                            opt.zero_grad(set_to_none=True)
+                    t.global_step += 1
+                    if step_sched:
+                        t._step_schedulers("step")
+                    if t.global_step % log_every == 0:
+                        t._emit_step(results)
+                elif loss is not None:
+                    t._grads_pending = True
+            else:
+                out = training_step(batch, batch_idx)
+                if t._manual_steps_since_log >= log_every:
+                    t._manual_steps_since_log = 0
+                    t._emit_step(results)
+            t._batches_done = batch_idx + 1
+            if h_end:
+                _call(h_end, t, module, out, batch, batch_idx)
+            if m_end is not None:
+                m_end(out, batch, batch_idx)
+            if val_every and (batch_idx + 1) % val_every == 0 and t._val_loaders:
+                t._val_ran_at_batch_end = batch_idx + 1 >= limit
+                if (t.current_epoch + 1) % max(t.check_val_every_n_epoch or 1, 1) == 0:
+                    t._run_validation()
+                    module.train()
+            if t.should_stop and boundary:
+                break
+            if t.max_steps >= 0 and t.global_step >= t.max_steps:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                t.should_stop = True
+                break
+            if t._signal_pending and boundary and t._check_signal():
+                break
+        else:
+            if batch_idx < 0 and start == 0:
+                raise MisconfigurationError("the train dataloader yielded no batches; check the dataset "
+                                            "and limit_train_batches")
+
+
+class EvalLoop:
+    """validation / test (and the sanity check)."""
+
+    def __init__(self, trainer, stage: str):
+        self.t, self.stage = trainer, stage
+
+    def run(self, loaders: list, limit) -> list[dict]:
+        t, stage = self.t, self.stage
+        module = t.module
+        hook_stage = "validation" if stage in ("validate", "sanity") else "test"
+        step_fn = getattr(module, f"{hook_stage}_step", None)
+        if step_fn is None or not callable(step_fn):
+            raise MisconfigurationError(f"{type(module).__name__} has no {hook_stage}_step; implement it to run {stage}")
+        results = t._results[stage]
+        results.reset()
+        prev_results = module._results
+        module._results = results
+        was_training = module.training
+        module.eval()
+        accepts_idx = "dataloader_idx" in inspect.signature(step_fn).parameters
+        pre = f"on_{hook_stage}"
+        hs, he = t._hooks[f"{pre}_batch_start"], t._hooks[f"{pre}_batch_end"]
+        t._call_hook(f"{pre}_start") if stage != "sanity" else None
+        t._call_hook(f"{pre}_epoch_start")
+        per_loader = []
+        with torch.no_grad():
+            for dl_idx, loader in enumerate(loaders):
+                t.current_dataloader = loader
+                n = t._limit_batches(loader, limit)
+                kwargs = {"dataloader_idx": dl_idx} if (accepts_idx and len(loaders) > 1) else {}
+                count = 0
+                for batch_idx, batch in enumerate(loader):
+                    if batch_idx >= n:
+                        break
+                    batch = t._prepare_batch(batch)
+                    results.batch, results._batch_size = batch, None
+                    _call(hs, t, module, batch, batch_idx, dl_idx)
+                    fwd = t.strategy.precision.forward_context()
+                    with fwd:
+                        out = step_fn(batch, batch_idx, **kwargs)
+                    _call(he, t, module, out, batch, batch_idx, dl_idx)
+                    count += 1
+                if count == 0 and n != 0 and stage != "sanity":
+                    raise MisconfigurationError(f"the {stage} dataloader #{dl_idx} yielded no batches")
+                per_loader.append(count)
+        t._call_hook(f"{pre}_epoch_end")
+        metrics = t._emit_epoch(results, log=stage != "sanity")
+        if stage != "sanity":
+            t._call_hook(f"{pre}_end")
+        t.current_dataloader = None
+        module._results = prev_results
+        if was_training:
+            module.train()
+        return [dict(metrics) for _ in per_loader] if len(per_loader) > 1 else [metrics]
+
+
+def limit_batches(num: int | float, limit, name: str) -> int:
+    if limit is None:
+        return num
+    if isinstance(limit, float):
+        return num if math.isinf(num) else int(num * limit) if limit < 1.0 else num
+    return min(num, limit)

@@ -1,0 +1,85 @@
+"""The predict loop: ``predict_step`` over each dataloader; under several
+processes the outputs are gathered so every rank returns exactly the dataset, in
+dataset order (sampler padding dropped)."""
+from __future__ import annotations
+
+import torch
+
+from ember.errors import MisconfigurationError
+
+
+def run_predict(t) -> list:
+    module = t.module
+    if not callable(getattr(module, "predict_step", None)):
+        raise MisconfigurationError(f"{type(module).__name__} has no predict_step; implement it to run predict")
+    was_training = module.training
+    module.eval()
+    hs, he = t._hooks["on_predict_batch_start"], t._hooks["on_predict_batch_end"]
+    t._call_hook("on_predict_start")
+    t._call_hook("on_predict_epoch_start")
+    all_outputs = []
+    with torch.no_grad():
+        for dl_idx, loader in enumerate(t._eval_loaders):
+            t.current_dataloader = loader
+            outs = []
+            for batch_idx, batch in enumerate(loader):
+                batch = t._prepare_batch(batch)
+                for h in hs:
+                    h(t, module, batch, batch_idx, dl_idx)
+                with t.strategy.precision.forward_context():
+                    out = module.predict_step(batch, batch_idx)
+                for h in he:
+                    h(t, module, out, batch, batch_idx, dl_idx)
+                outs.append(out)
+            if t.world_size > 1:
+                outs = _gather_outputs(t, outs, loader)
+            all_outputs.append(outs)
+    t._call_hook("on_predict_epoch_end")
+    t._call_hook("on_predict_end")
+    t.current_dataloader = None
+    if was_training:
+        module.train()
+    return all_outputs[0] if len(all_outputs) == 1 else all_outputs
+
+
+def _gather_outputs(t, outs: list, loader) -> list:
+    """Concatenate this rank's batch outputs, gather exactly the dataset in order,
+    and split it back into batches of the loader's batch size."""
+    from ember import distributed
+    from ember.data import num_padded
+    if not outs or not all(isinstance(o, (torch.Tensor, dict, list, tuple)) for o in outs):
+        return outs
+    cat = _concat(outs)
+    full = distributed.gather_for_metrics(cat, num_padded=num_padded(loader), strategy=t.strategy)
+    bs = getattr(loader, "batch_size", None) or _first_len(outs[0])
+    return _split(full, bs)
+
+
+def _concat(outs):
+    o = outs[0]
+    if isinstance(o, torch.Tensor):
+        return torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in outs])
+    if isinstance(o, dict):
+        return {k: _concat([x[k] for x in outs]) for k in o}
+    return type(o)(_concat([x[i] for x in outs]) for i in range(len(o)))
+
+
+def _first_len(o):
+    if isinstance(o, torch.Tensor):
+        return o.shape[0]
+    if isinstance(o, dict):
+        return _first_len(next(iter(o.values())))
+    return _first_len(o[0])
+
+
+def _split(data, bs):
+    n = _first_len(data)
+    return [_slice(data, i, i + bs) for i in range(0, n, bs)]
+
+
+def _slice(data, a, b):
+    if isinstance(data, torch.Tensor):
+        return data[a:b]
+    if isinstance(data, dict):
+        return {k: _slice(v, a, b) for k, v in data.items()}
+    return type(data)(_slice(v, a, b) for v in data)

@@ -1,0 +1,475 @@
+"""The Trainer: arguments, setup, and the fit / validate / test / predict entry
+points. The loops (and the documented event order) are in ``loops.py``; the
+checkpoint state in ``state.py``."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import time
+from typing import Any
+
+import torch
+
+from ember.callbacks.base import Callback, hook_table
+from ember.errors import MisconfigurationError, invalid_choice
+from ember.module import DataModule, TrainModule, overrides
+from ember.trainer import state as _state
+from ember.trainer.logging import Results, to_host
+from ember.trainer.loops import EvalLoop, FitLoop, limit_batches
+from ember.trainer.optim import ManualOptimizer, configure_optimizers, step_schedulers
+
+
+def _parse_max_time(v):
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    if isinstance(v, _dt.timedelta):
+        return v.total_seconds()
+    if isinstance(v, dict):
+        return _dt.timedelta(**v).total_seconds()
+    if isinstance(v, str) and re.fullmatch(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", v):
+        d, h, m, s = map(int, v.split(":"))
+        return float(((d * 24 + h) * 60 + m) * 60 + s)
+    raise MisconfigurationError(f"max_time={v!r} is not valid; use seconds (a positive number), "
+                                "'DD:HH:MM:SS', a datetime.timedelta or a dict like {'hours': 2}")
+
+
+def _check_limit(name, v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise MisconfigurationError(f"{name}={v!r} is not valid; use an int number of batches, a float "
+                                    "fraction in [0, 1], or None for all")
+    if v < 0 or (isinstance(v, float) and v > 1.0):
+        raise MisconfigurationError(f"{name}={v!r} is not valid; an int must be >= 0 and a float in [0.0, 1.0]")
+    return v
+
+
+class Trainer:
+    """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
+
+    See ``ember/trainer/loops.py`` for the order of events.
+    """
+
+    def __init__(self, *, max_epochs: int | None = None, max_steps: int = -1, max_time=None,
+                 devices="auto", strategy="auto", num_nodes: int = 1, precision="32-true",
+                 accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
+                 gradient_clip_algorithm: str = "norm", val_check_interval: float | int = 1.0,
+                 check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
+                 limit_train_batches=None, limit_val_batches=None, log_every_n_steps: int = 50,
+                 callbacks: list | Callback | None = None, logger=True, enable_checkpointing: bool = True,
+                 enable_progress_bar: bool = True, enable_model_summary: bool = True,
+                 default_root_dir: str | None = None, deterministic: bool = False, seed: int | None = None,
+                 compile: bool | dict = False, fast_dev_run: bool | int = False, detect_anomaly: bool = False):
+        from ember.precision import Precision
+        from ember.strategies import build_strategy
+        if precision in ("auto", None):
+            precision = os.environ.get("EMBER_PRECISION", "32-true")
+        self._precision = Precision.from_string(precision)
+        self._strategy_args = (strategy, devices, num_nodes)
+        self.strategy = build_strategy(strategy, devices, num_nodes)   # validates; no process work yet
+        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+            raise MisconfigurationError(f"accumulate_grad_batches={accumulate_grad_batches!r} is not valid; use an int >= 1")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise invalid_choice("gradient_clip_algorithm", gradient_clip_algorithm, ["norm", "value"])
+        if gradient_clip_val is not None and (not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val <= 0):
+            raise MisconfigurationError(f"gradient_clip_val={gradient_clip_val!r} is not valid; use a positive number or None")
+        if not isinstance(max_steps, int) or max_steps < -1:
+            raise MisconfigurationError(f"max_steps={max_steps!r} is not valid; use -1 (no limit) or an int >= 0")
+        if max_epochs is not None and (not isinstance(max_epochs, int) or max_epochs < -1):
+            raise MisconfigurationError(f"max_epochs={max_epochs!r} is not valid; use None, -1 (no limit) or an int >= 0")
+        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
+            raise MisconfigurationError(f"log_every_n_steps={log_every_n_steps!r} is not valid; use an int >= 1")
+        if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float)) or val_check_interval <= 0 \
+                or (isinstance(val_check_interval, float) and val_check_interval > 1.0):
+            raise MisconfigurationError(f"val_check_interval={val_check_interval!r} is not valid; use a float in "
+                                        "(0.0, 1.0] (fraction of an epoch) or an int >= 1 (every N training batches)")
+        if check_val_every_n_epoch is not None and (not isinstance(check_val_every_n_epoch, int) or check_val_every_n_epoch < 1):
+            raise MisconfigurationError(f"check_val_every_n_epoch={check_val_every_n_epoch!r} is not valid; use an int >= 1 or None")
+        if not isinstance(num_sanity_val_steps, int) or num_sanity_val_steps < -1:
+            raise MisconfigurationError(f"num_sanity_val_steps={num_sanity_val_steps!r} is not valid; use -1 (all), 0 or a positive int")
+        self.limit_train_batches = _check_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
+        if fast_dev_run is not False and (isinstance(fast_dev_run, bool) is False and (not isinstance(fast_dev_run, int) or fast_dev_run < 0)):
+            raise MisconfigurationError(f"fast_dev_run={fast_dev_run!r} is not valid; use True, False or a positive int")
+        if max_epochs is None and max_steps == -1 and max_time is None:
+            max_epochs = 1000   # as Lightning: stop eventually
+        self.max_epochs, self.max_steps, self._max_time = max_epochs, max_steps, _parse_max_time(max_time)
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
+        self.val_check_interval, self.check_val_every_n_epoch = val_check_interval, check_val_every_n_epoch
+        self.num_sanity_val_steps, self.log_every_n_steps = num_sanity_val_steps, log_every_n_steps
+        self.fast_dev_run = int(fast_dev_run)
+        if self.fast_dev_run:
+            n = self.fast_dev_run
+            self.limit_train_batches = self.limit_val_batches = n
+            self.max_steps, self.max_epochs, self.num_sanity_val_steps = n, 1, 0
+            self.val_check_interval, logger, enable_checkpointing = 1.0, False, False
+        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
+        self.deterministic, self.seed, self._compile = deterministic, seed, compile
+        self.detect_anomaly = detect_anomaly
+        if seed is not None:
+            from ember import seed_everything
+            seed_everything(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+            torch.backends.cudnn.benchmark = False
+        self.callbacks = _state.default_callbacks(
+            callbacks, enable_checkpointing, enable_progress_bar, enable_model_summary)
+        self._logger_arg = logger
+        self.loggers = []
+        # state
+        self.current_epoch = 0
+        self.global_step = 0
+        self.should_stop = False
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self.module: TrainModule | None = None
+        self.model = None
+        self.datamodule: DataModule | None = None
+        self.optimizers: list = []
+        self.lr_scheduler_configs: list[dict] = []
+        self._step_schedulers_list: list = []
+        self._manual_optimizers: list = []
+        self._results = {s: Results(s) for s in ("train", "validate", "test", "sanity")}
+        self._env_ready = False
+        self._resumed = False
+        self._stop_now = False
+        self._signal_pending = False
+        self._batches_done = 0
+        self._batch_idx = 0
+        self._epoch_finished = False
+        self._grads_pending = False
+        self._val_ran_at_batch_end = False
+        self._manual_steps_since_log = 0
+        self._deadline = None
+        self._train_loader = None
+        self._val_loaders: list = []
+        self.current_dataloader = None
+        self.stage = None
+        self.sanity_checking = False
+        self.interrupted = False
+        self.num_training_batches = 0
+        self._hooks = hook_table([])
+
+    # ------------------------------------------------------------------ properties
+    world_size = property(lambda self: self.strategy.world_size)
+    global_rank = property(lambda self: self.strategy.global_rank)
+    local_rank = property(lambda self: self.strategy.local_rank)
+    node_rank = property(lambda self: self.strategy.node_rank)
+    is_global_zero = property(lambda self: self.strategy.is_global_zero)
+    precision = property(lambda self: self._precision.name)
+    logger = property(lambda self: self.loggers[0] if self.loggers else None)
+    lightning_module = property(lambda self: self.module)
+
+    @property
+    def log_dir(self) -> str:
+        if self.loggers:
+            return self.loggers[0].log_dir
+        return self.default_root_dir
+
+    @property
+    def checkpoint_callbacks(self) -> list:
+        from ember.callbacks.checkpoint import ModelCheckpoint
+        return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self):
+        cbs = self.checkpoint_callbacks
+        return cbs[0] if cbs else None
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """Latest prog_bar values as floats (read by the progress bar on its timer)."""
+        out = {}
+        for stage in ("train", "validate"):
+            for k, v in self._results[stage].prog_bar_values().items():
+                out[k] = float(v) if not isinstance(v, torch.Tensor) else v.item()
+        return out
+
+    @property
+    def estimated_stepping_batches(self) -> int:
+        """Total optimizer steps this fit will take (for warmup/decay schedules)."""
+        per_epoch = max(1, -(-self.num_training_batches // self.accumulate_grad_batches))
+        if self.max_epochs is None or self.max_epochs < 0:
+            total = float("inf")
+        else:
+            total = per_epoch * self.max_epochs
+        if self.max_steps >= 0:
+            total = min(total, self.max_steps)
+        if total == float("inf"):
+            raise MisconfigurationError("estimated_stepping_batches is infinite: set max_epochs or max_steps")
+        return int(total)
+
+    # ------------------------------------------------------------------ entry points
+    def fit(self, module: TrainModule, train_dataloaders=None, val_dataloaders=None,
+            datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
+        self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, val=val_dataloaders)
+
+    def validate(self, module: TrainModule | None = None, dataloaders=None, datamodule=None,
+                 ckpt_path: str | None = None) -> list[dict]:
+        return self._run("validate", module, datamodule, ckpt_path, val=dataloaders)
+
+    def test(self, module: TrainModule | None = None, dataloaders=None, datamodule=None,
+             ckpt_path: str | None = None) -> list[dict]:
+        return self._run("test", module, datamodule, ckpt_path, test=dataloaders)
+
+    def predict(self, module: TrainModule | None = None, dataloaders=None, datamodule=None,
+                ckpt_path: str | None = None) -> list:
+        return self._run("predict", module, datamodule, ckpt_path, predict=dataloaders)
+
+    def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        _state.save_checkpoint(self, path, weights_only=weights_only)
+
+    # ------------------------------------------------------------------ running
+    def _run(self, stage, module, datamodule, ckpt_path, **loaders):
+        module = module if module is not None else self.module
+        if module is None:
+            raise MisconfigurationError(f"trainer.{stage}() needs a module (none was fitted before)")
+        if not isinstance(module, TrainModule):
+            raise MisconfigurationError(f"trainer.{stage}(module=...): expected a ember.TrainModule, got "
+                                        f"{type(module).__name__}")
+        if ckpt_path is not None:
+            ckpt_path = _state.resolve_ckpt_path(self, ckpt_path)   # errors before any work
+        self.stage = stage
+        self.should_stop = self._stop_now = self.interrupted = self._resumed = False
+        try:
+            self._setup(module, datamodule, stage, loaders)
+            if ckpt_path is not None:
+                _state.restore(self, ckpt_path, full=(stage == "fit"))
+            if stage == "fit":
+                return self._fit()
+            if stage == "predict":
+                return self._predict()
+            return self._evaluate(stage)
+        except BaseException as exc:
+            self.interrupted = isinstance(exc, KeyboardInterrupt)
+            for h in self._hooks["on_exception"]:
+                h(self, module, exc)
+            for lg in self.loggers if self.is_global_zero else []:
+                lg.finalize("interrupted" if self.interrupted else "failed")
+            self.strategy.on_exception(exc) if hasattr(self.strategy, "on_exception") else None
+            raise
+        finally:
+            _state.uninstall_signal_handlers(self)
+            self._call_hook("teardown", stage)
+            if self.datamodule is not None:
+                self.datamodule.teardown(stage)
+            self.strategy.teardown()
+            self.stage = None
+
+    def _setup(self, module, datamodule, stage, loaders):
+        from ember.accelerator import Accelerator
+        first = self.module is not module
+        self.module, self.datamodule = module, datamodule
+        module._trainer = self
+        if datamodule is not None:
+            datamodule.trainer = self
+        if not self._env_ready:
+            self.strategy.precision = self._precision
+            self._acc = Accelerator._for_trainer(self.strategy)   # sets the environment up (processes, device)
+            self._env_ready = True
+            if self.seed is None:
+                # one sampler seed for every rank, drawn from the (seeded) global RNG
+                self._data_seed = int(self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())))
+            else:
+                self._data_seed = self.seed
+        self._needs_transfer = self.strategy.root_device.type != "cpu"
+        self.loggers = _state.build_loggers(self) if stage == "fit" or not self.loggers else self.loggers
+        self._hooks = hook_table(self.callbacks)
+        if datamodule is not None:
+            if self.strategy.is_local_zero:
+                datamodule.prepare_data()
+            self.strategy.barrier("prepare_data")
+            datamodule.setup(stage)
+        self._call_hook("setup", stage)
+        if first or self.model is None:
+            with self.strategy.module_init_context():
+                module.configure_model()
+            if self.detect_anomaly:
+                torch.autograd.set_detect_anomaly(True)
+            self.model = self._acc.setup_module(module)
+            if self._compile:
+                opts = self._compile if isinstance(self._compile, dict) else {}
+                for child in module.children():
+                    child.compile(**opts)
+        if stage == "fit":
+            cfg = configure_optimizers(module)
+            self.optimizers, self.lr_scheduler_configs = cfg
+            self.model, self.optimizers = self._acc.setup_optimizers(self.model, self.optimizers)
+            self._step_schedulers_list = [c for c in self.lr_scheduler_configs if c["interval"] == "step"]
+            self._manual_optimizers = [ManualOptimizer(o, self) for o in self.optimizers]
+        self._setup_data(stage, loaders)
+
+    def _setup_data(self, stage, loaders):
+        dm = self.datamodule
+
+        def pick(given, name):
+            if given is not None:
+                return given
+            if dm is not None and overrides(dm, DataModule, name):
+                return getattr(dm, name)()
+            if dm is None and overrides(self.module, TrainModule, name) if hasattr(TrainModule, name) else \
+                    (dm is None and hasattr(self.module, name)):
+                return getattr(self.module, name)()
+            return None
+
+        def as_list(x):
+            return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+        prep = self._acc.setup_dataloader
+        if stage == "fit":
+            train = pick(loaders.get("train"), "train_dataloader")
+            if train is None:
+                raise MisconfigurationError("trainer.fit() needs training data: pass train_dataloaders=, a datamodule, "
+                                            "or define train_dataloader() on the module")
+            self._train_loader = prep(train, seed=self._data_seed)
+            self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
+            if self.num_training_batches == 0:
+                raise MisconfigurationError("the train dataloader has no batches (limit_train_batches or an empty dataset)")
+            self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False) for v in as_list(pick(loaders.get("val"), "val_dataloader"))]
+            if self.limit_val_batches == 0:
+                self._val_loaders = []
+            vci = self.val_check_interval
+            if isinstance(vci, float):
+                n = self.num_training_batches
+                self._val_every_n_batches = None if vci >= 1.0 or n == float("inf") else max(1, int(n * vci))
+            else:
+                self._val_every_n_batches = vci
+        elif stage in ("validate", "test"):
+            name = "val_dataloader" if stage == "validate" else "test_dataloader"
+            given = loaders.get("val") if stage == "validate" else loaders.get("test")
+            ls = as_list(pick(given, name))
+            if not ls:
+                raise MisconfigurationError(f"trainer.{stage}() needs data: pass dataloaders=, a datamodule, or define {name}()")
+            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False) for v in ls]
+        else:
+            ls = as_list(pick(loaders.get("predict"), "predict_dataloader"))
+            if not ls:
+                raise MisconfigurationError("trainer.predict() needs data: pass dataloaders=, a datamodule, or define predict_dataloader()")
+            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False) for v in ls]
+
+    def _limit_batches(self, loader, limit) -> int:
+        try:
+            n = len(loader)
+        except TypeError:
+            n = float("inf")
+        n = limit_batches(n, limit, "limit")
+        return n if n == float("inf") else int(n)
+
+    def _prepare_batch(self, batch):
+        if self._needs_transfer:
+            batch = self.strategy.batch_to_device(batch)
+        p = self.strategy.precision
+        return p.convert_input(batch) if p.needs_input_cast else batch
+
+    def _fit(self):
+        self._deadline = time.monotonic() + self._max_time if self._max_time else None
+        _state.install_signal_handlers(self)
+        self._call_hook("on_fit_start")
+        if self.num_sanity_val_steps and self._val_loaders and not self._resumed:
+            self.sanity_checking = True
+            self._call_hook("on_sanity_check_start")
+            n = None if self.num_sanity_val_steps == -1 else self.num_sanity_val_steps
+            EvalLoop(self, "sanity").run(self._val_loaders, n)
+            self._call_hook("on_sanity_check_end")
+            self.sanity_checking = False
+        FitLoop(self).run()
+        self._call_hook("on_fit_end")
+        for lg in self.loggers if self.is_global_zero else []:
+            lg.finalize("success")
+        return None
+
+    def _run_validation(self):
+        self.stage_before = self.stage
+        EvalLoop(self, "validate").run(self._val_loaders, self.limit_val_batches)
+
+    def _evaluate(self, stage):
+        self._call_hook("on_fit_start") if False else None
+        out = EvalLoop(self, stage).run(self._eval_loaders, self.limit_val_batches if stage == "validate" else None)
+        for lg in self.loggers if self.is_global_zero else []:
+            lg.save()
+        return out
+
+    def _predict(self):
+        from ember.trainer.predict import run_predict
+        return run_predict(self)
+
+    # ------------------------------------------------------------------ hooks
+    def _module_hook(self, name):
+        """The module's hook if its class overrides it, else None."""
+        m = self.module
+        return getattr(m, name) if overrides(m, TrainModule, name) else None
+
+    def _call_hook(self, name, *args):
+        for h in self._hooks.get(name, ()):
+            h(self, self.module, *args)
+        mh = self._module_hook(name) if hasattr(TrainModule, name) else None
+        if mh is not None:
+            mh(*args)
+
+    def _before_optimizer_step(self, opt):
+        for h in self._hooks["on_before_optimizer_step"]:
+            h(self, self.module, opt)
+        mh = self._module_hook("on_before_optimizer_step")
+        if mh is not None:
+            mh(opt)
+
+    def _step_schedulers(self, interval):
+        step_schedulers(self, interval)
+
+    def _current_padding(self) -> int:
+        from ember.data import num_padded
+        return num_padded(self.current_dataloader) if self.current_dataloader is not None else 0
+
+    # ------------------------------------------------------------------ metrics
+    def _emit_step(self, results: Results) -> None:
+        vals = results.step_values()
+        if not vals:
+            return
+        host = to_host(vals, self.strategy)
+        self._publish(host, {n: vals[n][0] for n in vals})
+
+    def _emit_epoch(self, results: Results, log: bool = True) -> dict:
+        vals = results.epoch_values()
+        if not vals:
+            return {}
+        host = to_host(vals, self.strategy)
+        if log:
+            self._publish(host, {n: vals[n][0] for n in vals})
+        return host
+
+    def _publish(self, host: dict, entries: dict) -> None:
+        for k, v in host.items():
+            self.callback_metrics[k] = torch.tensor(v)
+            e = entries[k]
+            base = e.name
+            if k != base and not k.endswith("_epoch"):
+                continue
+            if k.endswith("_epoch"):
+                self.callback_metrics[base] = torch.tensor(v)
+        to_log = {k: v for k, v in host.items() if entries[k].logger}
+        if not to_log:
+            return
+        self.logged_metrics.update(to_log)
+        if self.is_global_zero:
+            to_log = dict(to_log, epoch=float(self.current_epoch)) if self.stage == "fit" else to_log
+            for lg in self.loggers:
+                lg.log_metrics(to_log, step=self.global_step)
+
+    def log_metric(self, name: str, value, logger: bool = True) -> None:
+        """Record an already-reduced value (used by callbacks such as GatherMetrics)."""
+        v = float(value)
+        self.callback_metrics[name] = torch.tensor(v)
+        if logger:
+            self.logged_metrics[name] = v
+            if self.is_global_zero:
+                for lg in self.loggers:
+                    lg.log_metrics({name: v}, step=self.global_step)
+
+    # preemption (installed by state.install_signal_handlers)
+    def _check_signal(self, force: bool = False) -> bool:
+        return _state.check_signal(self, force)
