@@ -1,0 +1,650 @@
+"""Checkpoint files: atomic directory writes, safetensors weights, safe ``torch.load``.
+
+A checkpoint is a directory (see ``docs/checkpoint_format.md``)::
+
+    NAME/
+      model.safetensors   weights (sharded strategies: a DCP folder ``model/`` instead)
+      trainer_state.pt    optimizers, schedulers, loop progress, RNG ... (weights_only-loadable)
+      meta.json           written last: the "complete" marker
+
+It is written into ``NAME.tmp/`` and moved into place only once every file is
+on disk, so a crash never leaves a half checkpoint under ``NAME``. Loading
+never unpickles arbitrary objects: ``trainer_state.pt`` is read with
+``torch.load(weights_only=True)`` and anything else is refused.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import datetime
+import errno
+import json
+import os
+import pathlib
+import pickle
+import random
+import re
+import shutil
+import uuid
+import zipfile
+from typing import Any, Iterator
+
+import torch
+
+from ember.errors import CheckpointError, MisconfigurationError
+
+WEIGHTS_NAME = "model.safetensors"
+DCP_WEIGHTS_DIR = "model"
+STATE_NAME = "trainer_state.pt"
+META_NAME = "meta.json"
+INDEX_NAME = "model.safetensors.index.json"
+FORMAT_VERSION = 1
+#: safetensors metadata key holding ``{alias: stored_name}`` for tensors that share memory
+ALIAS_KEY = "ember.aliases"
+#: set EMBER_CHECKPOINT_FSYNC=0 to skip fsync (tmpfs, throwaway runs); crash safety
+#: against process kills is unaffected, against power loss it is not guaranteed then
+FSYNC = os.environ.get("EMBER_CHECKPOINT_FSYNC", "1") != "0"
+
+_TMP_SUFFIX = ".tmp"
+_OLD_RE = re.compile(r"\.old-[0-9a-f]+$")
+
+
+# -- atomic directories --------------------------------------------------------------
+def tmp_path(path: str | os.PathLike) -> str:
+    """The staging directory ``NAME.tmp`` that :func:`atomic_directory` writes into."""
+    return os.path.normpath(os.fspath(path)) + _TMP_SUFFIX
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    if not FSYNC:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:  # e.g. directories on Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    if not FSYNC:
+        return
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            _fsync_path(os.path.join(dirpath, f))
+        _fsync_path(dirpath, directory=True)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def commit_directory(tmp: str, path: str | os.PathLike) -> None:
+    """fsync a fully written ``tmp`` directory and move it to ``path``, replacing what is there.
+
+    On Linux an existing ``path`` is swapped with ``tmp`` in one ``renameat2``
+    call, so ``path`` always holds a complete version. Elsewhere the previous one
+    is first renamed to ``NAME.old-<hex>`` (ignored by checkpoint discovery): for
+    a moment ``path`` is absent, but it never holds a partial directory.
+    """
+    path = os.path.normpath(os.fspath(path))
+    _fsync_tree(tmp)
+    parent = os.path.dirname(path) or "."
+    old = None
+    if os.path.lexists(path):
+        if os.path.isdir(path) and _exchange(tmp, path):
+            _fsync_path(parent, directory=True)
+            _remove(tmp)  # now holds the previous version
+            return
+        old = f"{path}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.rename(old, path)
+        raise
+    _fsync_path(parent, directory=True)
+    if old is not None:
+        _remove(old)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False) -> Iterator[str]:
+    """Yield ``NAME.tmp`` to write into; on success fsync it and move it to ``NAME``.
+
+    A stale ``NAME.tmp`` (from a crashed save) is removed first, unless
+    ``keep_existing_tmp`` (other ranks already wrote shards into it). On an
+    exception the staging directory is removed and the exception re-raised;
+    ``NAME`` is untouched.
+    """
+    path = os.path.normpath(os.fspath(path))
+    tmp = tmp_path(path)
+    if not keep_existing_tmp:
+        _remove(tmp)
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        yield tmp
+        commit_directory(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+# -- safetensors ---------------------------------------------------------------------
+def _prepare_tensors(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Detach, dedupe tensors that are the same view of one storage (tied weights:
+    kept once, the others become aliases), copy partial overlaps, make contiguous,
+    move to CPU."""
+    out: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, list] = collections.defaultdict(list)  # storage -> [(view key, name, start, end)]
+    for name, t in state_dict.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"state_dict keys must be strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"state_dict[{name!r}] is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        copy = False
+        if t.device.type != "meta" and t.numel() > 0:
+            skey = (str(t.device), t.untyped_storage().data_ptr())
+            view = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            start = t.data_ptr()
+            span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+            end = start + span * t.element_size()
+            target = None
+            for v, other, s, e in seen[skey]:
+                if v == view:
+                    target = other
+                    break
+                if s < end and start < e:
+                    copy = True
+            if target is not None:
+                aliases[name] = target
+                continue
+            seen[skey].append((view, name, start, end))
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        elif copy and t.is_contiguous():
+            t = t.clone()
+        out[name] = t.contiguous()
+    return out, aliases
+
+
+def _str_metadata(metadata: dict | None) -> dict[str, str]:
+    md = {"format": "pt"}  # transformers refuses safetensors metadata without it
+    for k, v in (metadata or {}).items():
+        md[str(k)] = v if isinstance(v, str) else json.dumps(v, default=str)
+    return md
+
+
+def save_safetensors(state_dict: dict, path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """Write tensors to one safetensors file (not atomic by itself: see :func:`save_weights_file`).
+
+    Tensors that are the same view of one storage (tied weights) are stored once
+    and recorded under ``metadata["ember.aliases"]``; :func:`load_safetensors`
+    restores every key, tied again. Non-contiguous and non-CPU tensors are copied.
+    """
+    from safetensors.torch import save_file
+    tensors, aliases = _prepare_tensors(state_dict)
+    md = _str_metadata(metadata)
+    if aliases:
+        md[ALIAS_KEY] = json.dumps(aliases, sort_keys=True)
+    save_file(tensors, os.fspath(path), metadata=md)
+
+
+def _corrupt(path, err: BaseException) -> CheckpointError:
+    return CheckpointError(f"{os.fspath(path)} is truncated or corrupt and cannot be loaded "
+                           f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The text metadata of a safetensors file (without loading tensors)."""
+    from safetensors import safe_open
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"weights file not found: {path}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as err:
+        raise _corrupt(path, err) from err
+
+
+def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Load a safetensors file written by :func:`save_safetensors` (or anyone else),
+    restoring aliased (tied) keys as the same tensor."""
+    from safetensors.torch import load_file
+    path = os.fspath(path)
+    md = read_safetensors_metadata(path)
+    try:
+        tensors = load_file(path, device=str(device))
+    except Exception as err:
+        raise _corrupt(path, err) from err
+    if ALIAS_KEY in md:
+        for alias, target in json.loads(md[ALIAS_KEY]).items():
+            tensors[alias] = tensors[target]
+    return tensors
+
+
+def save_weights_file(path: str | os.PathLike, weights: dict,
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a single ``.safetensors`` file atomically (temporary file + ``os.replace``)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}"
+    try:
+        save_safetensors(weights, tmp, metadata)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _fsync_path(parent, directory=True)
+
+
+# -- safe torch.save / torch.load ------------------------------------------------------
+_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray,
+               torch.Size, torch.dtype, torch.device, torch.layout)
+
+
+def _safe_value(obj: Any, where: str) -> Any:
+    """Check that ``obj`` loads with ``torch.load(weights_only=True)``; convert numpy
+    arrays/scalars to tensors/numbers and paths to strings. Raise CheckpointError
+    naming the offending entry otherwise (at save time, not at resume time)."""
+    tp = type(obj)
+    if isinstance(obj, torch.Tensor) or tp in _LEAF_TYPES:
+        return obj
+    if tp in (dict, collections.OrderedDict, collections.Counter):
+        return tp((_safe_value(k, f"{where} key"), _safe_value(v, f"{where}[{k!r}]")) for k, v in obj.items())
+    if tp in (list, tuple, set):
+        return tp(_safe_value(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, pathlib.PurePath):
+        return str(obj)
+    if tp.__module__ == "numpy" or tp.__module__.startswith("numpy."):
+        import numpy as np
+        if isinstance(obj, np.ndarray) and obj.dtype != object:
+            return torch.from_numpy(np.ascontiguousarray(obj).copy())
+        if isinstance(obj, np.generic):
+            return obj.item()
+    if tp in torch.serialization.get_safe_globals():
+        return obj
+    raise CheckpointError(
+        f"{where} is a {tp.__module__}.{tp.__qualname__}, which torch.load(weights_only=True) cannot "
+        "load; checkpoint state must hold only tensors, numbers, strings and plain "
+        "dict/list/tuple/set containers (or types registered with torch.serialization.add_safe_globals)")
+
+
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` an object that :func:`load_torch` can read back safely.
+
+    Raises CheckpointError naming the entry if ``obj`` holds something that is not
+    a tensor, number, string or plain container (numpy values and paths are converted).
+    """
+    torch.save(_safe_value(obj, "state"), os.fspath(path))
+
+
+def load_torch(path: str | os.PathLike) -> Any:
+    """``torch.load(weights_only=True, map_location="cpu")``; never executes pickled code."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"file not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        msg = str(err)
+        if "Weights only load failed" in msg or "Unsupported" in msg:
+            m = re.search(r"GLOBAL ([\w.]+)", msg) or re.search(r"Unsupported[^:]*: ([^\n]+)", msg)
+            what = f" ({m.group(1).strip()})" if m else ""
+            raise CheckpointError(
+                f"refusing to load {path}: it contains objects that are not plain tensors/containers"
+                f"{what}, and unpickling them could execute arbitrary code. ember checkpoints only "
+                "hold tensors, numbers, strings and containers.") from None
+        raise _corrupt(path, err) from err
+    except (EOFError, RuntimeError, OSError, ValueError, zipfile.BadZipFile, KeyError) as err:
+        raise _corrupt(path, err) from err
+
+
+# -- checkpoint directories -----------------------------------------------------------------
+def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_state: dict | None,
+                     meta: dict, keep_existing_tmp: bool = False) -> str:
+    """Write checkpoint directory ``path`` atomically and return its path.
+
+    ``weights=None`` writes no ``model.safetensors`` (a sharded strategy has
+    already written ``model/`` into ``tmp_path(path)``: pass ``keep_existing_tmp=True``).
+    ``trainer_state=None`` makes a weights-only checkpoint. ``meta.json`` goes last.
+    """
+    import ember
+    path = os.path.normpath(os.fspath(path))
+    meta = dict(meta or {})
+    meta.update(format_version=FORMAT_VERSION, ember_version=getattr(ember, "__version__", "unknown"),
+                torch_version=torch.__version__,
+                created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    with atomic_directory(path, keep_existing_tmp=keep_existing_tmp) as tmp:
+        files = {}
+        if weights is not None:
+            save_safetensors(weights, os.path.join(tmp, WEIGHTS_NAME))
+            files[WEIGHTS_NAME] = os.path.getsize(os.path.join(tmp, WEIGHTS_NAME))
+        elif not os.path.isdir(os.path.join(tmp, DCP_WEIGHTS_DIR)):
+            raise CheckpointError(f"write_checkpoint({path!r}): weights=None but no "
+                                  f"{DCP_WEIGHTS_DIR}/ folder was written into {tmp}")
+        if trainer_state is not None:
+            save_torch(trainer_state, os.path.join(tmp, STATE_NAME))
+            files[STATE_NAME] = os.path.getsize(os.path.join(tmp, STATE_NAME))
+        meta["files"] = files
+        with open(os.path.join(tmp, META_NAME), "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True, default=str)
+    return path
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """True for a complete checkpoint directory (has ``meta.json``; not a staging dir)."""
+    path = os.path.normpath(os.fspath(path))
+    name = os.path.basename(path)
+    return (os.path.isdir(path) and not name.endswith(_TMP_SUFFIX) and not _OLD_RE.search(name)
+            and os.path.isfile(os.path.join(path, META_NAME)))
+
+
+def _natural(s: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+
+
+def list_checkpoints(dirpath: str | os.PathLike) -> list[str]:
+    """Paths of the complete checkpoints directly under ``dirpath``, oldest first.
+
+    Staging (``*.tmp``) and replaced (``*.old-*``) directories and plain files are ignored.
+    """
+    dirpath = os.fspath(dirpath)
+    if not os.path.isdir(dirpath):
+        return []
+    found = []
+    for name in os.listdir(dirpath):
+        p = os.path.join(dirpath, name)
+        if is_checkpoint(p):
+            try:
+                found.append((os.stat(os.path.join(p, META_NAME)).st_mtime_ns, _natural(name), p))
+            except OSError:  # removed meanwhile
+                continue
+    return [p for _, _, p in sorted(found)]
+
+
+def resolve_last(dirpath: str | os.PathLike) -> str | None:
+    """The most recently written complete checkpoint under ``dirpath``, or None."""
+    found = list_checkpoints(dirpath)
+    return found[-1] if found else None
+
+
+def _missing_message(path: str) -> str:
+    parent, name = os.path.split(os.path.normpath(path))
+    parent = parent or "."
+    msg = f"checkpoint not found: {path} does not exist."
+    if not os.path.isdir(parent):
+        return msg + f" Its directory {parent} does not exist either."
+    for n in os.listdir(parent):  # left by a replacement interrupted where renameat2 is missing
+        if n.startswith(name + ".old-") and os.path.isfile(os.path.join(parent, n, META_NAME)):
+            msg += f" An interrupted save left the previous complete version at {os.path.join(parent, n)}."
+    found = [os.path.basename(p) for p in list_checkpoints(parent)]
+    more = f" (the newest 10 of {len(found)})" if len(found) > 10 else ""
+    return msg + (f" Checkpoints in {parent}{more}: {', '.join(found[-10:])}." if found
+                  else f" There are no complete checkpoints in {parent}.")
+
+
+def read_checkpoint(path: str | os.PathLike, load_state: bool = True
+                    ) -> tuple[dict[str, torch.Tensor] | None, dict | None, dict]:
+    """Read a checkpoint: ``(weights, trainer_state or None, meta)``, all on CPU.
+
+    - a ``.safetensors`` file: weights only, ``(weights, None, {})``;
+    - a directory with ``model.safetensors.index.json`` and no ``meta.json``
+      (a sharded export): weights only;
+    - a checkpoint whose weights are a DCP folder ``model/``: ``weights`` is None
+      (the sharded strategy loads that folder itself);
+    - ``load_state=False`` skips ``trainer_state.pt``.
+
+    Raises CheckpointError for a missing path, an incomplete directory, truncated
+    or corrupt files and files that would need arbitrary unpickling.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(_missing_message(path))
+    if os.path.isfile(path):
+        if path.endswith(".safetensors"):
+            return load_safetensors(path), None, {}
+        if os.path.basename(path) == INDEX_NAME:
+            return load_model_sharded(os.path.dirname(path) or "."), None, {}
+        raise CheckpointError(f"{path} is a file; an ember checkpoint is a directory holding "
+                              f"{META_NAME}, {WEIGHTS_NAME} and {STATE_NAME} (or pass a .safetensors file)")
+    meta_file = os.path.join(path, META_NAME)
+    if not os.path.isfile(meta_file):
+        if os.path.isfile(os.path.join(path, INDEX_NAME)):
+            return load_model_sharded(path), None, {}
+        hint = " (a staging directory of a save that did not finish)" if path.rstrip("/\\").endswith(_TMP_SUFFIX) else ""
+        contents = sorted(os.listdir(path))
+        raise CheckpointError(f"checkpoint {path} is incomplete{hint}: it has no {META_NAME}, which is "
+                              f"written last when a save completes. Contents: {contents[:10] or 'nothing'}"
+                              + (f" and {len(contents) - 10} more" if len(contents) > 10 else ""))
+    try:
+        with open(meta_file) as f:
+            meta = json.load(f)
+    except (ValueError, OSError) as err:
+        raise _corrupt(meta_file, err) from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} is corrupt: expected a JSON object")
+    for name, size in (meta.get("files") or {}).items():
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if os.path.getsize(fp) != size:
+            raise CheckpointError(f"{fp} is truncated or corrupt: it has {os.path.getsize(fp)} bytes, "
+                                  f"{META_NAME} recorded {size}")
+    wfile = os.path.join(path, WEIGHTS_NAME)
+    if os.path.isfile(wfile):
+        weights = load_safetensors(wfile)
+    elif os.path.isdir(os.path.join(path, DCP_WEIGHTS_DIR)):
+        weights = None
+    else:
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has neither {WEIGHTS_NAME} "
+                              f"nor a {DCP_WEIGHTS_DIR}/ folder")
+    state = None
+    sfile = os.path.join(path, STATE_NAME)
+    if load_state and os.path.isfile(sfile):
+        state = load_torch(sfile)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{sfile} holds a {type(state).__name__}, expected a dict")
+    return weights, state, meta
+
+
+def _shape(s) -> str:
+    return "(" + ", ".join(str(d) for d in s) + ")"
+
+
+def _listing(title: str, items: list[str], limit: int = 10) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"  {title} ({len(items)}): " + ", ".join(items[:limit]) + more
+
+
+def check_compatible(module: torch.nn.Module, weights: dict | None, path: str | os.PathLike,
+                     strict: bool = True) -> None:
+    """Raise CheckpointError if ``weights`` do not fit ``module``: lists missing and
+    unexpected keys (only when ``strict``) and shape mismatches. ``weights=None`` is a no-op."""
+    if weights is None:
+        return
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in weights] if strict else []
+    unexpected = [k for k in weights if k not in expected] if strict else []
+    shapes = [f"{k}: checkpoint {_shape(weights[k].shape)} vs model {_shape(v.shape)}"
+              for k, v in expected.items() if k in weights and tuple(weights[k].shape) != tuple(v.shape)]
+    if not (missing or unexpected or shapes):
+        return
+    lines = [f"checkpoint {os.fspath(path)} does not match the model ({type(module).__name__}):"]
+    if missing:
+        lines.append(_listing("missing keys", missing))
+    if unexpected:
+        lines.append(_listing("unexpected keys", unexpected))
+    if shapes:
+        lines.append(_listing("shape mismatches", shapes))
+    for prefix in ("module.", "_orig_mod.", "model."):
+        if unexpected and all(k.startswith(prefix) for k in unexpected) and \
+                any(k[len(prefix):] in expected for k in unexpected):
+            lines.append(f"  hint: the checkpoint keys carry a '{prefix}' prefix (saved from a wrapped model)")
+            break
+    raise CheckpointError("\n".join(lines))
+
+
+# -- sharded export (Hugging Face layout) ---------------------------------------------------
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str, arg: str = "max_shard_size") -> int:
+    """``500MB`` -> 500_000_000, ``2GiB`` -> 2 * 2**30; ints are bytes."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    if m and m.group(2).upper() in _UNITS and float(m.group(1)) > 0:
+        return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    raise MisconfigurationError(f"{arg}={size!r} is not valid; give a positive number of bytes or a "
+                                "string such as '500MB', '2GB' or '1GiB'")
+
+
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_size: int | str = "10GB",
+                       metadata: dict[str, str] | None = None) -> list[str]:
+    """Export weights as Hugging Face-style safetensors: ``model.safetensors`` when they
+    fit in one shard, else ``model-0000i-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json``. Tied tensors stay together in one shard.
+    Returns the written file names. Stale shards of an earlier export are removed."""
+    limit = parse_size(max_shard_size)
+    save_dir = os.fspath(save_dir)
+    os.makedirs(save_dir, exist_ok=True)
+    tensors, aliases = _prepare_tensors(state_dict)
+    followers = collections.defaultdict(list)
+    for alias, target in aliases.items():
+        followers[target].append(alias)
+    shards: list[dict] = [{}]
+    sizes = [0]
+    total = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        total += n
+        if shards[-1] and sizes[-1] + n > limit:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = t
+        for alias in followers.get(name, ()):
+            shards[-1][alias] = t
+        sizes[-1] += n
+    names = ([WEIGHTS_NAME] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for fname, shard in zip(names, shards):
+        save_weights_file(os.path.join(save_dir, fname), shard, metadata)
+    keep = set(names)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: fname for fname, shard in zip(names, shards) for k in shard
+                                if k not in aliases}}
+        tmp = os.path.join(save_dir, INDEX_NAME + _TMP_SUFFIX)
+        with open(tmp, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(save_dir, INDEX_NAME))
+        keep.add(INDEX_NAME)
+    for stale in os.listdir(save_dir):
+        if stale not in keep and (_SHARD_RE.match(stale) or stale in (INDEX_NAME, WEIGHTS_NAME)):
+            os.remove(os.path.join(save_dir, stale))
+    _fsync_path(save_dir, directory=True)
+    return sorted(keep)
+
+
+def load_model_sharded(save_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load what :func:`save_model_sharded` (or ``transformers``' ``save_pretrained``) wrote."""
+    save_dir = os.fspath(save_dir)
+    index_file = os.path.join(save_dir, INDEX_NAME)
+    if os.path.isfile(index_file):
+        try:
+            with open(index_file) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError, TypeError, OSError) as err:
+            raise _corrupt(index_file, err) from err
+        out: dict[str, torch.Tensor] = {}
+        for fname in sorted(set(weight_map.values())):
+            out.update(load_safetensors(os.path.join(save_dir, fname)))
+        missing = [k for k in weight_map if k not in out]
+        if missing:
+            raise CheckpointError(f"{index_file} lists tensors that no shard holds: {missing[:10]}")
+        return out
+    single = os.path.join(save_dir, WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return load_safetensors(single)
+    raise CheckpointError(f"no weights in {save_dir}: expected {WEIGHTS_NAME} or {INDEX_NAME}")
+
+
+# -- RNG states ----------------------------------------------------------------------------
+def collect_rng_states() -> dict:
+    """Python ``random``, numpy's global generator, torch CPU and (when initialised) every
+    CUDA generator, as plain tensors/tuples that ``torch.load(weights_only=True)`` accepts."""
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        states["numpy"] = {"bit_generator": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
+                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(state: dict) -> None:
+    """Restore what :func:`collect_rng_states` returned (missing entries are skipped)."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            np = None
+        if np is not None:
+            s = state["numpy"]
+            np.random.set_state((s["bit_generator"], s["keys"].numpy().astype(np.uint32), s["pos"],
+                                 s["has_gauss"], s["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = list(state["cuda"])[: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([s.to("cpu", torch.uint8) for s in cuda])
