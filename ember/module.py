@@ -127,8 +127,17 @@ class TrainModule(nn.Module):
     # -- collectives ----------------------------------------------------------------
     def all_gather(self, data, sync_grads: bool = False):
         """Stack ``data`` from every rank: tensors get a leading world dim."""
-        from ember import distributed
-        return distributed.apply(data, self.trainer.strategy.all_gather)
+        gather = self.trainer.strategy.all_gather
+
+        def apply(d):
+            if isinstance(d, torch.Tensor):
+                return gather(d)
+            if isinstance(d, dict):
+                return {k: apply(v) for k, v in d.items()}
+            if isinstance(d, (list, tuple)):
+                return type(d)(apply(v) for v in d)
+            return gather(torch.as_tensor(d, device=self.device))
+        return apply(data)
 
     def gather_for_metrics(self, data):
         """Gather from every rank, dropping sampler padding: exactly the dataset."""
