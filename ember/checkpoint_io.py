@@ -1,16 +1,10 @@
 """Checkpoint files: atomic directory writes, safetensors weights, safe ``torch.load``.
 
-A checkpoint is a directory (see ``docs/checkpoint_format.md``)::
-
-    NAME/
-      model.safetensors   weights (sharded strategies: a DCP folder ``model/`` instead)
-      trainer_state.pt    optimizers, schedulers, loop progress, RNG ... (weights_only-loadable)
-      meta.json           written last: the "complete" marker
-
-It is written into ``NAME.tmp/`` and moved into place only once every file is
-on disk, so a crash never leaves a half checkpoint under ``NAME``. Loading
-never unpickles arbitrary objects: ``trainer_state.pt`` is read with
-``torch.load(weights_only=True)`` and anything else is refused.
+A checkpoint is a directory ``NAME/`` holding ``model.safetensors`` (or a DCP
+folder ``model/``), ``trainer_state.pt`` (weights_only-loadable) and
+``meta.json`` (written last). It is staged in ``NAME.tmp/`` and moved into place
+when complete; nothing is ever unpickled beyond tensors and plain containers.
+The format and guarantees are described in ``docs/checkpoint_format.md``.
 """
 from __future__ import annotations
 
