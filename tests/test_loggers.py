@@ -356,7 +356,7 @@ def wandb_runs(tmp_path_factory):
 def test_wandb_offline_metrics_and_config(wandb_runs):
     logger, log_dir = wandb_runs["all"]
     (run_dir,) = glob.glob(str(wandb_runs["root"] / "save" / "wandb" / "offline-run-*-emberall1"))
-    assert log_dir == os.path.join(run_dir, "files")
+    assert log_dir == run_dir
     assert logger.name == "ember-test" and logger.version == "emberall1"
     records = wandb_records(run_dir)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
@@ -404,3 +404,47 @@ def test_wandb_log_model_true_logs_best_and_last_at_finalize(wandb_runs):
     assert [json.loads(a.metadata)["score"] for a in arts] == [0.5, 0.75]
     assert [sorted(c.path for c in a.manifest.contents) for a in arts] == [
         ["meta.json", "model.safetensors"], ["weights-step=10.safetensors"]]
+
+
+# ---------------------------------------------------------------------------
+# with the Trainer
+
+
+def test_trainer_fit_writes_tensorboard_and_csv(tmp_path):
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ember import Trainer, TrainModule
+
+    class Tiny(TrainModule):
+        def __init__(self, lr=0.1, arch=None):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 3, generator=g), torch.randint(0, 2, (32,), generator=g))
+    tb, csv_logger = TensorBoardLogger(tmp_path), CSVLogger(tmp_path, name="csv")
+    trainer = Trainer(max_epochs=2, logger=[tb, csv_logger], log_every_n_steps=2, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(Tiny(arch={"width": 4}), DataLoader(data, batch_size=8))
+
+    rows = list(csv.DictReader(open(os.path.join(csv_logger.log_dir, "metrics.csv"), newline="")))
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+    losses = [float(r["train/loss"]) for r in rows]
+    tb_losses = _scalars(_accumulator(tb.log_dir), "train/loss")
+    assert [s for s, _ in tb_losses] == [2, 4, 6, 8]
+    assert [v for _, v in tb_losses] == pytest.approx(losses, rel=1e-6)  # float32 in event files
+    for lg in (tb, csv_logger):
+        with open(os.path.join(lg.log_dir, "hparams.yaml")) as f:
+            assert yaml.safe_load(f) == {"lr": 0.1, "arch": {"width": 4}}

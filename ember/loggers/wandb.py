@@ -88,8 +88,11 @@ class WandbLogger(Logger):
 
     @property
     def log_dir(self) -> str:
-        """The W&B run's files folder (``run.dir``); creates the run."""
-        return self.experiment.dir
+        """The W&B run folder, ``save_dir/wandb/[offline-]run-<time>-<id>``
+        (the parent of ``run.dir``); creates the run. Files put here are *not*
+        uploaded: W&B uploads only what is in ``run.dir`` (``.../files``)."""
+        files_dir = getattr(self.experiment, "dir", None)
+        return os.path.dirname(os.path.normpath(files_dir)) if files_dir else self._save_dir
 
     @property
     def experiment(self):
