@@ -296,13 +296,13 @@ class Trainer:
                 opts = self._compile if isinstance(self._compile, dict) else {}
                 for child in module.children():
                     child.compile(**opts)
+        self._setup_data(stage, loaders)   # before optimizers: schedules may use estimated_stepping_batches
         if stage == "fit":
             cfg = configure_optimizers(module)
             self.optimizers, self.lr_scheduler_configs = cfg
             self.model, self.optimizers = self._acc.setup_optimizers(self.model, self.optimizers)
             self._step_schedulers_list = [c for c in self.lr_scheduler_configs if c["interval"] == "step"]
             self._manual_optimizers = [ManualOptimizer(o, self) for o in self.optimizers]
-        self._setup_data(stage, loaders)
 
     def _setup_data(self, stage, loaders):
         dm = self.datamodule
