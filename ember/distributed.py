@@ -1,0 +1,316 @@
+"""Collectives for user code and metrics: gather, all_gather, reduce, broadcast,
+pad_across_processes, gather_for_metrics.
+
+Every function takes an optional ``strategy`` (anything with the Strategy
+collectives: ``all_gather``, ``all_gather_object``, ``reduce``, ``broadcast``,
+``barrier``, ``world_size``); without one it uses the current default process
+group, and on a single process it returns its input unchanged (gathers add the
+rank dimension where documented). Tensors may be nested in dicts, lists and
+tuples.
+
+``gather_for_metrics`` is the exact one: ranks hold rank-strided shards of the
+(padded) dataset order (rank ``r`` has global positions ``r, r+W, r+2W, ...``,
+as :class:`ember.data.ResumableSampler` and ``DistributedSampler`` shard), so
+the gathered rows are re-interleaved into dataset order and the ``num_padded``
+duplicates at the end are dropped: the result is exactly the dataset's samples.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ember.errors import invalid_choice
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def _reduce_op(op: Any):
+    if isinstance(op, str) and op.lower() in ("avg", "average"):
+        op = "mean"
+    if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+        raise invalid_choice("op", op, REDUCE_OPS)
+    op = op.lower()
+    return {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN}[op], op == "mean"
+
+
+class ProcessGroupOps:
+    """Collectives over the default process group (identity on one process).
+
+    ``device`` is where tensors travel for NCCL (the rank's GPU); with gloo they
+    travel on the CPU and come back to the device they came from.
+    """
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device
+
+    @property
+    def active(self) -> bool:
+        return is_initialized() and dist.get_world_size() > 1
+
+    @property
+    def world_size(self) -> int:
+        return get_world_size()
+
+    @property
+    def global_rank(self) -> int:
+        return get_rank()
+
+    def _comm_device(self, t: torch.Tensor) -> torch.device:
+        backend = dist.get_backend()
+        if "nccl" in backend:
+            if self.device is not None and self.device.type == "cuda":
+                return self.device
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu") if backend == "gloo" else t.device
+
+    def barrier(self, name: str | None = None) -> None:
+        if not self.active:
+            return
+        if "nccl" in dist.get_backend() and torch.cuda.is_available():
+            dist.barrier(device_ids=[self._comm_device(torch.empty(0)).index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Tensors (the same shape on every rank) via ``dist.broadcast``; any other
+        picklable object via ``broadcast_object_list``. Returns rank ``src``'s value."""
+        if not self.active:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().to(self._comm_device(obj)).clone().contiguous()
+            dist.broadcast(t, src)
+            return t.to(obj.device)
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        """``[world, *tensor.shape]``; the shape must be the same on every rank."""
+        if not self.active:
+            return tensor.unsqueeze(0)
+        if sync_grads:
+            from torch.distributed.nn.functional import all_gather as _ag
+            return torch.stack(_ag(tensor.contiguous()))
+        t = tensor.detach().to(self._comm_device(tensor)).contiguous()
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t)
+        return torch.stack(out).to(tensor.device)
+
+    def all_gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate along dim 0 in rank order; first dimensions may differ."""
+        if not self.active:
+            return tensor
+        padded, sizes = _gather_padded(self, tensor)
+        return torch.cat([padded[r, :n] for r, n in enumerate(sizes)])
+
+    def all_gather_object(self, obj: Any) -> list:
+        if not self.active:
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """A new tensor reduced over ranks; ``op`` in sum | mean | max | min."""
+        red, mean = _reduce_op(op)
+        if not isinstance(tensor, torch.Tensor):
+            tensor = torch.tensor(tensor, device=self.device or "cpu")
+        if not self.active:
+            return tensor.float() if mean and not tensor.is_floating_point() else tensor
+        t = tensor.detach().to(self._comm_device(tensor)).clone()
+        if mean and not t.is_floating_point():
+            t = t.float()
+        dist.all_reduce(t, op=red)
+        if mean:
+            t = t / dist.get_world_size()
+        return t.to(tensor.device)
+
+
+_DEFAULT = ProcessGroupOps()
+
+
+def _ops(strategy):
+    return strategy if strategy is not None else _DEFAULT
+
+
+def _world(ops) -> int:
+    return int(getattr(ops, "world_size", 1) or 1)
+
+
+def _gather_padded(ops, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """All-gather a tensor whose dim 0 differs across ranks: ``([W, max_n, ...], sizes)``."""
+    if tensor.dim() == 0:
+        tensor = tensor.unsqueeze(0)
+    size = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
+    sizes = [int(s) for s in ops.all_gather(size).view(-1).tolist()]
+    longest = max(sizes)
+    if tensor.shape[0] < longest:
+        pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
+        tensor = torch.cat([tensor, pad])
+    return ops.all_gather(tensor), sizes
+
+
+def _map(data: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] | None = None) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)((k, _map(v, fn, leaf)) for k, v in data.items())
+    if isinstance(data, (list, tuple)):
+        if leaf is not None and data and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in data):
+            return leaf(data)
+        out = [_map(v, fn, leaf) for v in data]
+        return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)
+    return data if leaf is None else leaf(data)
+
+
+# -- public helpers ------------------------------------------------------------------
+
+def barrier(strategy=None) -> None:
+    _ops(strategy).barrier()
+
+
+def broadcast(obj: Any, src: int = 0, strategy=None) -> Any:
+    """Rank ``src``'s value on every rank (tensors, nested tensors, or any picklable object)."""
+    ops = _ops(strategy)
+    if isinstance(obj, (dict, list, tuple)) and any(isinstance(v, torch.Tensor) for v in
+                                                   (obj.values() if isinstance(obj, dict) else obj)):
+        return _map(obj, lambda t: ops.broadcast(t, src))
+    return ops.broadcast(obj, src)
+
+
+def all_gather(data: Any, strategy=None) -> Any:
+    """Stack every tensor over ranks: each leaf becomes ``[world, *shape]`` (shapes must match)."""
+    ops = _ops(strategy)
+    return _map(data, ops.all_gather)
+
+
+def all_gather_object(obj: Any, strategy=None) -> list:
+    return _ops(strategy).all_gather_object(obj)
+
+
+def gather(data: Any, strategy=None) -> Any:
+    """Concatenate every tensor over ranks along dim 0, in rank order (first
+    dimensions may differ; 0-d tensors become ``[world]``)."""
+    ops = _ops(strategy)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if _world(ops) == 1:
+            return t.unsqueeze(0) if t.dim() == 0 else t
+        padded, sizes = _gather_padded(ops, t)
+        return torch.cat([padded[r, :n] for r, n in enumerate(sizes)])
+
+    return _map(data, one)
+
+
+def reduce(data: Any, op: str = "mean", strategy=None) -> Any:
+    """Reduce every tensor over ranks with ``op`` in sum | mean | max | min."""
+    _reduce_op(op)  # validate even on one process
+    ops = _ops(strategy)
+    return _map(data, lambda t: ops.reduce(t, op))
+
+
+def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False,
+                         strategy=None) -> Any:
+    """Pad every tensor along ``dim`` to the largest size over ranks (with
+    ``pad_index``; at the start when ``pad_first``), so that they can be gathered."""
+    ops = _ops(strategy)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if _world(ops) == 1 or t.dim() == 0:
+            return t
+        d = dim if dim >= 0 else t.dim() + dim
+        size = torch.tensor([t.shape[d]], dtype=torch.long, device=t.device)
+        longest = int(ops.all_gather(size).max())
+        if t.shape[d] == longest:
+            return t
+        shape = list(t.shape)
+        shape[d] = longest - t.shape[d]
+        pad = t.new_full(shape, pad_index)
+        return torch.cat([pad, t] if pad_first else [t, pad], dim=d)
+
+    return _map(data, one)
+
+
+def _interleave(padded: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Rows of rank ``r`` (``padded[r, :sizes[r]]``) sit at global positions
+    ``r, r+W, ...``: put them back in that order."""
+    world = len(sizes)
+    if len(set(sizes)) == 1:
+        n = sizes[0]
+        return padded[:, :n].transpose(0, 1).reshape((n * world,) + tuple(padded.shape[2:]))
+    rows, pos = [], []
+    for r, n in enumerate(sizes):
+        rows.append(padded[r, :n])
+        pos.append(torch.arange(n, device=padded.device) * world + r)
+    order = torch.argsort(torch.cat(pos))
+    return torch.cat(rows)[order]
+
+
+def _interleave_objects(per_rank: list[list]) -> list:
+    world = len(per_rank)
+    out = []
+    for i in range(max((len(x) for x in per_rank), default=0)):
+        for r in range(world):
+            if i < len(per_rank[r]):
+                out.append(per_rank[r][i])
+    return out
+
+
+def gather_for_metrics(data: Any, *, num_padded: int, strategy=None) -> Any:
+    """Gather this rank's samples from every rank in *dataset order* and drop the
+    ``num_padded`` duplicates the distributed sampler appended.
+
+    ``data``: a tensor (dim 0 = samples, in this rank's sampler order), or dicts,
+    lists, tuples of them; a list of non-tensors (e.g. strings) counts as one
+    value per sample. Call it on every rank. With ``num_padded=ember.data.num_padded(loader)``
+    on the epoch's concatenated outputs the result equals a single-process pass
+    over the dataset.
+    """
+    ops = _ops(strategy)
+    num_padded = int(num_padded or 0)
+    if num_padded < 0:
+        raise ValueError(f"num_padded={num_padded} must be >= 0")
+
+    def drop(x):
+        if num_padded == 0:
+            return x
+        if num_padded > len(x):
+            raise ValueError(f"num_padded={num_padded} is larger than the {len(x)} gathered samples")
+        return x[: len(x) - num_padded]
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            t = t.unsqueeze(0)
+        if _world(ops) == 1:
+            return drop(t)
+        padded, sizes = _gather_padded(ops, t)
+        return drop(_interleave(padded, sizes))
+
+    def objects(values) -> list:
+        values = list(values) if isinstance(values, (list, tuple)) else [values]
+        if _world(ops) == 1:
+            return drop(values)
+        return drop(_interleave_objects(ops.all_gather_object(values)))
+
+    return _map(data, one, objects)
+
+
+def destroy() -> None:
+    """Barrier, then destroy the default process group (ember otherwise does this at exit)."""
+    from ember.strategies.launchers import shutdown_process_group
+    shutdown_process_group(barrier=True)

@@ -1,0 +1,253 @@
+"""``DDPStrategy``: one process per device, gradients all-reduced by
+``torch.nn.parallel.DistributedDataParallel``.
+
+Ranks come from ``torchrun`` / ``ember launch``, from SLURM, or, from a plain
+``python script.py`` with ``devices=N``, from ember's own subprocess launcher
+(see :mod:`ember.strategies.environments` and :mod:`ember.strategies.launchers`).
+"""
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ember.distributed import ProcessGroupOps
+from ember.errors import MisconfigurationError, invalid_choice
+from ember.strategies.base import Strategy, _NULL
+from ember.strategies.environments import ClusterEnvironment, LocalEnvironment, detect_environment
+from ember.strategies import launchers
+
+START_METHODS = ("popen",)
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+class DDPStrategy(Strategy):
+    """Data parallel over processes: each rank holds the full model and a shard of the data.
+
+    Args:
+        devices: processes per node (``None``/``"auto"``: the launcher's count, else the
+            number of GPUs, else 1). On CUDA, a list selects GPU indices.
+        num_nodes: machines (more than one needs ``torchrun`` or SLURM).
+        process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
+        timeout: collective timeout (``timedelta`` or seconds).
+        accelerator: ``"cpu"`` or ``"cuda"`` (default: CUDA when available).
+        find_unused_parameters, static_graph, gradient_as_bucket_view, **ddp_kwargs:
+            passed to ``DistributedDataParallel``.
+        start_method: how ember starts the other ranks itself: ``"popen"`` (re-run the script).
+    """
+
+    name = "ddp"
+
+    def __init__(self, devices: "int | list[int] | str | None" = None, num_nodes: int = 1,
+                 process_group_backend: str | None = None,
+                 timeout: "timedelta | float" = timedelta(minutes=30),
+                 find_unused_parameters: bool = False, static_graph: bool = False,
+                 gradient_as_bucket_view: bool = False, start_method: str = "popen",
+                 accelerator: str | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, **ddp_kwargs):
+        super().__init__()
+        if start_method not in START_METHODS:
+            raise invalid_choice("start_method", start_method, START_METHODS)
+        if process_group_backend is not None and process_group_backend not in _BACKENDS:
+            raise invalid_choice("process_group_backend", process_group_backend, _BACKENDS)
+        if accelerator not in (None, "cpu", "cuda", "gpu"):
+            raise invalid_choice("accelerator", accelerator, ("cpu", "cuda"))
+        if not isinstance(num_nodes, int) or num_nodes < 1:
+            raise MisconfigurationError(f"num_nodes={num_nodes!r} is not valid; use an integer >= 1")
+        self.num_nodes = num_nodes
+        self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self.start_method = start_method
+        self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                               gradient_as_bucket_view=gradient_as_bucket_view, **ddp_kwargs)
+        self._use_cuda = (accelerator in ("cuda", "gpu")) or (accelerator is None and torch.cuda.is_available())
+        if self._use_cuda and not torch.cuda.is_available():
+            raise MisconfigurationError("accelerator='cuda' but CUDA is not available; use accelerator='cpu'")
+        self._backend = process_group_backend or ("nccl" if self._use_cuda else "gloo")
+        self._gpu_ids = self._parse_devices(devices)
+        per_node = len(self._gpu_ids) if self._gpu_ids is not None else self._devices_count
+        self.cluster_environment = cluster_environment or self._detect(per_node)
+        self._single = self.cluster_environment.world_size == 1
+        if self._single and (dist.is_available() and dist.is_initialized()):
+            self._single = dist.get_world_size() == 1
+        if self._single and not self.cluster_environment.creates_processes_externally:
+            warnings.warn(f"strategy='ddp' with devices={devices!r} means one process: running it without "
+                          "DistributedDataParallel (pass devices=N for N processes)", UserWarning, stacklevel=3)
+        self.num_processes = self.cluster_environment.world_size
+        self._launcher: launchers.SubprocessLauncher | None = None
+        self._ops: ProcessGroupOps | None = None
+
+    # -- configuration ------------------------------------------------------------
+    def _parse_devices(self, devices):
+        """Sets ``self._devices_count`` (None: decided by the environment); returns GPU ids or None."""
+        self._devices_explicit = devices not in (None, "auto", -1, "-1")
+        if not self._devices_explicit:
+            self._devices_count = torch.cuda.device_count() if self._use_cuda else None
+            return None
+        if isinstance(devices, str):
+            devices = [int(d) for d in devices.split(",") if d.strip()] if "," in devices else int(devices)
+        if isinstance(devices, (list, tuple)):
+            ids = [int(d) for d in devices]
+            if not ids:
+                raise MisconfigurationError("devices=[] is not valid; give a count or a non-empty list of GPU ids")
+            if self._use_cuda:
+                bad = [i for i in ids if i >= torch.cuda.device_count() or i < 0]
+                if bad:
+                    raise MisconfigurationError(
+                        f"devices={list(devices)!r} names GPU(s) {bad}, but only "
+                        f"{torch.cuda.device_count()} are visible")
+                self._devices_count = len(ids)
+                return ids
+            self._devices_count = len(ids)
+            return None
+        if not isinstance(devices, int) or devices < 1:
+            raise MisconfigurationError(f"devices={devices!r} is not valid; use a positive integer, a list "
+                                        "of GPU ids, or 'auto'")
+        if self._use_cuda and devices > torch.cuda.device_count():
+            raise MisconfigurationError(
+                f"devices={devices} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                "lower devices or pass accelerator='cpu' for CPU processes")
+        self._devices_count = devices
+        return None
+
+    def _detect(self, per_node: int | None) -> ClusterEnvironment:
+        env = detect_environment(per_node or 1, self.num_nodes)
+        if env.creates_processes_externally and not isinstance(env, LocalEnvironment):
+            if self._devices_explicit and per_node is not None and per_node != env.local_world_size:
+                raise MisconfigurationError(
+                    f"devices={per_node} does not match the {env.local_world_size} process(es) per node "
+                    f"that {env.name} started; pass devices={env.local_world_size} or leave devices unset")
+            if self.num_nodes > 1 and env.num_nodes != self.num_nodes:
+                raise MisconfigurationError(
+                    f"num_nodes={self.num_nodes} does not match the {env.num_nodes} node(s) that "
+                    f"{env.name} started")
+        return env
+
+    # -- topology ------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return 1 if self._single else self.cluster_environment.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return 0 if self._single else self.cluster_environment.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return 0 if self._single else self.cluster_environment.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return 0 if self._single else self.cluster_environment.node_rank
+
+    @property
+    def process_group_backend(self) -> str:
+        return self._backend
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device is not None:
+            return self._device
+        if self._use_cuda:
+            idx = self._gpu_ids[self.local_rank] if self._gpu_ids else self.local_rank
+            return torch.device("cuda", idx)
+        return torch.device("cpu")
+
+    @root_device.setter
+    def root_device(self, device) -> None:
+        self._device = torch.device(device)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def setup_environment(self) -> None:
+        if self._single:
+            return super().setup_environment()
+        env = self.cluster_environment
+        env.export()
+        if not env.creates_processes_externally and launchers._LAUNCHER is None:
+            self._launcher = launchers.SubprocessLauncher(env)
+            self._launcher.launch()
+        if LocalEnvironment.is_launched_child():
+            launchers.watch_parent()
+        launchers.install_exit_handlers()
+        device = self.root_device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            kwargs = {}
+            if device.type == "cuda" and self._backend == "nccl":
+                kwargs["device_id"] = device
+            dist.init_process_group(self._backend, init_method="env://", world_size=env.world_size,
+                                    rank=env.global_rank, timeout=self.timeout, **kwargs)
+        elif dist.get_world_size() != env.world_size:
+            raise MisconfigurationError(
+                f"a process group of world size {dist.get_world_size()} already exists, but the "
+                f"{env.name} environment says {env.world_size}")
+        self.precision.setup(device)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = self.precision.convert_module(module).to(self.root_device)
+        if self._single or isinstance(module, nn.parallel.DistributedDataParallel):
+            return module
+        if not any(p.requires_grad for p in module.parameters()):
+            return module  # nothing to synchronise (e.g. evaluation only); DDP would refuse it
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+
+    def teardown(self) -> None:
+        # The process group lives until the interpreter exits (or ember.distributed.destroy()),
+        # so that several fit/validate/test calls in one script share it.
+        super().teardown()
+
+    # -- data ----------------------------------------------------------------------
+    def distributed_sampler_kwargs(self) -> dict | None:
+        if self._single:
+            return None
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -- step ------------------------------------------------------------------------
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        if enabled and isinstance(module, nn.parallel.DistributedDataParallel):
+            return module.no_sync()
+        return _NULL
+
+    # -- collectives (see ember.distributed.ProcessGroupOps) ---------------------------
+    @property
+    def _pg(self) -> ProcessGroupOps | None:
+        if self._single or not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._ops is None:
+            self._ops = ProcessGroupOps(self.root_device)
+        return self._ops
+
+    def barrier(self, name: str | None = None) -> None:
+        if self._pg is not None:
+            self._pg.barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Tensors (same shape on every rank) via ``dist.broadcast``; anything else
+        picklable via ``broadcast_object_list``. Returns the source rank's value."""
+        return obj if self._pg is None else self._pg.broadcast(obj, src)
+
+    def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
+        """``[world, *tensor.shape]`` (the same shape on every rank)."""
+        return tensor.unsqueeze(0) if self._pg is None else self._pg.all_gather(tensor, sync_grads)
+
+    def all_gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate along dim 0 in rank order; first dimensions may differ."""
+        return tensor if self._pg is None else self._pg.all_gather_cat(tensor)
+
+    def all_gather_object(self, obj: Any) -> list:
+        return [obj] if self._pg is None else self._pg.all_gather_object(obj)
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """A new tensor reduced over ranks: ``op`` in sum | mean | max | min."""
+        if self._pg is None:
+            return ProcessGroupOps(self.root_device).reduce(tensor, op)  # validates op; identity
+        return self._pg.reduce(tensor, op)
+
+    def __repr__(self) -> str:
+        return (f"DDPStrategy(world_size={self.world_size}, rank={self.global_rank}, "
+                f"backend={self._backend!r}, device={self.root_device}, env={self.cluster_environment.name})")

@@ -1,0 +1,341 @@
+"""Starting the other ranks from a plain ``python script.py``, and ending every
+rank promptly and cleanly.
+
+:class:`SubprocessLauncher` runs in the original process (it becomes rank 0):
+it starts ranks 1..N-1 as subprocesses that re-run ``sys.argv`` with the
+variables ``torchrun`` would set, then returns so rank 0 joins the job.
+
+- A watcher thread in rank 0 polls the children. When one exits with an error
+  (its traceback is already on stderr), rank 0 prints one line, terminates the
+  other ranks and exits with that code, even if rank 0 itself is blocked in a
+  collective.
+- When rank 0 fails, its children are terminated (exception path and atexit).
+- A child exits when rank 0 dies (``PR_SET_PDEATHSIG`` on Linux, plus a thread
+  that notices the parent changing).
+
+:func:`install_exit_handlers` (every rank, every launch method) makes the end
+of a distributed run deterministic: on a normal exit all ranks meet at a
+barrier, destroy the process group and leave with ``os._exit`` (skipping the
+interpreter finalisation in which torch's gloo threads can abort the process),
+with the exit code the interpreter would have used. A communication error that
+only reports that *another* rank went away is condensed to one line, so that
+the failing rank's traceback is the one shown.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+from ember.strategies.environments import LAUNCH_MARKER, ClusterEnvironment
+
+_TERMINATE_GRACE_S = 3.0
+_POLL_S = 0.1
+
+#: the launcher of this process (rank 0 of a locally launched job), if any
+_LAUNCHER: "SubprocessLauncher | None" = None
+_report_lock = threading.Lock()
+_reported = False
+
+
+def _stderr(msg: str) -> None:
+    try:
+        sys.stderr.write(msg.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    except Exception:  # stderr closed
+        pass
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def relaunch_command() -> list[str]:
+    """The command line that re-runs this program (``python script.py ...`` or
+    ``python -m package.module ...``)."""
+    import __main__
+    from ember.errors import MisconfigurationError
+    spec = getattr(__main__, "__spec__", None)
+    script = sys.argv[0] if sys.argv else ""
+    if "pytest" in os.path.basename(script) or (spec is not None and spec.name.startswith("pytest")):
+        raise MisconfigurationError(
+            "devices>1 with strategy='ddp' cannot start its ranks from inside pytest (they would re-run "
+            "the test session); run the training in a script started as a subprocess")
+    if spec is not None and spec.name not in ("__main__", None):
+        name = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return [sys.executable, "-m", name] + sys.argv[1:]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or script == "-c" or not os.path.exists(script):
+        raise MisconfigurationError(
+            "devices>1 with strategy='ddp' starts the other ranks by re-running the program, but this "
+            f"program has no script to re-run (sys.argv[0]={script!r}). Run a script (`python train.py`), "
+            "or launch with `torchrun --nproc_per_node N train.py` / `ember launch`")
+    return [sys.executable, os.path.abspath(script)] + sys.argv[1:]
+
+
+class SubprocessLauncher:
+    """Start ranks 1..N-1 of a single-node job as subprocesses of rank 0."""
+
+    def __init__(self, env: ClusterEnvironment):
+        self.env = env
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._stopping = False
+        self._failure: tuple[int, int] | None = None  # (rank, code) of the first failed child
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def failure(self) -> "tuple[int, int] | None":
+        return self._failure
+
+    def launch(self) -> None:
+        global _LAUNCHER
+        cmd = relaunch_command()
+        env = self.env
+        for rank in range(1, env.world_size):
+            child_env = dict(os.environ)
+            child_env.update({
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(env.world_size),
+                "LOCAL_WORLD_SIZE": str(env.world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
+                "MASTER_ADDR": env.main_address, "MASTER_PORT": str(env.main_port),
+                LAUNCH_MARKER: str(os.getpid()),
+            })
+            self.procs[rank] = subprocess.Popen(cmd, env=child_env)
+        _LAUNCHER = self
+        atexit.register(self._atexit)
+        self._watcher = threading.Thread(target=self._watch, name="ember-launcher-watch", daemon=True)
+        self._watcher.start()
+
+    # -- rank 0 side --------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopping:
+            for rank, proc in list(self.procs.items()):
+                code = proc.poll()
+                if code is not None and code != 0 and not self._stopping:
+                    self._failure = (rank, code)
+                    self._abort_for_child(rank, code)
+                    return
+            if all(p.poll() is not None for p in self.procs.values()):
+                return
+            time.sleep(_POLL_S)
+
+    def _abort_for_child(self, rank: int, code: int) -> None:
+        """A child failed: say so once, stop everyone, leave with its code."""
+        global _reported
+        with _report_lock:
+            if not _reported:
+                _reported = True
+                what = f"exited with code {code}" if code > 0 else f"was killed by signal {-code}"
+                _stderr(f"ember: rank {rank} {what}; stopping the other ranks")
+        self.terminate()
+        _flush_stdio()
+        os._exit(code if code > 0 else 1)
+
+    def wait_for_child_failure(self, timeout: float) -> "tuple[int, int] | None":
+        """After rank 0 hit an error: did a child fail first? (waits up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None and code != 0:
+                    return rank, code
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    def terminate(self) -> None:
+        """SIGTERM every live child, SIGKILL those still alive after a grace period."""
+        self._stopping = True
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for p in live:
+            try:
+                p.terminate()
+            except OSError:
+                pass
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    p.kill()
+                    p.wait(1.0)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+
+    def wait_children(self) -> int:
+        """Rank 0 is done: wait for the others; the worst exit code among them."""
+        worst = 0
+        for rank, p in self.procs.items():
+            code = p.wait()
+            if code != 0 and worst == 0:
+                worst = code if code > 0 else 1
+        self._stopping = True
+        return worst
+
+    def _atexit(self) -> None:
+        # reached when rank 0 leaves without going through the exit handlers below
+        # (e.g. no process group was ever created): never leave orphans behind
+        if any(p.poll() is None for p in self.procs.values()):
+            if _EXIT.failed:
+                self.terminate()
+            else:
+                code = self.wait_children()
+                if code:
+                    _flush_stdio()
+                    os._exit(code)
+
+
+# -- child side -------------------------------------------------------------------
+
+def watch_parent() -> None:
+    """In a rank started by :class:`SubprocessLauncher`: exit when rank 0 dies."""
+    parent = int(os.environ.get(LAUNCH_MARKER, "0") or 0)
+    if not parent:
+        return
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+    if os.getppid() != parent:  # died before we got here
+        os._exit(1)
+
+    def poll():
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                _flush_stdio()
+                os._exit(1)
+
+    threading.Thread(target=poll, name="ember-parent-watch", daemon=True).start()
+
+
+# -- exit handling, every rank ------------------------------------------------------
+
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "econnreset", "epipe", "connection refused", "socket closed",
+              "failed to recv", "failed to send", "read error", "write error")
+
+
+def is_peer_lost_error(exc: BaseException) -> bool:
+    """A communication error that says another rank went away (not this rank's fault)."""
+    import torch.distributed as dist
+    kinds = tuple(k for k in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None),
+                              getattr(dist, "DistError", None)) if k is not None)
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if not (isinstance(exc, kinds) or "gloo" in text or "nccl" in text or "c10d" in text):
+        return False
+    return any(s in text for s in _PEER_LOST)
+
+
+class _ExitState:
+    installed = False
+    failed = False
+    exit_code = 0
+    destroyed = False
+
+
+_EXIT = _ExitState()
+
+
+def _excepthook(exc_type, exc, tb):
+    global _reported
+    _EXIT.failed = True
+    _EXIT.exit_code = 1
+    launcher = _LAUNCHER
+    child = launcher.wait_for_child_failure(3.0) if launcher is not None else None
+    with _report_lock:
+        first = not _reported
+        _reported = True
+    if child is not None:
+        # another rank failed first; its traceback is above; this one is a consequence
+        if first:
+            what = f"exited with code {child[1]}" if child[1] > 0 else f"was killed by signal {-child[1]}"
+            _stderr(f"ember: rank {child[0]} {what}; stopping the other ranks")
+        _EXIT.exit_code = child[1] if child[1] > 0 else 1
+    elif is_peer_lost_error(exc):
+        rank = os.environ.get("RANK", "?")
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else exc_type.__name__
+        _stderr(f"ember: rank {rank} lost contact with another rank, which probably failed "
+                f"(see its error): {exc_type.__name__}: {line[:300]}")
+    else:
+        _PREV_EXCEPTHOOK(exc_type, exc, tb)
+    if launcher is not None:
+        launcher.terminate()
+    # do not run the interpreter's finalisation with a broken process group
+    _flush_stdio()
+    os._exit(_EXIT.exit_code)
+
+
+_PREV_EXCEPTHOOK = sys.excepthook
+
+
+def _exit_handler() -> None:
+    """atexit: normal end of a distributed run (an unhandled exception goes through
+    :func:`_excepthook` instead and never reaches here)."""
+    code = _exit_code_guess()
+    if _EXIT.failed:
+        return
+    shutdown_process_group(barrier=code == 0)
+    if _LAUNCHER is not None:
+        child_code = _LAUNCHER.wait_children()
+        code = code or child_code
+    _flush_stdio()
+    os._exit(code)
+
+
+def _exit_code_guess() -> int:
+    """The status ``sys.exit(...)`` asked for, if the program called it."""
+    return _EXIT.exit_code
+
+
+def shutdown_process_group(barrier: bool = True) -> None:
+    """Barrier (optional), then destroy the default process group. Idempotent."""
+    import torch.distributed as dist
+    if _EXIT.destroyed or not dist.is_available() or not dist.is_initialized():
+        return
+    _EXIT.destroyed = True
+    try:
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _sys_exit(code=0):
+    """``sys.exit`` that remembers the status for the exit handler."""
+    if code is None:
+        _EXIT.exit_code = 0
+    elif isinstance(code, int):
+        _EXIT.exit_code = code
+    else:
+        _stderr(str(code))
+        _EXIT.exit_code = 1
+        code = 1
+    _ORIG_SYS_EXIT(code)
+
+
+_ORIG_SYS_EXIT = sys.exit
+
+
+def install_exit_handlers() -> None:
+    """Install the excepthook and atexit handler of a distributed rank (once)."""
+    global _PREV_EXCEPTHOOK
+    if _EXIT.installed:
+        return
+    _EXIT.installed = True
+    _PREV_EXCEPTHOOK = sys.excepthook
+    sys.excepthook = _excepthook
+    sys.exit = _sys_exit
+    atexit.register(_exit_handler)
