@@ -191,7 +191,7 @@ class Strategy:
         """Load weights (and optimizer states) in place; return the trainer state."""
         from ember import checkpoint_io as cio
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
-        cio.check_compatible(self.unwrap_module(module), weights, path)
+        cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
         self.load_module_state_dict(module, weights, strict=strict)
         state = state or {}
         for opt, s in zip(optimizers, state.get("optimizers", [])):
