@@ -39,8 +39,10 @@ overrides (applied after every --config file, in command-line order):
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit code 2)."""
 
+    hint = ""
+
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"ember: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"ember: error: {message} (see `{self.hint or self.prog} --help`)\n")
 
 
 class _RunHelp(argparse.Action):
@@ -170,6 +172,8 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str
                 i += 1
             else:
                 raise UsageError(f"--{name}: expected a value")
+        elif "." in name:
+            raise UsageError(_unknown(f"--{name.split('.')[0]}", TOP_KEYS, "section"))
         else:
             rest.append(tok)
         i += 1
@@ -582,7 +586,10 @@ def main(argv: Sequence[str] | None = None, *, model_class=None, datamodule_clas
         if argv and argv[0] in RUN_COMMANDS:
             rest, overrides = split_overrides(argv[1:])
             argv = [argv[0], *rest]
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        commands = (*RUN_COMMANDS, "launch", "config", "env")
+        parser.hint = f"ember {argv[0]}" if argv and argv[0] in commands else ""
+        args = parser.parse_args(argv)
         if args.command in RUN_COMMANDS:
             return run_command(args, overrides, _CLI(model_class, datamodule_class))
         from ember import launch as _launch

@@ -218,7 +218,8 @@ def resolve_launch_config(args: argparse.Namespace) -> dict:
 
 
 def torchrun_argv(cfg: dict, args: argparse.Namespace) -> list[str]:
-    """The torchrun command line equivalent to an ``ember launch`` call."""
+    """The torchrun options (and script) of an ``ember launch`` call; the script's
+    own arguments are added after parsing."""
     argv = [f"--nnodes={cfg['num_machines']}", f"--nproc-per-node={cfg['num_processes']}",
             f"--max-restarts={args.max_restarts}", f"--monitor-interval={args.monitor_interval}"]
     port = cfg["main_process_port"]
@@ -238,7 +239,7 @@ def torchrun_argv(cfg: dict, args: argparse.Namespace) -> list[str]:
         argv.append("--no-python")
     if args.log_dir:
         argv.append(f"--log-dir={args.log_dir}")
-    return argv + [args.training_script, *args.script_args]
+    return argv + [args.training_script]
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -255,7 +256,10 @@ def launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     try:
-        torchrun.run(torchrun.parse_args(torchrun_argv(cfg, args)))
+        run_args = torchrun.parse_args(torchrun_argv(cfg, args))
+        # set after parsing: torchrun's parser would try to match script flags to its options
+        run_args.training_script_args = list(args.script_args)
+        torchrun.run(run_args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         if failure.exitcode < 0:
@@ -342,6 +346,8 @@ def write_config(cfg: dict, path: "str | Path") -> Path:
     import yaml
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in cfg.items()     # only the options of the chosen strategy
+           if not (k.endswith("_config") and k != f"{cfg['strategy']}_config")}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 

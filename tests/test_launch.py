@@ -1,0 +1,163 @@
+"""`ember launch`: real torchrun agents and real gloo process groups (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if os.environ.get("FAIL_RANK") == str(rank):
+        raise RuntimeError(f"boom on rank {rank}")
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    if rank == 0:
+        keys = ["EMBER_PRECISION", "EMBER_STRATEGY", "LOCAL_RANK", "WORLD_SIZE",
+                "EMBER_DEEPSPEED_ZERO_STAGE", "EMBER_FSDP_CPU_OFFLOAD"]
+        with open(os.environ["OUT_FILE"], "w") as f:
+            json.dump({"sum": t.item(), "world": world, "argv": sys.argv[1:],
+                       "env": {k: os.environ.get(k) for k in keys}}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def worker(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return script
+
+
+def _env(tmp_path, **extra):
+    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "xdg"), OUT_FILE=str(tmp_path / "out.json"),
+               OMP_NUM_THREADS="1")
+    for key in list(env):
+        if key.startswith("EMBER_"):
+            del env[key]
+    env.update(extra)
+    return env
+
+
+def ember(*args, env, timeout=60, **kw):
+    return subprocess.run([sys.executable, "-m", "ember", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def test_two_processes_all_reduce_argv_and_env(tmp_path, worker):
+    r = ember("launch", "--num-processes", 2, "--mixed_precision", "bf16", worker, "--flag", "x",
+              env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["sum"] == 3.0 and out["world"] == 2          # 1 + 2
+    assert out["argv"] == ["--flag", "x"]
+    assert out["env"]["EMBER_PRECISION"] == "bf16-mixed"
+    assert out["env"]["LOCAL_RANK"] == "0" and out["env"]["WORLD_SIZE"] == "2"
+    assert out["env"]["EMBER_STRATEGY"] is None              # strategy "no": left unset
+
+
+def test_config_file_values_are_defaults_and_flags_override(tmp_path, worker):
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text("num_processes: 2\nstrategy: deepspeed\nmixed_precision: fp16\n"
+                   "deepspeed_config:\n  zero_stage: 3\n")
+    r = ember("launch", "--config_file", cfg, worker, env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world"] == 2 and out["sum"] == 3.0
+    assert out["env"]["EMBER_PRECISION"] == "16-mixed"
+    assert out["env"]["EMBER_STRATEGY"] == "deepspeed"
+    assert out["env"]["EMBER_DEEPSPEED_ZERO_STAGE"] == "3"
+
+    r = ember("launch", "--config_file", cfg, "--num-processes", 1, "--mixed_precision", "no",
+              "--strategy", "fsdp", worker, env=_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world"] == 1 and out["sum"] == 1.0
+    assert out["env"]["EMBER_PRECISION"] == "32-true"
+    assert out["env"]["EMBER_STRATEGY"] == "fsdp"
+    assert out["env"]["EMBER_FSDP_CPU_OFFLOAD"] == "0"
+    assert out["env"]["EMBER_DEEPSPEED_ZERO_STAGE"] is None
+
+
+def test_default_config_file_is_used(tmp_path, worker):
+    env = _env(tmp_path)
+    r = ember("config", "--default", env=env)
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "xdg" / "ember" / "default_config.yaml"
+    path.write_text(path.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
+    r = ember("launch", worker, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["env"]["EMBER_PRECISION"] == "bf16-mixed"
+
+
+def test_failing_rank_stops_the_run_and_reports_once(tmp_path, worker):
+    r = ember("launch", "--num-processes", 2, worker, env=_env(tmp_path, FAIL_RANK="1"), timeout=30)
+    assert r.returncode != 0
+    assert (r.stdout + r.stderr).count("boom on rank 1") == 1, r.stderr
+    assert "ember: error: launch: rank 1" in r.stderr
+    assert "Traceback" in r.stderr      # the worker's own traceback, shown once
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_two_machines_one_process_each(tmp_path, worker):
+    port = free_port()
+    env = _env(tmp_path)
+    cmds = [[sys.executable, "-m", "ember", "launch", "--num-machines", "2", "--machine-rank", str(rank),
+             "--main-process-ip", "127.0.0.1", "--main-process-port", str(port),
+             "--num-processes", "1", str(worker), "--node", str(rank)] for rank in (0, 1)]
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world"] == 2 and out["sum"] == 3.0
+    assert out["argv"] == ["--node", "0"]        # global rank 0 lives on machine 0
+    assert out["env"]["WORLD_SIZE"] == "2" and out["env"]["LOCAL_RANK"] == "0"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-machines", "2", "--num-processes", "1"], "--main-process-ip is required"),
+    (["--num-machines", "2", "--machine-rank", "2", "--main-process-ip", "127.0.0.1"],
+     "machine_rank: 2 must be below num_machines (2)"),
+    (["--num-processes", "0"], "num_processes: expected an int >= 1, got 0"),
+    (["--strategy", "horovod"], "argument --strategy: invalid choice"),
+])
+def test_bad_launch_arguments_are_one_line(tmp_path, worker, args, message):
+    r = ember("launch", *args, worker, env=_env(tmp_path))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ember: error:") and message in lines[0], r.stderr
+
+
+def test_bad_launch_config_file(tmp_path, worker):
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text("num_procesess: 2\n")
+    r = ember("launch", "--config_file", cfg, worker, env=_env(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("ember: error: config_file: num_procesess: unknown key (did you mean "
+                                "'num_processes'?); valid keys: compute_environment, num_machines, "
+                                "machine_rank, main_process_ip, main_process_port, rdzv_backend, "
+                                "num_processes, strategy, mixed_precision, fsdp_config, deepspeed_config")
