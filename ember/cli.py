@@ -528,8 +528,20 @@ class _CLI:
         except MisconfigurationError as err:
             raise UsageError(str(err))
         trainer.callbacks.append(_save_config_callback(to_yaml_safe(resolved)))
-        getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
+        out = getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
+        if command in ("validate", "test") and trainer.is_global_zero:
+            _print_results(command, out or [])
         return 0
+
+
+def _print_results(stage: str, results: list) -> None:
+    for i, metrics in enumerate(results):
+        title = f"{stage} metrics" + (f" (dataloader {i})" if len(results) > 1 else "")
+        width = max([len(k) for k in metrics] + [len(title)])
+        print(title)
+        for key, value in metrics.items():
+            value = value.item() if hasattr(value, "item") else value
+            print(f"  {key:<{width}}  {value:.6g}" if isinstance(value, float) else f"  {key:<{width}}  {value}")
 
 
 def _shared_random_seed() -> int:

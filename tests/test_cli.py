@@ -192,6 +192,51 @@ def test_help_lists_trainer_keys(tmp_path):
         assert r.returncode == 0 and "usage: ember " + command in r.stdout
 
 
+def test_trainer_rejecting_a_value_is_one_clear_line(cli):
+    line = one_line_error(cli("fit", "--config", CONFIG, "--trainer.precision", "17"))
+    assert line.startswith("ember: error: precision=17 is not valid; choose one of: '64-true', '32-true'")
+    line = one_line_error(cli("validate", "--config", CONFIG, "--trainer.accumulate_grad_batches", "0"))
+    assert "accumulate_grad_batches=0 is not valid" in line
+
+
+# --------------------------------------------------------------------------- running
+def _meta(ckpt: Path) -> dict:
+    import json
+    return json.loads((ckpt / "meta.json").read_text())
+
+
+def test_fit_saves_config_resumes_and_tests(tmp_path):
+    env = {"PYTHONPATH": str(EXAMPLE)}   # so the saved config.yaml can name toy.ToyRegressor
+    r = ember("fit", "--config", CONFIG, "--trainer.max_steps", "3", "--trainer.logger.save_dir", "logs",
+              "--model.hidden", "5", "--seed_everything", "true", cwd=tmp_path, **env)
+    assert r.returncode == 0, r.stderr
+    run_dir = tmp_path / "logs" / "ember_logs" / "version_0"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 3 and saved["trainer"]["max_epochs"] == 2
+    assert saved["model"]["init_args"] == {"hidden": 5, "lr": 0.01, "in_features": 4}
+    assert isinstance(saved["seed_everything"], int) and saved["seed_everything"] is not True
+    (ckpt,) = [p for p in (run_dir / "checkpoints").iterdir() if (p / "meta.json").exists()]
+    meta = _meta(ckpt)
+    assert meta["global_step"] == 3                         # the trainer ran max_steps=3
+    assert meta["hparams"] == {"hidden": 5, "lr": 0.01, "in_features": 4}
+
+    # the saved config runs again as is; resume from the checkpoint and train to step 6
+    r = ember("fit", "--config", run_dir / "config.yaml", "--trainer.max_steps", "6",
+              "--ckpt_path", ckpt, cwd=tmp_path, **env)
+    assert r.returncode == 0, r.stderr
+    run2 = tmp_path / "logs" / "ember_logs" / "version_1"
+    assert yaml.safe_load((run2 / "config.yaml").read_text())["ckpt_path"] == str(ckpt)
+    steps = sorted(_meta(p)["global_step"] for p in (run2 / "checkpoints").iterdir()
+                   if (p / "meta.json").exists())
+    assert steps[-1] == 6
+
+    r = ember("test", "--config", run_dir / "config.yaml", "--ckpt_path", ckpt, cwd=tmp_path, **env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "test metrics" and lines[1].split()[0] == "test/loss"
+    assert float(lines[1].split()[1]) > 0
+
+
 # --------------------------------------------------------------------------- config / env
 def test_config_wizard_with_scripted_stdin(tmp_path):
     answers = "multi_machine\n2\n1\n10.0.0.1\n29501\n4\nfsdp\nn\ny\nbf16\n"

@@ -161,3 +161,22 @@ def test_bad_launch_config_file(tmp_path, worker):
                                 "'num_processes'?); valid keys: compute_environment, num_machines, "
                                 "machine_rank, main_process_ip, main_process_port, rdzv_backend, "
                                 "num_processes, strategy, mixed_precision, fsdp_config, deepspeed_config")
+
+
+def test_launch_ember_fit_on_two_processes(tmp_path):
+    """`ember launch -m ember fit`: the exported precision/strategy reach the Trainer."""
+    from pathlib import Path
+    import yaml
+    config = Path(__file__).resolve().parents[1] / "examples" / "cli" / "config.yaml"
+    r = subprocess.run([sys.executable, "-m", "ember", "launch", "--num-processes", "2", "--strategy", "ddp",
+                        "--mixed_precision", "bf16", "-m", "ember", "fit", "--config", str(config),
+                        "--trainer.max_steps", "2", "--trainer.logger.save_dir", "logs"],
+                       cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    runs = list((tmp_path / "logs").glob("*/version_*"))
+    assert len(runs) == 1                      # rank 0 alone made the run directory
+    saved = yaml.safe_load((runs[0] / "config.yaml").read_text())
+    assert saved["trainer"]["precision"] == "bf16-mixed" and saved["trainer"]["strategy"] == "ddp"
+    (meta,) = runs[0].glob("checkpoints/*/meta.json")
+    meta = json.loads(meta.read_text())
+    assert meta["world_size"] == 2 and meta["precision"] == "bf16-mixed" and meta["global_step"] == 2
