@@ -1,0 +1,172 @@
+"""Per-step overhead of ember vs a raw PyTorch loop on a tiny MLP.
+
+    python benchmarks/overhead.py                 # 5 interleaved repetitions
+    python benchmarks/overhead.py --reps 9 --steps 3000
+
+Tiny MLP 32->64->10, batch 64, in-memory tensors, the same DataLoader for every
+variant, torch.set_num_threads(1). Each variant runs in its own process;
+repetitions are interleaved; steady-state steps/s is measured between step
+``--warmup`` and the last step by timestamps taken in the DataLoader's
+collate_fn (identical code in every variant). Also counts Python function calls
+per step under cProfile (deterministic, unlike timings): "steady state" is the
+difference between a run of 2N and of N steps divided by N, so one-time setup
+cancels; "incl. setup" divides a whole N-step run by N.
+
+Variants: raw (hand-written loop), trainer (ember Trainer with DEFAULT settings:
+progress bar, model summary, TensorBoard logger, checkpointing), accelerator
+(ember Accelerator custom loop).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("raw", "trainer", "accelerator")
+
+
+def _setup(steps: int):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data._utils.collate import default_collate
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    stamps = []
+
+    def collate(samples):
+        stamps.append(time.perf_counter())
+        return default_collate(samples)
+
+    x = torch.randn(steps * 64, 32)
+    y = torch.randint(0, 10, (steps * 64,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, collate_fn=collate)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    return torch, loader, net, stamps
+
+
+def run_raw(steps):
+    torch, loader, net, stamps = _setup(steps)
+    import torch.nn.functional as F
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def go():
+        for x, y in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+    return go, stamps
+
+
+def run_trainer(steps):
+    torch, loader, net, stamps = _setup(steps)
+    import torch.nn.functional as F
+    from ember import Trainer, TrainModule
+
+    class Tiny(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train/loss", loss, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    root = tempfile.mkdtemp(prefix="ember-bench-")
+    trainer = Trainer(max_epochs=1, default_root_dir=root)   # defaults: progress bar, summary, logger, checkpoints
+    module = Tiny()
+    return (lambda: trainer.fit(module, loader)), stamps
+
+
+def run_accelerator(steps):
+    torch, loader, net, stamps = _setup(steps)
+    import torch.nn.functional as F
+    from ember import Accelerator
+    acc = Accelerator()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    model, opt, dl = acc.prepare(net, opt, loader)
+
+    def go():
+        for x, y in dl:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            acc.backward(loss)
+            opt.step()
+    return go, stamps
+
+
+def child(variant: str, steps: int, warmup: int, profile: bool) -> dict:
+    go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator}[variant](steps)
+    if profile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        go()
+        pr.disable()
+        return {"calls_per_step": pstats.Stats(pr).total_calls / steps}
+    go()
+    n = len(stamps) - 1 - warmup
+    return {"steps_per_s": n / (stamps[-1] - stamps[warmup])}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.steps, args.warmup, args.profile)))
+        return
+    variants = args.variants.split(",")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+
+    def run(v, *extra):
+        out = subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(args.steps),
+                              "--warmup", str(args.warmup), *extra], capture_output=True, text=True, env=env)
+        if out.returncode:
+            sys.exit(f"{v} failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    rates = {v: [] for v in variants}
+    for r in range(args.reps):
+        for v in variants:   # interleaved
+            rates[v].append(run(v)["steps_per_s"])
+        print(f"rep {r + 1}/{args.reps}: " + ", ".join(f"{v} {rates[v][-1]:.0f}" for v in variants), file=sys.stderr)
+    # marginal calls per step: profile a run of N and of 2N steps, so one-time setup
+    # (imports of tensorboard, the summary table, the final checkpoint) cancels out
+    calls, calls_total = {}, {}
+    for v in variants:
+        c1 = run(v, "--profile")["calls_per_step"] * args.steps
+        c2 = json.loads(subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(2 * args.steps),
+                                        "--warmup", str(args.warmup), "--profile"], capture_output=True, text=True,
+                                       env=env).stdout.strip().splitlines()[-1])["calls_per_step"] * 2 * args.steps
+        calls[v] = (c2 - c1) / args.steps
+        calls_total[v] = c1 / args.steps
+    raw = statistics.median(rates["raw"]) if "raw" in rates else None
+    print(f"\ntiny MLP 32-64-10, batch 64, {args.steps} steps, torch.set_num_threads(1), "
+          f"{args.reps} interleaved reps, median steady-state steps/s after step {args.warmup}\n")
+    print("| variant | steps/s (median) | ratio vs raw | Python calls/step, steady state | incl. setup |")
+    print("|---|---|---|---|---|")
+    for v in variants:
+        med = statistics.median(rates[v])
+        ratio = f"{med / raw:.3f}" if raw else "-"
+        print(f"| {v} | {med:.0f} | {ratio} | {calls[v]:.0f} | {calls_total[v]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
