@@ -17,6 +17,7 @@ import typing
 from pathlib import Path, PurePath
 from typing import Any, Sequence
 
+from ember.callbacks import Callback
 from ember.launch import UsageError
 
 RUN_COMMANDS = ("fit", "validate", "test", "predict")
@@ -53,19 +54,15 @@ class _RunHelp(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         try:
-            import inspect
             from ember import Trainer
             names = [n for n in inspect.signature(Trainer).parameters if n != "self"]
-            parser.epilog = _RUN_EPILOG + "\ntrainer keys:\n  " + _wrap(", ".join(names))
+            import textwrap
+            parser.epilog = _RUN_EPILOG + "\ntrainer keys:\n  " + "\n  ".join(
+                textwrap.wrap(", ".join(names), 76))
         except Exception:  # the Trainer failing to import must not break --help
             pass
         parser.print_help()
         parser.exit()
-
-
-def _wrap(text: str, width: int = 76) -> str:
-    import textwrap
-    return "\n  ".join(textwrap.wrap(text, width))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,34 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=blurbs[name], formatter_class=fmt, add_help=False,
                             allow_abbrev=False, epilog=_RUN_EPILOG,
                             description=f"{blurbs[name].capitalize()} with a Trainer, a model "
-                                        "and a DataModule built from YAML (trainer:, model:, data:, "
-                                        "seed_everything:, ckpt_path:).")
+                                        "and a DataModule built from YAML\n(sections trainer:, "
+                                        "model:, data:, seed_everything:, ckpt_path:).")
         sp.add_argument("-h", "--help", action=_RunHelp, help="show this help message and exit")
         sp.add_argument("-c", "--config", action="append", default=[], metavar="FILE",
                         help="YAML config; repeat to merge several (later files win)")
         sp.add_argument("--print_config", "--print-config", action="store_true",
                         help="print the fully resolved config (defaults filled in) and exit")
-    lp = sub.add_parser("launch", help="run a script on several processes / machines (torchrun)",
-                        formatter_class=fmt, allow_abbrev=False,
-                        description="Start SCRIPT on --num-processes processes per machine with "
-                                    "torchrun's elastic agent. Each process gets RANK, LOCAL_RANK, "
-                                    "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, plus EMBER_PRECISION and "
-                                    "EMBER_STRATEGY.",
-                        epilog="examples:\n  ember launch --num-processes 2 train.py --lr 1e-3\n"
-                               "  ember launch --num-processes 2 -m ember fit --config cfg.yaml\n"
-                               "  ember launch --num-machines 2 --machine-rank 0 --main-process-ip "
-                               "10.0.0.1 --main-process-port 29500 --num-processes 8 train.py")
-    _launch.add_launch_arguments(lp)
-    cp = sub.add_parser("config", help="write the default launch config (interactive)",
-                        formatter_class=fmt, allow_abbrev=False,
-                        description="Ask how to launch (machines, processes, strategy, precision) "
-                                    "and save the answers as the defaults of `ember launch`.")
-    cp.add_argument("--config_file", "--config-file", default=None, metavar="PATH",
-                    help="where to write (default: $XDG_CONFIG_HOME/ember/default_config.yaml, "
-                         "~/.config/ember/default_config.yaml when XDG_CONFIG_HOME is unset)")
-    cp.add_argument("--default", action="store_true",
-                    help="write a config for this machine without asking (one process per GPU)")
-    sub.add_parser("env", help="print versions and hardware for a bug report", allow_abbrev=False)
+    _launch.add_subcommands(sub, fmt)
     return p
 
 
@@ -137,13 +114,13 @@ def _load_yaml_file(path: str) -> dict:
 
 
 def _merge(base: dict, new: dict) -> dict:
+    """Deep merge; a section naming a different class_path replaces the old one."""
     out = dict(base)
     for key, value in new.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and "class_path" not in value:
-            out[key] = _merge(out[key], value)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict) and \
-                value.get("class_path") in (None, out[key].get("class_path")):
-            out[key] = _merge(out[key], value)
+        old = out.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and \
+                value.get("class_path") in (None, old.get("class_path")):
+            out[key] = _merge(old, value)
         else:
             out[key] = value
     return out
@@ -216,16 +193,22 @@ def apply_override(cfg: dict, dotted: str, raw: str) -> None:
         node[parts[-1]] = value
 
 
-def load_config(files: Sequence[str], overrides: Sequence[tuple[str, str]]) -> dict:
+def load_config(files: Sequence[str], overrides: Sequence[tuple[str, str]], flat=()) -> dict:
+    """Merge the files, then apply the overrides. Sections in ``flat`` (a class fixed by
+    the script) may hold init arguments directly."""
     cfg: dict = {}
     for path in files:
-        cfg = _merge(cfg, _load_yaml_file(path))
-    for key in cfg:
-        if key not in TOP_KEYS:
-            raise UsageError(_unknown(str(key), TOP_KEYS, "top-level key"))
-    for section in ("model", "data"):
-        if isinstance(cfg.get(section), str):
-            cfg[section] = {"class_path": cfg[section]}
+        data = _load_yaml_file(path)
+        for key in data:
+            if key not in TOP_KEYS:
+                raise UsageError(_unknown(str(key), TOP_KEYS, "top-level key"))
+        for section in ("model", "data"):
+            if isinstance(data.get(section), str):
+                data[section] = {"class_path": data[section]}
+            elif section in flat and isinstance(data.get(section), dict) and \
+                    not {"class_path", "init_args"} & set(data[section]):
+                data[section] = {"init_args": data[section]}
+        cfg = _merge(cfg, data)
     for dotted, raw in overrides:
         apply_override(cfg, dotted, raw)
     return cfg
@@ -291,7 +274,7 @@ def _import_class(where: str, path: Any, base=None) -> type:
                      "give its full path, e.g. my_package.module.MyClass")
 
 
-def resolve_class(where: str, value: Any, base=None, fixed=None, required=True) -> dict:
+def resolve_class(where: str, value: Any, base=None, fixed=None) -> dict:
     """Check a ``{class_path, init_args}`` entry; returns it with init_args complete."""
     if value is None and fixed is None:
         raise UsageError(f"{where}: missing; give {where}: {{class_path: my_package.module.MyClass, "
@@ -501,11 +484,10 @@ class _CLI:
                 given[key] = os.environ[env]
         self.trainer_given = check_kwargs("trainer", Trainer, given, fill_defaults=False)
         out["trainer"] = check_kwargs("trainer", Trainer, given)
-        out["model"] = resolve_class("model", cfg.get("model"), TrainModule,
-                                             self.model_class, required=True)
+        out["model"] = resolve_class("model", cfg.get("model"), TrainModule, self.model_class)
         data = cfg.get("data")
         out["data"] = None if data is None and self.datamodule_class is None else \
-            resolve_class("data", data, DataModule, self.datamodule_class, required=True)
+            resolve_class("data", data, DataModule, self.datamodule_class)
         ckpt = cfg.get("ckpt_path")
         if ckpt is not None and not isinstance(ckpt, str):
             raise UsageError(f"ckpt_path: expected str, got {ckpt!r}")
@@ -527,7 +509,7 @@ class _CLI:
             data = instantiate(resolved["data"]) if resolved["data"] is not None else None
         except MisconfigurationError as err:
             raise UsageError(str(err))
-        trainer.callbacks.append(_save_config_callback(to_yaml_safe(resolved)))
+        trainer.callbacks.append(SaveConfigCallback(to_yaml_safe(resolved)))
         out = getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
         if command in ("validate", "test") and trainer.is_global_zero:
             _print_results(command, out or [])
@@ -545,37 +527,39 @@ def _print_results(stage: str, results: list) -> None:
 
 
 def _shared_random_seed() -> int:
-    """`seed_everything: true`: a random seed, the same on every rank of one launch."""
+    """`seed_everything: true`: a random seed, the same on every rank of one run."""
     import random
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":
+    if os.environ.get("EMBER_GLOBAL_SEED"):         # chosen by the process that started this one
+        return int(os.environ["EMBER_GLOBAL_SEED"])
+    if os.environ.get("TORCHELASTIC_RUN_ID"):      # under torchrun / `ember launch`
         import zlib
-        return zlib.crc32(f"{run_id}:{os.environ.get('MASTER_PORT')}".encode()) % (2**31)
+        key = ":".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+        return zlib.crc32(key.encode()) % (2**31)
     return random.randint(0, 2**31 - 1)
 
 
-def _save_config_callback(config: dict):
-    from ember.callbacks import Callback
+class SaveConfigCallback(Callback):
+    """Writes the resolved CLI config as ``config.yaml`` into the run directory (rank 0)."""
 
-    class SaveConfigCallback(Callback):
-        """Writes the resolved CLI config as ``config.yaml`` into the run directory (rank 0)."""
+    state_key = "SaveConfigCallback"
 
-        def setup(self, trainer, module, stage):
-            if not trainer.is_global_zero or getattr(self, "_done", False):
-                return
+    def __init__(self, config: dict):
+        self.config, self.saved = config, False
+
+    def setup(self, trainer, module, stage):
+        if trainer.is_global_zero and not self.saved:
             import yaml
             path = Path(trainer.log_dir) / "config.yaml"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(yaml.safe_dump(config, sort_keys=False))
-            self._done = True
-
-    return SaveConfigCallback()
+            path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+            self.saved = True
 
 
 def run_command(args: argparse.Namespace, overrides, cli: _CLI) -> int:
     import yaml
     _add_import_paths(args.config)
-    cfg = load_config(args.config, overrides)
+    flat = [k for k, c in (("model", cli.model_class), ("data", cli.datamodule_class)) if c]
+    cfg = load_config(args.config, overrides, flat)
     resolved = cli.resolve(cfg)
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(to_yaml_safe(resolved), sort_keys=False))

@@ -194,6 +194,33 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="arguments for the script")
 
 
+def add_subcommands(sub, fmt) -> None:
+    """The ``launch``, ``config`` and ``env`` subcommands of the ``ember`` parser."""
+    lp = sub.add_parser("launch", help="run a script on several processes / machines (torchrun)",
+                        formatter_class=fmt, allow_abbrev=False,
+                        description="Start SCRIPT on --num-processes processes per machine with "
+                                    "torchrun's elastic agent.\nEach process gets RANK, LOCAL_RANK, "
+                                    "WORLD_SIZE, MASTER_ADDR, MASTER_PORT,\nplus EMBER_PRECISION and "
+                                    "EMBER_STRATEGY (read by the Trainer and the Accelerator).\n"
+                                    "Values from --config_file (or the default config) are defaults;"
+                                    " flags override them.",
+                        epilog="examples:\n  ember launch --num-processes 2 train.py --lr 1e-3\n"
+                               "  ember launch --num-processes 2 -m ember fit --config cfg.yaml\n"
+                               "  ember launch --num-machines 2 --machine-rank 0 --main-process-ip "
+                               "10.0.0.1 --main-process-port 29500 --num-processes 8 train.py")
+    add_launch_arguments(lp)
+    cp = sub.add_parser("config", help="write the default launch config (interactive)",
+                        formatter_class=fmt, allow_abbrev=False,
+                        description="Ask how to launch (machines, processes, strategy, precision)"
+                                    "\nand save the answers as the defaults of `ember launch`.")
+    cp.add_argument("--config_file", "--config-file", default=None, metavar="PATH",
+                    help="where to write (default: $XDG_CONFIG_HOME/ember/default_config.yaml, "
+                         "~/.config/ember/default_config.yaml when XDG_CONFIG_HOME is unset)")
+    cp.add_argument("--default", action="store_true",
+                    help="write a config for this machine without asking (one process per GPU)")
+    sub.add_parser("env", help="print versions and hardware for a bug report", allow_abbrev=False)
+
+
 def resolve_launch_config(args: argparse.Namespace) -> dict:
     path = args.config_file
     if path is None and default_config_path().is_file():

@@ -98,6 +98,29 @@ def test_model_class_given_on_the_command_line(cli):
     assert cfg["model"]["init_args"]["hidden"] == 1
 
 
+def test_printed_config_is_a_fixed_point(tmp_path, cli):
+    first = cli("fit", "--config", CONFIG, "--model.lr", "2e-2", "--print_config")
+    (tmp_path / "printed.yaml").write_text(first.stdout)
+    second = cli("fit", "--config", "printed.yaml", "--print_config")
+    assert second.returncode == 0 and second.stdout == first.stdout
+
+
+def test_script_with_fixed_classes(tmp_path, cli, capsys):
+    """`main(model_class=..., datamodule_class=...)`: no class_path needed; flat init args."""
+    from ember.cli import main
+    from toy import ToyData, ToyRegressor
+    (tmp_path / "flat.yaml").write_text("model:\n  hidden: 4\ndata:\n  batch_size: 8\n")
+    assert main(["fit", "-c", "flat.yaml", "--model.lr", "0.5", "--print_config"],
+                model_class=ToyRegressor, datamodule_class=ToyData) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["model"] == {"class_path": "toy.ToyRegressor",
+                            "init_args": {"hidden": 4, "lr": 0.5, "in_features": 4}}
+    assert cfg["data"]["init_args"]["batch_size"] == 8
+    assert main(["fit", "--print_config"], model_class=ToyRegressor) == 2
+    assert capsys.readouterr().err.strip() == ("ember: error: model.init_args: missing required "
+                                               "argument 'hidden' of ToyRegressor")
+
+
 BAD_CASES = {
     "unknown trainer key": (["--trainer.max_epoch", "3"],
                             "trainer.max_epoch: unknown key (did you mean 'max_epochs'?); valid: max_epochs, "),
