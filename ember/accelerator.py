@@ -12,53 +12,98 @@ through the flat verbs ``setup_module`` / ``setup_optimizers`` /
             if acc.sync_gradients:
                 acc.clip_grad_norm_(model.parameters(), 1.0)
             opt.step(); sched.step(); opt.zero_grad()
+
+The wrappers (:class:`AcceleratedOptimizer`, :class:`AcceleratedScheduler`,
+:class:`DataLoaderShard`) and the checkpoint, tracker and debug helpers live in
+:mod:`ember.accelerator_state`. See ``docs/accelerator.md``.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
+import itertools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ember import data as edata
-from ember.errors import MisconfigurationError
+from ember import distributed as _dist
+from ember.accelerator_state import (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard,
+                                     DistributedOperationError, check_collective, is_scheduler,
+                                     wrap_forward, unwrap_forward)
+from ember.errors import MisconfigurationError, invalid_choice
 from ember.precision import Precision
 
+__all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DataLoaderShard",
+           "DistributedOperationError"]
+
 _NULL = contextlib.nullcontext()
+_REDUCTIONS = ("sum", "mean", "max", "min", "none")
 
 
 class Accelerator:
+    """Prepare models, optimizers, dataloaders and schedulers for the chosen
+    strategy (single device, DDP, FSDP, DeepSpeed) and precision, and give a
+    custom loop the verbs it needs (backward, accumulation, clipping, collectives,
+    checkpoints, trackers).
+
+    Args:
+        strategy: ``"auto"`` | ``"single"`` | ``"ddp"`` | ``"fsdp"`` | ``"deepspeed"`` | a Strategy.
+        devices: as for the Trainer (``"auto"``, an int, ``"cpu"``, ``"cuda:N"``, a list of GPU ids).
+        precision: ``"32-true"`` (default, or ``$EMBER_PRECISION`` set by ``ember launch``),
+            ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``, ``"64-true"``.
+        gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
+        log_with: ``"tensorboard"`` | ``"csv"`` | ``"wandb"`` | a Logger | a list of them.
+        project_dir: where trackers and automatically named checkpoints go (default: cwd).
+        seed: seeds python/numpy/torch and the data order; default: the data order follows
+            ``torch.initial_seed()`` (so ``torch.manual_seed`` / ``seed_everything`` fix it).
+        debug: check every collective's operation and shapes across ranks first
+            (default: ``$EMBER_DEBUG``).
+        mixed_precision: Accelerate's spelling (``"no"`` | ``"fp16"`` | ``"bf16"``) of ``precision``.
+        step_scheduler_with_optimizer: prepared schedulers step only when the optimizers
+            did, ``num_processes`` times per step (as Accelerate); False: on every call.
+    """
+
     def __init__(self, strategy="auto", devices="auto", precision=None, gradient_accumulation_steps: int = 1,
                  log_with=None, project_dir: str | None = None, seed: int | None = None, num_nodes: int = 1,
                  debug: bool | None = None, mixed_precision: str | None = None,
                  step_scheduler_with_optimizer: bool = True):
         from ember.strategies import build_strategy
-        if mixed_precision is not None and precision is None:
-            precision = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}.get(mixed_precision, mixed_precision)
         if precision is None:
-            precision = os.environ.get("EMBER_PRECISION", "32-true")
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-            raise MisconfigurationError(f"gradient_accumulation_steps={gradient_accumulation_steps!r}: use an int >= 1")
+            precision = mixed_precision if mixed_precision is not None else os.environ.get("EMBER_PRECISION", "32-true")
+        if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
+                or gradient_accumulation_steps < 1:
+            raise MisconfigurationError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} is not "
+                                        "valid; use an int >= 1")
+        self.log_with = _check_log_with(log_with)
+        prec = Precision.from_string(precision)
         strat = build_strategy(strategy, devices, num_nodes)
-        strat.precision = Precision.from_string(precision)
+        strat.precision = prec
         self._init(strat)
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.project_dir = project_dir or os.getcwd()
-        self.log_with = log_with
-        self.debug = bool(int(os.environ.get("EMBER_DEBUG", "0"))) if debug is None else debug
+        self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
+        self.project_dir = os.fspath(project_dir) if project_dir is not None else os.getcwd()
+        self.debug = os.environ.get("EMBER_DEBUG", "0").lower() not in ("", "0", "false", "no") \
+            if debug is None else bool(debug)
         if seed is not None:
             from ember import seed_everything
             seed_everything(seed)
-        self.seed = seed if seed is not None else int(self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())))
+            self.seed = int(seed)
+        else:  # no draw from the global RNG: a loop's random streams stay those of a raw loop
+            s = torch.initial_seed() % (2**31 - 1)
+            self.seed = int(self.strategy.broadcast(s)) if self.strategy.world_size > 1 else s
 
     def _init(self, strategy) -> None:
         self.strategy = strategy
         strategy.setup_environment()
         self.gradient_accumulation_steps = 1
+        self.step_scheduler_with_optimizer = True
         self.sync_gradients = True
+        self.debug = False
+        self.seed = None
         self._step = 0
         self._models: list = []
         self._optimizers: list = []
@@ -66,6 +111,12 @@ class Accelerator:
         self._dataloaders: list = []
         self._custom_objects: list = []
         self._active_loader = None
+        self._unscaled: set = set()
+        self._trigger = False
+        self._save_iteration = 0
+        self._log_step = 0
+        self.project_dir = os.getcwd()
+        self.log_with = []
         self.trackers: list = []
 
     @classmethod
@@ -73,7 +124,6 @@ class Accelerator:
         """The Trainer's accelerator: same strategy object, no trackers or seeding."""
         acc = cls.__new__(cls)
         acc._init(strategy)
-        acc.debug = False
         return acc
 
     # -- topology -------------------------------------------------------------------
@@ -83,7 +133,21 @@ class Accelerator:
     local_process_index = property(lambda self: self.strategy.local_rank)
     is_main_process = property(lambda self: self.strategy.is_global_zero)
     is_local_main_process = property(lambda self: self.strategy.is_local_zero)
+    is_last_process = property(lambda self: self.strategy.global_rank == self.strategy.world_size - 1)
+    use_distributed = property(lambda self: self.strategy.world_size > 1)
     precision = property(lambda self: self.strategy.precision.name)
+    scaler = property(lambda self: self.strategy.precision.scaler)
+    step = property(lambda self: self._step, doc="micro-batches seen in the current accumulation window")
+
+    @property
+    def mixed_precision(self) -> str:
+        """Accelerate's name of the precision: ``"no"``, ``"fp16"``, ``"bf16"`` (or the ember string)."""
+        return {"32-true": "no", "16-mixed": "fp16", "bf16-mixed": "bf16"}.get(self.precision, self.precision)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when a 16-mixed step found inf/NaN gradients and was skipped."""
+        return any(o.step_was_skipped for o in self._optimizers)
 
     # -- flat verbs (shared with the Trainer) --------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -94,134 +158,423 @@ class Accelerator:
 
     def setup_dataloader(self, dataloader, *, seed: int | None = None, shuffle: bool | None = None):
         kw = self.strategy.distributed_sampler_kwargs() or {}
-        return edata.prepare_dataloader(dataloader, seed=self.seed if seed is None else seed, shuffle=shuffle, **kw)
+        if seed is None:
+            seed = self.seed if self.seed is not None else 0
+        return edata.prepare_dataloader(dataloader, seed=seed, shuffle=shuffle, **kw)
 
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *objs, device_placement=None):
-        """Prepare modules, optimizers, dataloaders and schedulers (any order; returned in
-        the same order)."""
+        """Prepare models, optimizers, dataloaders and schedulers, in any order; they come
+        back in the same order (a single object comes back alone). Anything else is
+        returned unchanged, and so is an object prepared before.
+
+        Models are moved to the device, converted and wrapped (DDP, ...); under a mixed or
+        true-low precision their ``forward`` runs in autocast / casts its inputs.
+        Optimizers step through the precision (loss scaling) and only on the last
+        micro-batch of an accumulation window; dataloaders are sharded over processes,
+        resumable, and move batches to the device.
+        """
         from torch.utils.data import DataLoader
         out = list(objs)
-        mods = [i for i, o in enumerate(objs) if isinstance(o, nn.Module)]
-        opts = [i for i, o in enumerate(objs) if isinstance(o, torch.optim.Optimizer)]
+        known = {id(m) for m in self._models}
+        mods = [i for i, o in enumerate(objs) if isinstance(o, nn.Module) and id(o) not in known]
+        opts = [i for i, o in enumerate(objs) if isinstance(o, torch.optim.Optimizer)
+                and not isinstance(o, AcceleratedOptimizer)]
+        # which model does each optimizer train? (decided before wrapping: FSDP replaces parameters)
+        owner: dict[int, int] = {}
         for i in mods:
+            for p in objs[i].parameters():
+                owner.setdefault(id(p), i)
+        groups: dict[int | None, list[int]] = {}
+        for j in opts:
+            mi = next((owner[id(p)] for g in objs[j].param_groups for p in g["params"] if id(p) in owner), None)
+            groups.setdefault(mi, []).append(j)
+        if self.strategy.owns_optimizer_step and len([k for k in groups if k is not None]) > 1:
+            raise MisconfigurationError(f"the {self.strategy.name} strategy prepares one model with its "
+                                        f"optimizer per Accelerator; got optimizers for {len(groups)} models")
+        patch = not self.strategy.owns_optimizer_step
+        for i in mods:
+            if patch:
+                wrap_forward(objs[i], self.strategy.precision)
             out[i] = self.setup_module(objs[i])
-        if opts:
-            if len(mods) > 1 and self.strategy.owns_optimizer_step:
-                raise MisconfigurationError("the deepspeed strategy prepares one model with its optimizer; "
-                                            f"got {len(mods)} models")
-            model = out[mods[0]] if mods else None
-            new_model, new_opts = self.setup_optimizers(model, [objs[i] for i in opts])
-            if mods:
-                out[mods[0]] = new_model
-            for j, i in enumerate(opts):
-                out[i] = AcceleratedOptimizer(new_opts[j], self)
+        for mi, js in groups.items():
+            model = out[mi] if mi is not None else None
+            new_model, new_opts = self.setup_optimizers(model, [objs[j] for j in js])
+            if mi is not None:
+                out[mi] = new_model
+            for j, o in zip(js, new_opts):
+                out[j] = AcceleratedOptimizer(o, self)
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
                 out[i] = DataLoaderShard(self.setup_dataloader(o), self)
-            elif _is_scheduler(o):
+            elif is_scheduler(o) and not isinstance(o, AcceleratedScheduler):
                 out[i] = AcceleratedScheduler(o, self)
         self._models += [out[i] for i in mods]
-        self._optimizers += [out[i] for i in opts]
-        self._schedulers += [o for o in out if isinstance(o, AcceleratedScheduler)]
-        self._dataloaders += [o for o in out if isinstance(o, DataLoaderShard)]
+        self._optimizers += [out[j] for j in opts]
+        self._schedulers += [out[i] for i, o in enumerate(objs) if isinstance(out[i], AcceleratedScheduler)
+                             and out[i] is not o]
+        self._dataloaders += [out[i] for i, o in enumerate(objs) if isinstance(out[i], DataLoaderShard)
+                              and out[i] is not o]
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model):
+    def prepare_model(self, model, device_placement=None):
         return self.prepare(model)
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        return self.prepare(optimizer)
+
+    def prepare_data_loader(self, data_loader, device_placement=None):
+        return self.prepare(data_loader)
+
+    def prepare_scheduler(self, scheduler):
+        return self.prepare(scheduler)
 
     # -- step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        if self.gradient_accumulation_steps > 1:
+        """``loss.backward()`` through the strategy and precision (loss scaling under
+        16-mixed); divides by ``gradient_accumulation_steps`` first."""
+        if self.gradient_accumulation_steps > 1 and not self.strategy.owns_optimizer_step:
             loss = loss / self.gradient_accumulation_steps
-        model = self._models[0] if self._models else None
-        self.strategy.backward(loss, model, **kwargs)
+        self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
 
     def accumulate(self, *models):
-        """Context for one micro-batch: sets ``sync_gradients`` and skips the gradient
-        all-reduce until the last micro-batch of the window (or of the dataloader)."""
-        self._step += 1
+        """Context for one micro-batch. Sets :attr:`sync_gradients` (True on every
+        ``gradient_accumulation_steps``-th call and on the last batch of a prepared
+        dataloader) and, on the other calls, skips the gradient all-reduce of
+        ``models`` (default: every prepared model). Prepared optimizers and schedulers
+        only step, and ``zero_grad`` only clears, when ``sync_gradients`` is True."""
+        gas = self.gradient_accumulation_steps
+        if gas == 1:
+            return _NULL
         loader = self._active_loader
-        end = loader is not None and loader.end_of_dataloader
-        self.sync_gradients = end or self._step % self.gradient_accumulation_steps == 0
-        if end:
+        if loader is not None and loader.end_of_dataloader:
             self._step = 0
+            self.sync_gradients = True
+        else:
+            self._step += 1
+            self.sync_gradients = self._step % gas == 0
+            if self.sync_gradients:
+                self._step = 0
         if self.sync_gradients or self.strategy.world_size == 1:
             return _NULL
-        return _MultiContext([self.strategy.no_backward_sync(m, True) for m in models])
+        return self.no_sync(*(models or self._models))
 
-    def no_sync(self, model):
-        return self.strategy.no_backward_sync(model, True)
+    def no_sync(self, *models):
+        """Context that skips the gradient all-reduce of ``models`` (DDP ``no_sync``)."""
+        ctxs = [self.strategy.no_backward_sync(m, True) for m in models]
+        return ctxs[0] if len(ctxs) == 1 else _MultiContext(ctxs)
+
+    def unscale_gradients(self, optimizer=None) -> None:
+        """Under 16-mixed, divide the gradients of ``optimizer`` (default: all prepared
+        optimizers) by the loss scale, once per step (a second call is a no-op)."""
+        if self.strategy.precision.scaler is None:
+            return
+        opts = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in opts:
+            raw = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
+            if id(raw) not in self._unscaled:
+                self.strategy.precision.unscale_gradients(raw)
+                self._unscaled.add(id(raw))
+
+    def _unscale_for(self, params: list) -> None:
+        if self.strategy.precision.scaler is None:
+            return
+        ids = {id(p) for p in params}
+        self.unscale_gradients([o for o in self._optimizers if id(o.optimizer) not in self._unscaled and any(
+            id(p) in ids for g in o.optimizer.param_groups for p in g["params"])])
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
-        for opt in self._optimizers:
-            self.strategy.precision.unscale_gradients(opt.optimizer)
-        params = [p for p in parameters if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        """Clip the total gradient norm of ``parameters`` (unscaling them first under
+        16-mixed); returns the norm before clipping. On a micro-batch where the
+        optimizer will not step (``sync_gradients`` False) it does nothing and
+        returns None; under DeepSpeed the engine clips (set it in its config)."""
+        if not self.sync_gradients or self.strategy.owns_optimizer_step:
+            return None
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self._unscale_for(params)
+        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm,
+                                              norm_type=norm_type)
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
-        for opt in self._optimizers:
-            self.strategy.precision.unscale_gradients(opt.optimizer)
-        torch.nn.utils.clip_grad_value_([p for p in parameters if p.grad is not None], clip_value)
+        """Clamp every gradient to ``[-clip_value, clip_value]`` (unscaled first; as
+        :meth:`clip_grad_norm_`, only when the optimizer will step)."""
+        if not self.sync_gradients or self.strategy.owns_optimizer_step:
+            return None
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        self._unscale_for(params)
+        torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
 
     def autocast(self):
+        """The precision's autocast context (prepared models already run in it)."""
         return self.strategy.precision.forward_context()
 
     # -- collectives ----------------------------------------------------------------------
-    def gather(self, tensor):
-        from ember import distributed
-        return distributed.gather(tensor, strategy=self.strategy)
+    def _check(self, op: str, data: Any, free_dim: int | None = None) -> None:
+        if self.strategy.world_size > 1:
+            check_collective(self.strategy, op, data, free_dim)
 
-    def gather_for_metrics(self, data):
-        from ember import distributed
+    def gather(self, tensor):
+        """Concatenate ``tensor`` (or nested tensors) from every process along dim 0
+        (first dimensions may differ; a 0-d tensor becomes one row per process)."""
+        if self.debug:
+            self._check("gather", tensor, 0)
+        return _dist.gather(tensor, strategy=self.strategy)
+
+    def gather_object(self, obj) -> list:
+        """Every process's ``obj`` (lists are concatenated, as Accelerate)."""
+        if self.debug:
+            self._check("gather_object", None)
+        got = self.strategy.all_gather_object(obj)
+        if isinstance(obj, list):
+            return [x for part in got for x in part]
+        return got
+
+    def gather_for_metrics(self, data, use_gather_object: bool = False):
+        """Gather predictions/targets of the current batch from every process in dataset
+        order; on the last batch of a prepared dataloader the samples the distributed
+        sampler duplicated are dropped, so over an epoch exactly the dataset comes back."""
+        if self.debug:
+            self._check("gather_for_metrics", data, 0)
         loader = self._active_loader
         padded = edata.num_padded(loader.base) if loader is not None and loader.end_of_dataloader else 0
-        return distributed.gather_for_metrics(data, num_padded=padded, strategy=self.strategy)
+        if use_gather_object and not isinstance(data, list):
+            data = [data]
+        return _dist.gather_for_metrics(data, num_padded=padded, strategy=self.strategy)
 
-    def reduce(self, tensor, reduction: str = "mean"):
-        return self.strategy.reduce(tensor, reduction)
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """Reduce ``tensor`` (or nested tensors) over processes: ``"sum"`` (default, as
+        Accelerate), ``"mean"``, ``"max"``, ``"min"`` or ``"none"``; then multiply by ``scale``."""
+        if reduction not in _REDUCTIONS:
+            raise invalid_choice("reduction", reduction, _REDUCTIONS)
+        if self.debug:
+            self._check(f"reduce({reduction})", tensor)
+        out = tensor if reduction == "none" else _dist.reduce(tensor, reduction, strategy=self.strategy)
+        if scale != 1.0:
+            out = _dist._map(out, lambda t: t * scale)
+        return out
 
     def pad_across_processes(self, tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
-        from ember import distributed
-        return distributed.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first,
-                                                strategy=self.strategy)
+        """Pad along ``dim`` to the largest size over processes (so it can be gathered)."""
+        if self.debug:
+            self._check("pad_across_processes", tensor, dim)
+        return _dist.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first,
+                                          strategy=self.strategy)
 
     def broadcast(self, obj, from_process: int = 0):
-        return self.strategy.broadcast(obj, from_process)
+        """Process ``from_process``'s tensor (same shape everywhere) or picklable object."""
+        if self.debug:
+            self._check("broadcast", obj if isinstance(obj, torch.Tensor) else None)
+        return _dist.broadcast(obj, from_process, strategy=self.strategy)
 
     def wait_for_everyone(self) -> None:
+        """Barrier: every process waits here until all arrive."""
+        if self.debug:
+            self._check("wait_for_everyone", None)
         self.strategy.barrier("wait_for_everyone")
 
+    def set_trigger(self) -> None:
+        """Raise a flag on this process; :meth:`check_trigger` sees it on every process."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """True on every process if any process called :meth:`set_trigger` (then resets it)."""
+        flag = torch.tensor(1.0 if self._trigger else 0.0, device=self.device)
+        hit = bool(self.strategy.reduce(flag, "max").item() > 0) if self.use_distributed else self._trigger
+        self._trigger = False
+        return hit
+
+    # -- processes --------------------------------------------------------------------------
     def print(self, *args, **kwargs) -> None:
+        """``print`` on the local main process only."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    @contextlib.contextmanager
     def main_process_first(self):
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
+        """Context: the main process runs the body first, the others after it finished."""
+        return _InOrder(self, self.is_main_process)
 
-    @contextlib.contextmanager
     def local_main_process_first(self):
-        if not self.is_local_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_local_main_process:
-            self.wait_for_everyone()
+        """Context: each node's local main process runs the body before the node's others."""
+        return _InOrder(self, self.is_local_main_process)
 
-    def unwrap_model(self, model):
-        return self.strategy.unwrap_module(model)
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run ``function`` on the main process only (others get None)."""
+        return self.on_process(function, 0)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        """Decorator: run ``function`` on each node's local main process only."""
+        return self.on_local_process(function, 0)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self.on_process(function, self.num_processes - 1)
+
+    def on_process(self, function: Callable | None = None, process_index: int = 0):
+        """Decorator: run ``function`` on global process ``process_index`` only."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if self.process_index == process_index:
+                return function(*args, **kwargs)
+            return None
+        return wrapper
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int = 0):
+        """Decorator: run ``function`` on local process ``local_process_index`` of each node."""
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if self.local_process_index == local_process_index:
+                return function(*args, **kwargs)
+            return None
+        return wrapper
+
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        """Context yielding this process's contiguous share of a list, tuple, tensor (dim 0)
+        or dict of them; the first ``len % num_processes`` processes get one more item.
+        ``apply_padding``: repeat the last item so every process gets the same count."""
+        from ember.accelerator_state import split_inputs
+        return _Yield(split_inputs(inputs, self.num_processes, self.process_index, apply_padding))
+
+    # -- models & checkpoints ------------------------------------------------------------------
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True):
+        """The user's module inside the strategy's wrappers (DDP, compile, ...).
+        ``keep_fp32_wrapper=False`` also removes the autocast/cast ``forward`` of prepare."""
+        module = self.strategy.unwrap_module(model)
+        if not keep_fp32_wrapper:
+            unwrap_forward(module)
+        return module
+
+    def get_state_dict(self, model, unwrap: bool = True) -> dict:
+        """The full (unsharded) state dict of a prepared model."""
+        return self.strategy.module_state_dict(model)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> list:
+        """Export the weights of ``model`` to ``save_directory`` as safetensors: one
+        ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger
+        than ``max_shard_size`` (``"500MB"``, ``"2GB"``, bytes). The main process writes."""
+        from ember.accelerator_state import save_model
+        return save_model(self, model, save_directory, max_shard_size, safe_serialization)
+
+    def save(self, obj, f) -> None:
+        """``torch.save`` on the main process, refusing objects ``torch.load(weights_only=True)``
+        cannot read back (state dicts, tensors and plain containers are fine)."""
+        if self.is_main_process:
+            from ember import checkpoint_io as cio
+            cio.save_torch(obj, f)
+
+    def register_for_checkpointing(self, *objects) -> None:
+        """Include objects with ``state_dict()``/``load_state_dict()`` in :meth:`save_state`."""
+        bad = [type(o).__name__ for o in objects
+               if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+        if bad:
+            raise MisconfigurationError(f"register_for_checkpointing: {', '.join(bad)} must have state_dict() "
+                                        "and load_state_dict() methods")
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True) -> str:
+        """Write an atomic checkpoint directory: models (safetensors), optimizers,
+        schedulers, grad scaler, dataloader positions, per-process RNG states,
+        registered objects. ``None``: ``project_dir/checkpoints/checkpoint_N``."""
+        from ember.accelerator_state import save_state
+        return save_state(self, output_dir)
+
+    def load_state(self, input_dir=None, strict: bool = True) -> dict:
+        """Restore what :meth:`save_state` wrote into the prepared objects (call after
+        ``prepare``). Prepared dataloaders then resume mid-epoch, skipping the
+        indices already seen. ``None``: the newest under ``project_dir/checkpoints``."""
+        from ember.accelerator_state import load_state
+        return load_state(self, input_dir, strict)
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """The next pass over ``dataloader`` starts after ``num_batches`` batches. A
+        prepared dataloader skips indices (no data is read) and is returned itself; any
+        other iterable is wrapped."""
+        if isinstance(dataloader, DataLoaderShard):
+            dataloader.skip(num_batches)
+            return dataloader
+        return _Islice(dataloader, num_batches)
+
+    def free_memory(self, *objects):
+        """Drop the references held to prepared objects, collect garbage, empty the CUDA
+        cache. Returns ``[None] * len(objects)`` for ``a, b = acc.free_memory(a, b)``."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self._custom_objects.clear()
+        self._unscaled.clear()
+        self._active_loader = None
+        self._step = 0
+        self.sync_gradients = True
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    clear = free_memory
+
+    # -- trackers ----------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Create the ``log_with`` trackers (main process only) under ``project_dir``
+        with ``project_name`` as experiment name / W&B project, and log ``config`` as
+        hyperparameters. ``init_kwargs={"wandb": {...}}`` go to that tracker."""
+        from ember.accelerator_state import init_trackers
+        init_trackers(self, project_name, config, init_kwargs)
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Log scalar ``values`` (numbers or 0-d tensors) to every tracker at ``step``
+        (default: the number of earlier ``log`` calls). Main process only."""
+        if not self.trackers:
+            return
+        from ember.loggers.base import to_scalar
+        if step is None:
+            step = self._log_step
+        self._log_step = step + 1
+        metrics = {k: to_scalar(v) for k, v in values.items()}
+        for tr in self.trackers:
+            tr.log_metrics(metrics, step=step)
+
+    def get_tracker(self, name: str, unwrap: bool = False):
+        """The tracker named ``"tensorboard"``, ``"csv"``, ``"wandb"`` (or a custom
+        Logger's name); ``unwrap=True``: its writer / run. Other processes get a
+        tracker whose methods do nothing."""
+        from ember.accelerator_state import get_tracker
+        return get_tracker(self, name, unwrap)
 
     def end_training(self) -> None:
+        """Finish every tracker (flush, close)."""
         for tr in self.trackers:
             tr.finalize("success")
+        self.trackers = []
         self.strategy.teardown()
+
+    def __repr__(self) -> str:
+        return (f"Accelerator(strategy={self.strategy.name!r}, num_processes={self.num_processes}, "
+                f"process_index={self.process_index}, device={self.device}, precision={self.precision!r}, "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _check_log_with(log_with) -> list:
+    from ember.loggers import LOGGER_CHOICES, Logger
+    if log_with is None:
+        return []
+    specs = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
+    for s in specs:
+        if not (isinstance(s, Logger) or (isinstance(s, str) and s.strip().lower() in LOGGER_CHOICES + ("all",))):
+            raise invalid_choice("log_with", s, list(LOGGER_CHOICES) + ["all", "a Logger", "a list of these"])
+    out = []
+    for s in specs:
+        out += ["tensorboard", "csv"] if isinstance(s, str) and s.strip().lower() == "all" else [s]
+    return out
 
 
 class _MultiContext:
+    __slots__ = ("ctxs",)
+
     def __init__(self, ctxs):
         self.ctxs = ctxs
 
@@ -232,123 +585,47 @@ class _MultiContext:
     def __exit__(self, *exc):
         for c in reversed(self.ctxs):
             c.__exit__(*exc)
+        return False
 
 
-def _is_scheduler(o) -> bool:
-    return isinstance(o, torch.optim.lr_scheduler.LRScheduler) or (
-        hasattr(o, "step") and hasattr(o, "optimizer") and hasattr(o, "state_dict") and not isinstance(o, torch.optim.Optimizer))
+class _InOrder:
+    """``first`` processes run the body, then meet the others at a barrier; the others
+    wait at that barrier before running it. On an exception in the body no barrier is
+    entered (the process fails and the launcher ends the others)."""
+    __slots__ = ("acc", "first")
+
+    def __init__(self, acc, first: bool):
+        self.acc, self.first = acc, first
+
+    def __enter__(self):
+        if not self.first:
+            self.acc.wait_for_everyone()
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.first and exc_type is None:
+            self.acc.wait_for_everyone()
+        return False
 
 
-class AcceleratedOptimizer:
-    """Steps through the strategy/precision; a no-op while accumulating."""
+class _Yield:
+    __slots__ = ("value",)
 
-    def __init__(self, optimizer, accelerator: Accelerator):
-        self.optimizer = optimizer
-        self._acc = accelerator
-        self._strategy = accelerator.strategy
+    def __init__(self, value):
+        self.value = value
 
-    def step(self, closure=None):
-        if self._acc.sync_gradients:
-            self._strategy.optimizer_step(self.optimizer, None, closure)
+    def __enter__(self):
+        return self.value
 
-    def zero_grad(self, set_to_none: bool = True):
-        if self._acc.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, sd):
-        self.optimizer.load_state_dict(sd)
-
-    def __getattr__(self, name):
-        return getattr(self.optimizer, name)
+    def __exit__(self, *exc):
+        return False
 
 
-class AcceleratedScheduler:
-    """Steps only when the optimizer stepped (once per accumulation window); under
-    several processes, as Accelerate, it advances once per process so a schedule
-    written for the global number of steps keeps its shape."""
-
-    def __init__(self, scheduler, accelerator: Accelerator):
-        self.scheduler = scheduler
-        self._acc = accelerator
-
-    def step(self, *args, **kwargs):
-        if not self._acc.sync_gradients:
-            return
-        n = self._acc.num_processes if self._acc.step_scheduler_with_optimizer else 1
-        for _ in range(n):
-            self.scheduler.step(*args, **kwargs)
-
-    def get_last_lr(self):
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self):
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, sd):
-        self.scheduler.load_state_dict(sd)
-
-    def __getattr__(self, name):
-        return getattr(self.scheduler, name)
-
-
-class DataLoaderShard:
-    """A prepared (sharded, resumable) DataLoader that moves batches to the device
-    and tells the accelerator when the last batch is out."""
-
-    def __init__(self, loader, accelerator: Accelerator):
-        self.base = loader
-        self._acc = accelerator
-        self.end_of_dataloader = False
-        self._skip = 0
-        self.batches_done = 0
-        self.epoch = 0
-
-    def __len__(self):
-        return len(self.base)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        edata.set_epoch(self.base, epoch)
+class _Islice:
+    def __init__(self, iterable, n: int):
+        self.iterable, self.n = iterable, n
 
     def __iter__(self):
-        acc = self._acc
-        strategy = acc.strategy
-        move = strategy.root_device.type != "cpu"
-        if self._skip:
-            edata.skip_batches(self.base, self._skip)
-        self.batches_done, self._skip = self._skip, 0
-        self.end_of_dataloader = False
-        acc._active_loader = self
-        edata.set_epoch(self.base, self.epoch)
-        it = iter(self.base)
-        try:
-            nxt = next(it)
-        except StopIteration:
-            return
-        while True:
-            cur = nxt
-            try:
-                nxt = next(it)
-            except StopIteration:
-                self.end_of_dataloader = True
-                self.batches_done += 1
-                yield strategy.batch_to_device(cur) if move else cur
-                break
-            self.batches_done += 1
-            yield strategy.batch_to_device(cur) if move else cur
-        acc._active_loader = None
-        self.epoch += 1
+        return itertools.islice(iter(self.iterable), self.n, None)
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["base"], name)
+    def __len__(self):
+        return max(0, len(self.iterable) - self.n)
