@@ -53,6 +53,9 @@ class Results:
         self.entries: dict[str, _Entry] = {}
         self.batch = None          # set by the loop; used to infer batch sizes lazily
         self._batch_size = None
+        #: set by the evaluation loop when it runs several dataloaders: names get
+        #: a "/dataloader_idx_N" suffix, as in Lightning
+        self.dataloader_idx = None
 
     def new_batch(self, batch) -> None:
         self.batch, self._batch_size = batch, None
@@ -64,6 +67,8 @@ class Results:
 
     def log(self, name, value, prog_bar=False, logger=True, on_step=None, on_epoch=None,
             reduce_fx="mean", sync_dist=False, batch_size=None):
+        if self.dataloader_idx is not None:
+            name = f"{name}/dataloader_idx_{self.dataloader_idx}"
         e = self.entries.get(name)
         if e is None:
             e = self._new_entry(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
@@ -139,6 +144,7 @@ class Results:
         return out
 
     def reset(self) -> None:
+        self.dataloader_idx = None
         for e in self.entries.values():
             e.total, e.weight, e.updated, e.last = None, 0, False, None
             if e.metric is not None:

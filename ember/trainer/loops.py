@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import time
 
 import torch
@@ -54,6 +55,8 @@ import torch
 from ember import data as edata
 from ember.errors import MisconfigurationError
 from ember.trainer.logging import Results
+
+_DL_SUFFIX = re.compile(r"/dataloader_idx_(\d+)")
 
 
 def extract_loss(out, hook: str = "training_step"):
@@ -271,6 +274,7 @@ class EvalLoop:
                 t.current_dataloader = loader
                 n = t._limit_batches(loader, limit)
                 kwargs = {"dataloader_idx": dl_idx} if (accepts_idx and len(loaders) > 1) else {}
+                results.dataloader_idx = dl_idx if len(loaders) > 1 else None
                 count = 0
                 for batch_idx, batch in enumerate(loader):
                     if batch_idx >= n:
@@ -286,6 +290,7 @@ class EvalLoop:
                 if count == 0 and n != 0 and stage != "sanity":
                     raise MisconfigurationError(f"the {stage} dataloader #{dl_idx} yielded no batches")
                 per_loader.append(count)
+        results.dataloader_idx = None
         t._call_hook(f"{pre}_epoch_end")
         metrics = t._emit_epoch(results, log=stage != "sanity")
         if stage != "sanity":
@@ -294,7 +299,15 @@ class EvalLoop:
         module._results = prev_results
         if was_training:
             module.train()
-        return [dict(metrics) for _ in per_loader] if len(per_loader) > 1 else [metrics]
+        if len(per_loader) > 1:
+            # one dict per dataloader: its own "/dataloader_idx_N" values plus the shared ones
+            return [{k: v for k, v in metrics.items() if _loader_of(k) in (None, i)} for i in range(len(per_loader))]
+        return [metrics]
+
+
+def _loader_of(name: str):
+    m = _DL_SUFFIX.search(name)
+    return int(m.group(1)) if m else None
 
 
 def limit_batches(num: int | float, limit, name: str) -> int:
