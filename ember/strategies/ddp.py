@@ -171,7 +171,6 @@ class DDPStrategy(Strategy):
             self._launcher.launch()
         if LocalEnvironment.is_launched_child():
             launchers.watch_parent()
-        launchers.install_exit_handlers()
         device = self.root_device
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -185,6 +184,7 @@ class DDPStrategy(Strategy):
             raise MisconfigurationError(
                 f"a process group of world size {dist.get_world_size()} already exists, but the "
                 f"{env.name} environment says {env.world_size}")
+        launchers.install_exit_handlers()
         self.precision.setup(device)
 
     def setup_module(self, module: nn.Module) -> nn.Module:

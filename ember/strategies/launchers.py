@@ -242,7 +242,6 @@ def is_peer_lost_error(exc: BaseException) -> bool:
 class _ExitState:
     installed = False
     failed = False
-    exit_code = 0
     destroyed = False
 
 
@@ -250,54 +249,57 @@ _EXIT = _ExitState()
 
 
 def _excepthook(exc_type, exc, tb):
+    """An unhandled exception on a rank: report it once, stop the local ranks, and
+    leave without finalising the interpreter around a broken process group."""
     global _reported
     _EXIT.failed = True
-    _EXIT.exit_code = 1
+    code = 1
     launcher = _LAUNCHER
-    child = launcher.wait_for_child_failure(3.0) if launcher is not None else None
+    peer_lost = is_peer_lost_error(exc)
+    child = None
+    if launcher is not None:  # did one of our ranks fail first? (then this is a consequence)
+        child = launcher.wait_for_child_failure(3.0 if peer_lost else 0.0)
     with _report_lock:
         first = not _reported
         _reported = True
     if child is not None:
-        # another rank failed first; its traceback is above; this one is a consequence
         if first:
             what = f"exited with code {child[1]}" if child[1] > 0 else f"was killed by signal {-child[1]}"
             _stderr(f"ember: rank {child[0]} {what}; stopping the other ranks")
-        _EXIT.exit_code = child[1] if child[1] > 0 else 1
-    elif is_peer_lost_error(exc):
+        code = child[1] if child[1] > 0 else 1
+    elif peer_lost:
         rank = os.environ.get("RANK", "?")
-        line = str(exc).strip().splitlines()[0] if str(exc).strip() else exc_type.__name__
+        text = str(exc).strip()
+        line = text.splitlines()[0] if text else ""
         _stderr(f"ember: rank {rank} lost contact with another rank, which probably failed "
-                f"(see its error): {exc_type.__name__}: {line[:300]}")
+                f"(its error is reported above or in its log): {exc_type.__name__}: {line[:300]}")
     else:
         _PREV_EXCEPTHOOK(exc_type, exc, tb)
     if launcher is not None:
         launcher.terminate()
-    # do not run the interpreter's finalisation with a broken process group
+    try:  # what the interpreter would run at exit (loggers, ...), then leave
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
     _flush_stdio()
-    os._exit(_EXIT.exit_code)
+    os._exit(code)
 
 
 _PREV_EXCEPTHOOK = sys.excepthook
 
 
 def _exit_handler() -> None:
-    """atexit: normal end of a distributed run (an unhandled exception goes through
-    :func:`_excepthook` instead and never reaches here)."""
-    code = _exit_code_guess()
+    """atexit, normal end of a distributed run: every rank meets at a barrier and
+    the process group is destroyed while the interpreter is fully alive (gloo can
+    abort the process when it is left to interpreter finalisation)."""
     if _EXIT.failed:
         return
-    shutdown_process_group(barrier=code == 0)
+    shutdown_process_group(barrier=True)
     if _LAUNCHER is not None:
-        child_code = _LAUNCHER.wait_children()
-        code = code or child_code
-    _flush_stdio()
-    os._exit(code)
-
-
-def _exit_code_guess() -> int:
-    """The status ``sys.exit(...)`` asked for, if the program called it."""
-    return _EXIT.exit_code
+        code = _LAUNCHER.wait_children()
+        if code:
+            _flush_stdio()
+            os._exit(code)
 
 
 def shutdown_process_group(barrier: bool = True) -> None:
@@ -313,29 +315,14 @@ def shutdown_process_group(barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def _sys_exit(code=0):
-    """``sys.exit`` that remembers the status for the exit handler."""
-    if code is None:
-        _EXIT.exit_code = 0
-    elif isinstance(code, int):
-        _EXIT.exit_code = code
-    else:
-        _stderr(str(code))
-        _EXIT.exit_code = 1
-        code = 1
-    _ORIG_SYS_EXIT(code)
-
-
-_ORIG_SYS_EXIT = sys.exit
-
-
 def install_exit_handlers() -> None:
-    """Install the excepthook and atexit handler of a distributed rank (once)."""
+    """Install the excepthook and atexit handler of a distributed rank. Call it after
+    ``init_process_group`` (which installs a hook that prefixes the lines of a
+    traceback with the rank; ours wraps it)."""
     global _PREV_EXCEPTHOOK
-    if _EXIT.installed:
-        return
-    _EXIT.installed = True
-    _PREV_EXCEPTHOOK = sys.excepthook
-    sys.excepthook = _excepthook
-    sys.exit = _sys_exit
-    atexit.register(_exit_handler)
+    if sys.excepthook is not _excepthook:
+        _PREV_EXCEPTHOOK = sys.excepthook
+        sys.excepthook = _excepthook
+    if not _EXIT.installed:
+        _EXIT.installed = True
+        atexit.register(_exit_handler)
