@@ -150,8 +150,16 @@ class MixedPrecision(Precision):
         loss.backward(**kwargs)
 
     def unscale_gradients(self, optimizer):
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        """Unscale once per step: a second call before the step (hook, then clipping)
+        is a no-op instead of GradScaler's error."""
+        scaler = self.scaler
+        if scaler is None:
+            return
+        from torch.amp.grad_scaler import OptState
+        state = scaler._per_optimizer_states.get(id(optimizer))
+        if state is not None and state["stage"] is OptState.UNSCALED:
+            return
+        scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer, closure=None) -> None:
         scaler = self.scaler

@@ -412,6 +412,10 @@ class Trainer:
             mh(*args)
 
     def _before_optimizer_step(self, opt):
+        # the hook sees true gradients (as Lightning): unscale them first under loss scaling
+        if self.strategy.precision.scaler is not None and not self.strategy.owns_optimizer_step:
+            for o in self.optimizers:
+                self.strategy.precision.unscale_gradients(o)
         for h in self._hooks["on_before_optimizer_step"]:
             h(self, self.module, opt)
         mh = self._module_hook("on_before_optimizer_step")
