@@ -1,0 +1,557 @@
+"""``FSDPStrategy``: fully sharded data parallel with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each rank keeps only its shard (dim 0) of every parameter, gradient and
+optimizer state; parameters are all-gathered for forward/backward per wrapped
+layer and freed again. Processes are started and found exactly as for
+:class:`~ember.strategies.ddp.DDPStrategy` (``torchrun`` / ``ember launch``,
+SLURM, or ``devices=N`` from a plain script).
+
+- ``configure_model`` runs on the meta device: layers built there cost no
+  memory until they are sharded, then each rank allocates its shard and calls
+  ``reset_parameters()`` on every module that owns meta tensors (so every such
+  module must define it, as the ``torch.nn`` layers do).
+- Checkpoints are ``torch.distributed.checkpoint`` (DCP) folders ``model/``
+  holding model and optimizer shards; they load at any world size.
+  ``state_dict_type="full"`` writes ``model.safetensors`` (+ full optimizer
+  states) instead. :meth:`FSDPStrategy.export_full` writes full weights.
+
+See ``docs/sharding.md``.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import inspect
+import os
+import warnings
+from datetime import timedelta
+from itertools import chain
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
+from ember.strategies.base import _NULL
+from ember.strategies.ddp import DDPStrategy
+
+_STATE_DICT_TYPES = ("sharded", "full")
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_DCP_KEY_MODEL, _DCP_KEY_OPTIM = "model", "optim"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def init_single_process_group(backend: str = "gloo") -> bool:
+    """A one-rank process group (FSDP and DCP need one even on one device).
+    Returns True when it created one."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    def _destroy():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    atexit.register(_destroy)
+    return True
+
+
+class FSDPStrategy(DDPStrategy):
+    """Shard parameters, gradients and optimizer states over the ranks (FSDP2).
+
+    Args:
+        devices, num_nodes, process_group_backend, timeout, accelerator, start_method,
+            cluster_environment: as for :class:`~ember.strategies.ddp.DDPStrategy`.
+        auto_wrap_policy: which submodules become their own FSDP unit (all-gathered
+            and freed on their own): a set/list of layer classes, or a callable
+            ``fn(module) -> bool``. Default: only the root (one unit).
+        reshard_after_forward: free the gathered parameters after forward (and gather
+            again in backward). Default True (``$EMBER_FSDP_RESHARD_AFTER_FORWARD``).
+        cpu_offload: keep shards, gradients and optimizer states on the CPU
+            (``CPUOffloadPolicy``). Default False (``$EMBER_FSDP_CPU_OFFLOAD``).
+        activation_checkpointing: layer classes whose activations are recomputed in
+            backward; ``True`` means the ``auto_wrap_policy`` classes.
+        mixed_precision: a ``torch.distributed.fsdp.MixedPrecisionPolicy``; default
+            derived from the precision: ``bf16-mixed`` -> bf16 compute, fp32 reduce;
+            ``16-mixed`` -> fp16 compute, fp32 reduce, sharded loss scaling.
+        state_dict_type: ``"sharded"`` (DCP folder, default) or ``"full"``
+            (``model.safetensors`` gathered on rank 0; memory of the full model).
+        async_save: write DCP checkpoints in a background thread; the checkpoint
+            directory appears once the write finishes (at the latest at the next
+            save or at teardown).
+        init_on_meta: build ``configure_model`` layers on the meta device (default True).
+        **kwargs: passed to ``fully_shard`` (e.g. ``shard_placement_fn``).
+    """
+
+    name = "fsdp"
+    is_sharded = True
+
+    def __init__(self, devices=None, num_nodes: int = 1, auto_wrap_policy=None,
+                 reshard_after_forward: bool | None = None, cpu_offload: bool | None = None,
+                 activation_checkpointing=None, mixed_precision=None, state_dict_type: str = "sharded",
+                 async_save: bool = False, init_on_meta: bool = True,
+                 process_group_backend: str | None = None,
+                 timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
+                 start_method: str = "popen", cluster_environment=None, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
+            super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
+                             timeout=timeout, start_method=start_method, accelerator=accelerator,
+                             cluster_environment=cluster_environment)
+        self.ddp_kwargs = {}
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise invalid_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
+        self._wrap_check = self._parse_policy("auto_wrap_policy", auto_wrap_policy)
+        if activation_checkpointing is True:
+            if auto_wrap_policy is None or callable(auto_wrap_policy) and not isinstance(auto_wrap_policy, type):
+                raise MisconfigurationError(
+                    "activation_checkpointing=True means 'the auto_wrap_policy layer classes', but "
+                    f"auto_wrap_policy={auto_wrap_policy!r} is not a set of classes; pass the classes "
+                    "(activation_checkpointing={MyBlock})")
+            activation_checkpointing = auto_wrap_policy
+        self._ac_check = self._parse_policy("activation_checkpointing", activation_checkpointing or None)
+        self.reshard_after_forward = (_env_flag("EMBER_FSDP_RESHARD_AFTER_FORWARD", True)
+                                      if reshard_after_forward is None else bool(reshard_after_forward))
+        self.cpu_offload = _env_flag("EMBER_FSDP_CPU_OFFLOAD", False) if cpu_offload is None else bool(cpu_offload)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise MisconfigurationError(f"mixed_precision={mixed_precision!r} is not valid; pass a "
+                                        "torch.distributed.fsdp.MixedPrecisionPolicy or None (derived from precision)")
+        self.mixed_precision = mixed_precision
+        self.state_dict_type = state_dict_type
+        self.async_save = bool(async_save)
+        self.init_on_meta = bool(init_on_meta)
+        from torch.distributed.fsdp import fully_shard
+        allowed = set(inspect.signature(fully_shard).parameters) - {"module", "mesh", "reshard_after_forward",
+                                                                     "mp_policy", "offload_policy"}
+        unknown = sorted(set(kwargs) - allowed)
+        if unknown:
+            raise MisconfigurationError(f"FSDPStrategy got unknown argument(s) {unknown}; extra keyword arguments "
+                                        f"are passed to fully_shard, which accepts {sorted(allowed)}")
+        self.fsdp_kwargs = kwargs
+        self._mesh = None
+        self._models: list[nn.Module] = []
+        self._old_params: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}
+        self._pending_save = None
+        self._async_pg = None
+
+    @staticmethod
+    def _parse_policy(arg: str, policy) -> Callable[[nn.Module], bool] | None:
+        if policy is None:
+            return None
+        if isinstance(policy, type) and issubclass(policy, nn.Module):
+            policy = {policy}
+        if isinstance(policy, (set, frozenset, list, tuple)):
+            classes = tuple(policy)
+            bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+            if bad or not classes:
+                raise MisconfigurationError(f"{arg}={policy!r}: expected nn.Module subclasses (e.g. {{MyBlock}}) "
+                                            "or a callable fn(module) -> bool")
+            return lambda m: isinstance(m, classes)
+        if callable(policy):
+            return policy
+        raise MisconfigurationError(f"{arg}={policy!r} is not valid; use a set of nn.Module classes or a "
+                                    "callable fn(module) -> bool")
+
+    # -- lifecycle -------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        if self._single:
+            super().setup_environment()                 # device + precision, no launcher
+            init_single_process_group("nccl" if self._use_cuda and self._backend == "nccl" else "gloo")
+        else:
+            super().setup_environment()
+        self._setup_precision()
+
+    def _setup_precision(self) -> None:
+        name = self.precision.name
+        if name == "16-mixed":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            self.precision.scaler = ShardedGradScaler(device=self.root_device.type)
+
+    @property
+    def mesh(self):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+            self._mesh = init_device_mesh(self.root_device.type, (dist.get_world_size(),))
+        return self._mesh
+
+    def _mp_policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        name = self.precision.name
+        if name == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if name == "16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def module_init_context(self):
+        """Meta device (plus the precision's default dtype) while ``configure_model`` runs."""
+        base = super().module_init_context()
+        if not self.init_on_meta:
+            return base
+        stack = contextlib.ExitStack()
+        stack.enter_context(base)
+        stack.enter_context(torch.device("meta"))
+        return stack
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+        if isinstance(module, FSDPModule):
+            return module
+        module = self.precision.convert_module(module)
+        tensors = list(chain(module.named_parameters(), module.named_buffers()))
+        meta = {n for n, t in tensors if t.is_meta}
+        if not meta:
+            module = module.to(self.root_device)
+        for fqn, p in module.named_parameters():
+            self._old_params[id(p)] = (module, fqn, p)
+        if self._ac_check is not None:
+            from torch.distributed._composable import checkpoint
+            for m in [m for m in module.modules() if m is not module and self._ac_check(m)]:
+                checkpoint(m)
+        kw = dict(mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self._mp_policy(),
+                  offload_policy=(CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+                                  if self.cpu_offload else OffloadPolicy()), **self.fsdp_kwargs)
+        if self._wrap_check is not None:
+            # bottom-up: inner matches first, then the layers that contain them
+            for m in reversed([m for m in module.modules() if m is not module and self._wrap_check(m)]):
+                fully_shard(m, **kw)
+        fully_shard(module, **kw)
+        if meta:
+            self._materialize(module, meta)
+        for name in _STEP_METHODS:
+            if callable(getattr(module, name, None)):
+                from torch.distributed.fsdp import register_fsdp_forward_method
+                register_fsdp_forward_method(module, name)
+        self._models.append(module)
+        return module
+
+    def _materialize(self, module: nn.Module, meta: set[str]) -> None:
+        """Allocate the shards of meta tensors and initialise them with ``reset_parameters``."""
+        missing = []
+        for mod_name, m in module.named_modules():
+            own = [f"{mod_name}.{n}" if mod_name else n
+                   for n, _ in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))]
+            if any(n in meta for n in own) and not callable(getattr(m, "reset_parameters", None)):
+                missing.append(f"{mod_name or '<root>'} ({type(m).__name__})")
+        if missing:
+            raise MisconfigurationError(
+                "FSDP built these modules on the meta device in configure_model, but they have no "
+                f"reset_parameters() to initialise their shards: {', '.join(missing[:10])}. Define "
+                "reset_parameters() on them, build them in __init__ instead, or pass "
+                "FSDPStrategy(init_on_meta=False)")
+        keep = {n: _local(t).detach().clone() for n, t in chain(module.named_parameters(), module.named_buffers())
+                if n not in meta}
+        module.to_empty(device=self.root_device)
+        with torch.no_grad():
+            for n, t in chain(module.named_parameters(), module.named_buffers()):
+                if n in keep:
+                    _local(t).copy_(keep[n])
+            for mod_name, m in module.named_modules():
+                own = [f"{mod_name}.{n}" if mod_name else n
+                       for n, _ in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))]
+                if any(n in meta for n in own):
+                    m.reset_parameters()
+
+    def setup_optimizers(self, module: nn.Module, optimizers: list) -> tuple[nn.Module, list]:
+        """Point optimizers created before sharding (``Accelerator.prepare(model, opt)``)
+        at the sharded parameters; those created after need nothing."""
+        for opt in optimizers:
+            for group in opt.param_groups:
+                new = []
+                for p in group["params"]:
+                    rec = self._old_params.get(id(p))
+                    if rec is not None and rec[2] is p:
+                        if opt.state.get(p):
+                            raise MisconfigurationError(
+                                "an optimizer that already stepped was passed with a model that FSDP "
+                                "sharded; create or prepare the optimizer before its first step")
+                        p = rec[0].get_parameter(rec[1])
+                    new.append(p)
+                group["params"] = new
+        self._old_params.clear()
+        return module, optimizers
+
+    def teardown(self) -> None:
+        self._finish_pending_save()
+        super().teardown()
+
+    # -- step ------------------------------------------------------------------------
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        from torch.distributed.fsdp import FSDPModule
+        if not enabled or not isinstance(module, FSDPModule):
+            return _NULL
+        return _no_gradient_sync(module)
+
+    def clip_gradients(self, module: nn.Module, optimizer, clip_val: float,
+                       algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip over the whole (sharded) model: the norm is reduced across ranks."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, clip_val)
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # -- state dicts ---------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full weights on CPU, gathered on global rank 0 (an empty dict on the others).
+        A collective: every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_module_state_dict(self, module: nn.Module, state: dict, strict: bool = True):
+        """Load full weights (every rank passes the same full dict)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        return set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def optimizer_state_dict(self, optimizer, module: nn.Module | None = None) -> dict:
+        """Full optimizer state keyed by parameter name, on rank 0 (collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        module = module if module is not None else self._owner(optimizer)
+        return get_optimizer_state_dict(module, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state_dict(self, optimizer, state: dict, module: nn.Module | None = None):
+        """Load a full optimizer state: keyed by parameter name (as :meth:`optimizer_state_dict`
+        writes) or by index (``optimizer.state_dict()`` of an unsharded run)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        module = module if module is not None else self._owner(optimizer)
+        state = self._fqn_keyed(module, optimizer, state)
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def _owner(self, optimizer) -> nn.Module:
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for m in self._models:
+            if any(id(p) in ids for p in m.parameters()):
+                return m
+        raise MisconfigurationError("this optimizer does not train a module that FSDPStrategy set up")
+
+    @staticmethod
+    def _fqn_keyed(module: nn.Module, optimizer, state: dict) -> dict:
+        groups = state.get("param_groups") or []
+        if not groups or all(isinstance(k, str) for g in groups for k in g["params"]):
+            return state
+        names = {id(p): n for n, p in module.named_parameters()}
+        if len(groups) != len(optimizer.param_groups):
+            raise CheckpointError(f"optimizer state has {len(groups)} parameter groups, the optimizer "
+                                  f"{len(optimizer.param_groups)}")
+        index_to_name, out_groups = {}, []
+        for saved, live in zip(groups, optimizer.param_groups):
+            if len(saved["params"]) != len(live["params"]):
+                raise CheckpointError(f"optimizer state has a group of {len(saved['params'])} parameters where "
+                                      f"the optimizer has {len(live['params'])}")
+            for idx, p in zip(saved["params"], live["params"]):
+                index_to_name[idx] = names[id(p)]
+            out_groups.append(dict(saved, params=[index_to_name[i] for i in saved["params"]]))
+        return {"state": {index_to_name[k]: v for k, v in state.get("state", {}).items()},
+                "param_groups": out_groups}
+
+    # -- checkpoints -----------------------------------------------------------------------
+    @staticmethod
+    def _meta(module: nn.Module, meta: dict, **extra) -> dict:
+        from torch.distributed.fsdp import FSDPModule
+        meta = dict(meta)
+        cls = next((c for c in type(module).__mro__ if not issubclass(c, FSDPModule)), type(module))
+        if "module_class" in meta:   # the class fully_shard swapped in is FSDP<Name>; record the user's
+            meta["module_class"] = f"{cls.__module__}.{cls.__qualname__}"
+        meta.update(extra)
+        return meta
+
+    def save_checkpoint(self, path: str, module: nn.Module, optimizers: list, trainer_state: dict,
+                        meta: dict, weights_only: bool = False) -> None:
+        """Write ``path`` atomically: rank 0 prepares ``NAME.tmp``, every rank writes its
+        shards into ``NAME.tmp/model/`` (DCP), rank 0 adds ``trainer_state.pt`` and
+        ``meta.json`` and renames ``NAME.tmp`` to ``NAME``."""
+        from ember import checkpoint_io as cio
+        self._finish_pending_save()
+        path = os.path.normpath(os.fspath(path))
+        meta = self._meta(module, meta, sharded=self.state_dict_type == "sharded",
+                          state_dict_type=self.state_dict_type)
+        if self.state_dict_type == "full":
+            weights = self.module_state_dict(module)
+            opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
+            if self.is_global_zero:
+                state = None if weights_only else dict(trainer_state, optimizers=opt_states)
+                cio.write_checkpoint(path, weights, state, meta)
+            self.barrier("save_checkpoint")
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+        tmp = cio.tmp_path(path)
+        if self.is_global_zero:
+            cio._remove(tmp)
+            os.makedirs(tmp)
+        self.barrier("save_checkpoint:tmp")
+        if weights_only:
+            sd = {_DCP_KEY_MODEL: get_model_state_dict(module)}
+        else:
+            msd, osd = get_state_dict(module, optimizers=tuple(optimizers))
+            sd = {_DCP_KEY_MODEL: msd, _DCP_KEY_OPTIM: osd}
+        state = None if weights_only else dict(
+            trainer_state, optimizers=[{"stored_in": cio.DCP_WEIGHTS_DIR, "key": _DCP_KEY_OPTIM}] * len(optimizers))
+        target = os.path.join(tmp, cio.DCP_WEIGHTS_DIR)
+        if self.async_save:
+            if self._async_pg is None:
+                self._async_pg = dist.new_group(backend="gloo")
+            future = dcp.async_save(sd, checkpoint_id=target, process_group=self._async_pg)
+            # trainer state is a snapshot of this moment: callbacks mutate their state later
+            self._pending_save = (future, path, copy.deepcopy(state), meta)
+            return
+        try:
+            dcp.save(sd, checkpoint_id=target)
+        except BaseException:
+            if self.is_global_zero:
+                cio._remove(tmp)
+            raise
+        self._commit(path, state, meta)
+
+    def _commit(self, path: str, state: dict | None, meta: dict) -> None:
+        from ember import checkpoint_io as cio
+        self.barrier("save_checkpoint:shards")       # every rank's shards are on disk
+        if self.is_global_zero:
+            cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True)
+        self.barrier("save_checkpoint:commit")
+
+    def _finish_pending_save(self) -> None:
+        """Wait for a background (``async_save``) write, then commit its directory."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        future, path, state, meta = pending
+        future.result()
+        self._commit(path, state, meta)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an ``async_save`` checkpoint is complete on disk."""
+        self._finish_pending_save()
+
+    def load_checkpoint(self, path: str, module: nn.Module, optimizers: list, strict: bool = True,
+                        weights_only: bool = False) -> dict:
+        """Load a DCP checkpoint (any world size), a ``state_dict_type="full"``
+        checkpoint, or an unsharded one (``model.safetensors``, e.g. from a single device)."""
+        from ember import checkpoint_io as cio
+        self._finish_pending_save()
+        path = os.fspath(path)
+        weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
+        state = state or {}
+        if weights is not None:
+            cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
+            self.load_module_state_dict(module, weights, strict=strict)
+            saved = state.get("optimizers", [])
+            if optimizers and len(saved) != len(optimizers):
+                raise CheckpointError(f"{path} has {len(saved)} optimizer state(s) but {len(optimizers)} "
+                                      "optimizer(s) are set up")
+            for opt, s in zip(optimizers, saved):
+                self.load_optimizer_state_dict(opt, s, module)
+        else:
+            self._load_dcp(path, module, optimizers, state, strict, weights_only)
+        state["meta"] = meta
+        return state
+
+    def _load_dcp(self, path, module, optimizers, state, strict, weights_only) -> None:
+        import torch.distributed.checkpoint as dcp
+        from ember import checkpoint_io as cio
+        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_state_dict, set_model_state_dict, set_state_dict)
+        folder = os.path.join(path, cio.DCP_WEIGHTS_DIR)
+        try:
+            md = FileSystemReader(folder).read_metadata().state_dict_metadata
+        except Exception as err:
+            raise CheckpointError(f"{folder} is not a readable torch.distributed.checkpoint folder "
+                                  f"({type(err).__name__}: {err})") from err
+        prefix = _DCP_KEY_MODEL + "."
+        shapes = {k[len(prefix):]: torch.empty(tuple(v.size), device="meta") for k, v in md.items()
+                  if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+        cio.check_compatible(self.unwrap_module(module), shapes, path, strict=strict)
+        load_optim = bool(optimizers) and not weights_only
+        if load_optim:
+            saved = state.get("optimizers", [])
+            if len(saved) != len(optimizers):
+                raise CheckpointError(f"{path} has {len(saved)} optimizer state(s) but {len(optimizers)} "
+                                      "optimizer(s) are set up")
+            if not any(k.startswith(_DCP_KEY_OPTIM + ".") for k in md):
+                raise CheckpointError(f"{path} holds weights only (no optimizer states)")
+            msd, osd = get_state_dict(module, optimizers=tuple(optimizers))
+            sd = {_DCP_KEY_MODEL: msd, _DCP_KEY_OPTIM: osd}
+        else:
+            sd = {_DCP_KEY_MODEL: get_model_state_dict(module)}
+        try:
+            dcp.load(sd, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+        except Exception as err:
+            raise CheckpointError(f"could not load {folder}: {type(err).__name__}: {str(err)[:2000]}") from err
+        opts = StateDictOptions(strict=strict)
+        if load_optim:
+            set_state_dict(module, optimizers=tuple(optimizers), model_state_dict=sd[_DCP_KEY_MODEL],
+                           optim_state_dict=sd[_DCP_KEY_OPTIM], options=opts)
+        else:
+            set_model_state_dict(module, sd[_DCP_KEY_MODEL], options=opts)
+
+    def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
+        """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one
+        file; anything else a directory (``model.safetensors``, or shards + index).
+        Collective; rank 0 writes. Returns ``path``."""
+        from ember import checkpoint_io as cio
+        module = module if module is not None else (self._models[-1] if self._models else None)
+        if module is None:
+            raise MisconfigurationError("export_full() needs a module: no module was set up by this strategy")
+        weights = self.module_state_dict(module)
+        path = os.fspath(path)
+        if self.is_global_zero:
+            if path.endswith(".safetensors"):
+                cio.save_weights_file(path, weights)
+            else:
+                cio.save_model_sharded(weights, path, max_shard_size)
+        self.barrier("export_full")
+        return path
+
+    def __repr__(self) -> str:
+        return (f"FSDPStrategy(world_size={self.world_size}, rank={self.global_rank}, "
+                f"device={self.root_device}, reshard_after_forward={self.reshard_after_forward}, "
+                f"cpu_offload={self.cpu_offload}, state_dict_type={self.state_dict_type!r})")
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def load_full_weights(path: str) -> dict[str, torch.Tensor]:
+    """Full weights of a checkpoint written by :class:`FSDPStrategy`, in one process,
+    without a process group (e.g. to build a plain module for inference)."""
+    from ember import checkpoint_io as cio
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    import torch.distributed.checkpoint as dcp
+    weights, _, _ = cio.read_checkpoint(path, load_state=False)
+    if weights is not None:
+        return weights
+    folder = os.path.join(os.fspath(path), cio.DCP_WEIGHTS_DIR)
+    md = FileSystemReader(folder).read_metadata().state_dict_metadata
+    prefix = _DCP_KEY_MODEL + "."
+    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
+          if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    dcp.load(sd, checkpoint_id=folder, no_dist=True)
+    return {k[len(prefix):]: v for k, v in sd.items()}
