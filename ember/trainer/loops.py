@@ -215,7 +215,11 @@ class FitLoop:
                 elif loss is not None:
                     t._grads_pending = True
             else:
-                out = training_step(batch, batch_idx)
+                if fwd_ctx is not None:   # manual optimization also runs forward under autocast
+                    with fwd_ctx():
+                        out = training_step(batch, batch_idx)
+                else:
+                    out = training_step(batch, batch_idx)
                 if t._manual_steps_since_log >= log_every:
                     t._manual_steps_since_log = 0
                     t._emit_step(results)
