@@ -69,6 +69,8 @@ def configure_optimizers(module) -> tuple[list, list[dict]]:
 
 
 def step_schedulers(trainer, interval: str) -> None:
+    if not trainer.module.automatic_optimization:
+        return   # manual optimization: the module steps its schedulers itself (as Lightning)
     for cfg in trainer.lr_scheduler_configs:
         if cfg["interval"] != interval:
             continue
