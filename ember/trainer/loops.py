@@ -115,7 +115,10 @@ class FitLoop:
             return True
         if t.should_stop or t._stop_now:
             return True
-        return t._deadline is not None and time.monotonic() >= t._deadline
+        if t._deadline is not None and time.monotonic() >= t._deadline:
+            t.should_stop = True   # as when the deadline passes mid-epoch
+            return True
+        return False
 
     # ------------------------------------------------------------------- steps
     def run_epoch(self) -> None:
