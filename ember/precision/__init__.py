@@ -49,6 +49,8 @@ class Precision:
     def from_string(value: "str | int | Precision") -> "Precision":
         if isinstance(value, Precision):
             return value
+        if not isinstance(value, (str, int)):
+            raise invalid_choice("precision", value, PRECISIONS)
         key = _ALIASES.get(value, value)
         cls = {"64-true": TruePrecision, "32-true": Precision, "16-true": TruePrecision,
                "bf16-true": TruePrecision, "16-mixed": MixedPrecision,
