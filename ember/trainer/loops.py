@@ -6,7 +6,11 @@ a hook nobody overrides is never called)::
     setup(stage="fit")                       # strategy env, configure_model, optimizers, data
     [restore checkpoint]                     # ckpt_path: weights, optimizers, loop position, RNG
     on_fit_start
-    [sanity check: validation loop on num_sanity_val_steps batches, results discarded]
+    [sanity check (num_sanity_val_steps batches per val dataloader; results discarded):
+        on_sanity_check_start
+        on_validation_epoch_start; on_validation_batch_start/end per batch; on_validation_epoch_end
+        (no on_validation_start/end during the sanity check)
+        on_sanity_check_end]
     on_train_start
     while not stopped:                       # one epoch
         sampler.set_epoch(epoch)
@@ -18,11 +22,13 @@ a hook nobody overrides is never called)::
                 out = module.training_step(batch, batch_idx)   # loss | {"loss": ...} | None (skip)
             strategy.backward(loss / accumulate_grad_batches)
             if last micro-batch of the window (or of the epoch):
-                on_before_optimizer_step
-                clip gradients (unscaled first)
+                on_before_optimizer_step      # sees unscaled gradients under 16-mixed
+                clip gradients
                 strategy.optimizer_step(opt); opt.zero_grad(set_to_none=True)
                 step-interval schedulers; global_step += 1
                 every log_every_n_steps: emit step metrics to loggers (one host transfer)
+            (manual optimization: training_step under forward_context; the module calls
+             manual_backward / opt.step() / its schedulers; each opt.step() is a global step)
             on_train_batch_end
             if val_check_interval reached mid-epoch: validation loop
             stop when max_steps / max_time / should_stop / preemption signal
@@ -40,7 +46,8 @@ Validation / test loop::
     module.eval(); torch.no_grad()
     on_{stage}_start; on_{stage}_epoch_start
     for each dataloader, batch: on_{stage}_batch_start; {stage}_step; on_{stage}_batch_end
-    emit epoch metrics (sync_dist reduced here); on_{stage}_epoch_end; on_{stage}_end
+    on_{stage}_epoch_end                     # the module may still self.log here
+    emit epoch metrics (sync_dist reduced here); on_{stage}_end
     module.train()
 """
 from __future__ import annotations
