@@ -1,0 +1,532 @@
+"""``DeepSpeedStrategy``: ZeRO stage 1/2/3 through ``deepspeed.initialize``.
+
+DeepSpeed is optional (``pip install "ember[deepspeed]"``) and imported only when
+this strategy sets up. Processes are started and found as for
+:class:`~ember.strategies.ddp.DDPStrategy`; the torch process group is created
+first and DeepSpeed reuses it.
+
+How ember drives the engine:
+
+- The DeepSpeed config (a dict or a JSON file) may say ``"auto"``; ember fills
+  ``train_micro_batch_size_per_gpu`` (train dataloader batch size),
+  ``gradient_accumulation_steps``, ``train_batch_size`` (micro x accumulation x
+  world), ``gradient_clipping`` (always set; ``0.0`` when the Trainer does not
+  clip) and ``bf16``/``fp16`` (from the precision). A value that contradicts the
+  Trainer's arguments is an error that names both.
+- The caller owns accumulation: the engine runs with
+  ``managed_gradient_accumulation: false``, ``backward`` never rescales the loss
+  (the Trainer already divided it by ``accumulate_grad_batches``) and every
+  ``engine.step()`` (the Trainer calls it on the last micro-batch of a window)
+  is an optimizer step.
+- The user's module is wrapped so that ``training_step`` runs through the
+  engine's forward (its hooks prepare backward); ``engine.module`` is an
+  ``_EmberModuleWrapper`` around it.
+- Checkpoints: the engine's own files in ``model/`` of ember's atomic checkpoint
+  directory, plus ``trainer_state.pt`` and ``meta.json``. DeepSpeed reads its
+  files with ``torch.load(weights_only=False)``: load only checkpoints you trust.
+
+See ``docs/sharding.md``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
+from ember.strategies.base import _NULL
+from ember.strategies.ddp import DDPStrategy
+from ember.strategies.fsdp import init_single_process_group
+
+TAG = "model"                      # engine.save_checkpoint(tag=...) -> files in <checkpoint>/model/
+_STEP_METHODS = ("training_step",)
+_PRECISION_SECTION = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16",
+                      "32-true": None}
+_BUILD_MESSAGE = "ember: compiling DeepSpeed CPU ops once (~1 min)..."
+
+
+def import_deepspeed():
+    """``import deepspeed`` with an install hint when it is missing."""
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise MisconfigurationError(
+            "strategy='deepspeed' needs the deepspeed package: pip install 'ember[deepspeed]' "
+            "(it compiles against the installed torch: add --no-build-isolation)") from err
+    return deepspeed
+
+
+def prebuild_ops(verbose: bool = True) -> bool:
+    """Compile the C++ ops DeepSpeed loads on a CPU run (its shared-memory collective)
+    into ``$TORCH_EXTENSIONS_DIR`` once; later runs reuse the build. Returns True when
+    it compiled something. Safe to call from several processes (torch locks the build)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu") if not torch.cuda.is_available() else None
+    deepspeed = import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":
+        return False
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return False
+    from torch.utils.cpp_extension import _get_build_directory
+    built = os.path.exists(os.path.join(_get_build_directory(builder.name, False), builder.name + ".so"))
+    if not built and verbose:
+        print(_BUILD_MESSAGE, file=sys.stderr, flush=True)
+    builder.load(verbose=False)
+    return not built
+
+
+def _load_config(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise MisconfigurationError(f"DeepSpeed config={path!r}: no such file")
+        try:
+            with open(path) as f:
+                out = json.load(f)
+        except ValueError as err:
+            raise MisconfigurationError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
+        if not isinstance(out, dict):
+            raise MisconfigurationError(f"DeepSpeed config {path} must hold a JSON object")
+        return out
+    raise MisconfigurationError(f"config={config!r} is not valid; pass a dict or the path of a JSON file")
+
+
+def _env_offload(name: str) -> bool | None:
+    v = os.environ.get(name)
+    return None if not v else v.strip().lower() == "cpu"
+
+
+class _EmberModuleWrapper(nn.Module):
+    """What the engine wraps: ``forward`` of the user's module, or (with
+    ``_ember_method=name``) one of its step methods, so that they run through the
+    engine's forward."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self._methods: dict[str, Any] = {}
+
+    def forward(self, *args, _ember_method: str | None = None, **kwargs):
+        if _ember_method is None:
+            return self.module(*args, **kwargs)
+        return self._methods[_ember_method](*args, **kwargs)
+
+
+class DeepSpeedStrategy(DDPStrategy):
+    """ZeRO data parallelism with DeepSpeed.
+
+    Args:
+        devices, num_nodes, process_group_backend, timeout, accelerator, start_method,
+            cluster_environment: as for :class:`~ember.strategies.ddp.DDPStrategy`.
+        stage: ZeRO stage 1 (optimizer states sharded), 2 (+ gradients) or 3 (+ parameters).
+            Default: the config's, else ``$EMBER_DEEPSPEED_ZERO_STAGE``, else 2.
+        offload_optimizer: optimizer states and step on the CPU.
+        offload_parameters: parameters on the CPU (stage 3 only).
+        config: a DeepSpeed config dict or JSON file; ``"auto"`` values are filled in.
+        **kwargs: merged into the config's ``zero_optimization`` section
+            (e.g. ``stage3_param_persistence_threshold=0``).
+    """
+
+    name = "deepspeed"
+    is_sharded = True
+    owns_optimizer_step = True
+
+    def __init__(self, devices=None, num_nodes: int = 1, stage: int | None = None,
+                 offload_optimizer: bool | None = None, offload_parameters: bool | None = None,
+                 config=None, process_group_backend: str | None = None,
+                 timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
+                 start_method: str = "popen", cluster_environment=None, **kwargs):
+        import warnings
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
+            super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
+                             timeout=timeout, start_method=start_method, accelerator=accelerator,
+                             cluster_environment=cluster_environment)
+        self.ddp_kwargs = {}
+        self._user_config = _load_config(config)
+        zero = self._user_config.get("zero_optimization") or {}
+        if not isinstance(zero, dict):
+            raise MisconfigurationError("DeepSpeed config 'zero_optimization' must be an object")
+        cfg_stage = zero.get("stage")
+        if stage is not None and cfg_stage not in (None, "auto") and int(cfg_stage) != int(stage):
+            raise MisconfigurationError(f"stage={stage} conflicts with the DeepSpeed config's "
+                                        f"zero_optimization.stage={cfg_stage}; pass one of them")
+        if stage is None:
+            env = os.environ.get("EMBER_DEEPSPEED_ZERO_STAGE")
+            stage = cfg_stage if cfg_stage not in (None, "auto") else (int(env) if env else 2)
+        if stage not in (1, 2, 3) and str(stage) not in ("1", "2", "3"):
+            raise invalid_choice("stage", stage, (1, 2, 3))
+        self.stage = int(stage)
+        self.offload_optimizer = bool(_env_offload("EMBER_DEEPSPEED_OFFLOAD_OPTIMIZER")
+                                      if offload_optimizer is None else offload_optimizer)
+        self.offload_parameters = bool(_env_offload("EMBER_DEEPSPEED_OFFLOAD_PARAMS")
+                                       if offload_parameters is None else offload_parameters)
+        if self.offload_parameters and self.stage != 3:
+            raise MisconfigurationError(f"offload_parameters=True needs ZeRO stage 3 (stage={self.stage}); "
+                                        "use stage=3 or offload_optimizer=True")
+        for section in ("optimizer", "scheduler"):
+            if section in self._user_config:
+                raise MisconfigurationError(
+                    f"the DeepSpeed config has a {section!r} section; ember passes the optimizer and scheduler "
+                    "from configure_optimizers (or Accelerator.prepare) to DeepSpeed: remove the section")
+        self.zero_kwargs = kwargs
+        self._trainer_values: dict | None = None
+        self.config: dict | None = None
+        self._engine = None
+        self._module: nn.Module | None = None
+
+    # -- configuration -----------------------------------------------------------------
+    def configure_from_trainer(self, accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
+                               micro_batch_size: int | None = None, gradient_clip_algorithm: str = "norm") -> None:
+        """The Trainer's values for the config's ``"auto"`` entries (called before
+        :meth:`setup_optimizers`)."""
+        if gradient_clip_val is not None and gradient_clip_algorithm != "norm":
+            raise MisconfigurationError(
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported by DeepSpeed, which clips "
+                "by norm; use gradient_clip_algorithm='norm'")
+        self._trainer_values = {"accumulate_grad_batches": int(accumulate_grad_batches),
+                                "gradient_clip_val": gradient_clip_val, "micro_batch_size": micro_batch_size}
+
+    def _values_from(self, module) -> dict | None:
+        """Without :meth:`configure_from_trainer`: read them from the Trainer the module
+        is attached to, if any."""
+        if self._trainer_values is not None:
+            return self._trainer_values
+        t = getattr(self.unwrap_module(module), "_trainer", None) if module is not None else None
+        if t is None or not hasattr(t, "accumulate_grad_batches"):
+            return None
+        loader = getattr(t, "_train_loader", None)
+        self.configure_from_trainer(t.accumulate_grad_batches, t.gradient_clip_val,
+                                    getattr(loader, "batch_size", None), getattr(t, "gradient_clip_algorithm", "norm"))
+        return self._trainer_values
+
+    def resolve_config(self, module: nn.Module | None = None) -> dict:
+        """The config handed to ``deepspeed.initialize``: the user's, with ``"auto"``
+        filled in and conflicts with the Trainer's arguments reported."""
+        cfg = copy.deepcopy(self._user_config)
+        tv = self._values_from(module)
+
+        def fill(key: str, value, arg: str | None):
+            cur = cfg.get(key, "auto")
+            if cur == "auto" or cur is None:
+                cfg[key] = value
+            elif arg is not None and cur != value:
+                raise MisconfigurationError(
+                    f"the DeepSpeed config sets {key}={cur!r}, but {arg}={value!r}; make them agree "
+                    f"(or set {key} to \"auto\" in the config)")
+
+        if tv is not None:
+            micro = tv["micro_batch_size"]
+            fill("gradient_accumulation_steps", tv["accumulate_grad_batches"], "Trainer accumulate_grad_batches")
+            clip = float(tv["gradient_clip_val"]) if tv["gradient_clip_val"] is not None else 0.0
+            fill("gradient_clipping", clip, "Trainer gradient_clip_val")
+            if micro is not None:
+                fill("train_micro_batch_size_per_gpu", int(micro), "the train dataloader's batch_size")
+        else:
+            fill("gradient_accumulation_steps", 1, None)
+            fill("gradient_clipping", 0.0, None)
+        fill("train_micro_batch_size_per_gpu", 1, None)
+        gas, micro = int(cfg["gradient_accumulation_steps"]), int(cfg["train_micro_batch_size_per_gpu"])
+        fill("train_batch_size", micro * gas * self.world_size,
+             f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size ({micro} x {gas} x "
+             f"{self.world_size})")
+        want = self._precision_section()
+        for section in ("bf16", "fp16"):
+            sec = cfg.get(section)
+            sec = dict(sec) if isinstance(sec, dict) else {}
+            enabled = sec.get("enabled", "auto")
+            if enabled != "auto" and bool(enabled) != (section == want):
+                raise MisconfigurationError(
+                    f"the DeepSpeed config sets {section}.enabled={enabled!r}, but precision="
+                    f"{self.precision.name!r}; make them agree (or set it to \"auto\")")
+            sec["enabled"] = section == want
+            cfg[section] = sec
+        if cfg.get("managed_gradient_accumulation", False):
+            raise MisconfigurationError("the DeepSpeed config sets managed_gradient_accumulation=true; ember "
+                                        "decides the accumulation boundaries itself: remove the entry")
+        cfg["managed_gradient_accumulation"] = False
+        zero = dict(cfg.get("zero_optimization") or {})
+        zero["stage"] = self.stage
+        pin = self.root_device.type == "cuda"
+        if self.offload_optimizer:
+            zero["offload_optimizer"] = dict(zero.get("offload_optimizer") or {}, device="cpu", pin_memory=pin)
+        if self.offload_parameters:
+            zero["offload_param"] = dict(zero.get("offload_param") or {}, device="cpu", pin_memory=pin)
+        zero.update(self.zero_kwargs)
+        cfg["zero_optimization"] = zero
+        cfg.setdefault("zero_force_ds_cpu_optimizer", False)   # a torch optimizer is fine; no cpu_adam build
+        cfg.setdefault("zero_allow_untested_optimizer", True)
+        cfg.setdefault("steps_per_print", 2**31 - 1)
+        cfg.setdefault("wall_clock_breakdown", False)
+        return cfg
+
+    def _precision_section(self) -> str | None:
+        name = self.precision.name
+        if name not in _PRECISION_SECTION:
+            raise invalid_choice("precision (with strategy='deepspeed')", name, tuple(_PRECISION_SECTION))
+        return _PRECISION_SECTION[name]
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        if self.root_device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        deepspeed = import_deepspeed()
+        self._precision_section()                       # unsupported precision: fail before any work
+        self.cluster_environment.export()               # RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        super().setup_environment()
+        if self._single:
+            init_single_process_group("nccl" if self._use_cuda and self._backend == "nccl" else "gloo")
+        if self.is_local_zero:
+            prebuild_ops()
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        prebuild_ops(verbose=False)
+        deepspeed.init_distributed(dist_backend=self._backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=self.timeout)
+        self.precision.scaler = None                     # DeepSpeed scales fp16 losses itself
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move to the device; DeepSpeed converts and wraps the module in :meth:`setup_optimizers`."""
+        if type(module).__name__ == "DeepSpeedEngine":
+            return module
+        self._module = module
+        return module.to(self.root_device)
+
+    def setup_optimizers(self, module: nn.Module, optimizers: list) -> tuple[nn.Module, list]:
+        """``deepspeed.initialize(model, optimizer, config)``: returns the engine and its optimizer."""
+        deepspeed = import_deepspeed()
+        if not optimizers:
+            return module, optimizers
+        if len(optimizers) != 1:
+            raise MisconfigurationError(f"the deepspeed strategy trains one optimizer; got {len(optimizers)} "
+                                        "(return one optimizer from configure_optimizers)")
+        if module is None:
+            raise MisconfigurationError("the deepspeed strategy needs the model with its optimizer "
+                                        "(Accelerator.prepare(model, optimizer))")
+        raw = self.unwrap_module(module)
+        if self._engine is not None and self.unwrap_module(self._engine) is raw:
+            if self.stage == 3:
+                raise MisconfigurationError("a module trained under ZeRO stage 3 cannot be set up again; "
+                                            "build a new module (or load its checkpoint) for another fit")
+            self._restore_methods(self._engine.module)
+        self.config = self.resolve_config(raw)
+        wrapper = _EmberModuleWrapper(raw)
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=wrapper, optimizer=optimizers[0],
+                                                          config=self.config, dist_init_required=False)
+        for name in _STEP_METHODS:
+            method = getattr(raw, name, None)
+            if callable(method) and isinstance(raw, nn.Module):
+                wrapper._methods[name] = method
+                setattr(raw, name, _through_engine(engine, name))
+        self._engine = engine
+        self._module = raw
+        return engine, [ds_optimizer]
+
+    @staticmethod
+    def _restore_methods(wrapper) -> None:
+        for name in list(wrapper._methods):
+            if name in vars(wrapper.module):
+                delattr(wrapper.module, name)
+        wrapper._methods.clear()
+
+    def _engine_for(self, module) -> Any:
+        if module is not None and type(module).__name__ == "DeepSpeedEngine":
+            return module
+        if self._engine is not None and module is not None and self.unwrap_module(self._engine) is \
+                self.unwrap_module(module):
+            return self._engine
+        return None
+
+    # -- step --------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs) -> None:
+        engine = self._engine_for(module) or self._engine
+        if engine is None:
+            raise MisconfigurationError("backward() under the deepspeed strategy needs the model prepared "
+                                        "with its optimizer")
+        engine.backward(loss, scale_wrt_gas=False, **kwargs)
+
+    def optimizer_step(self, optimizer, module: nn.Module | None = None, closure=None) -> None:
+        if closure is not None:
+            closure()
+        engine = self._engine_for(module) or self._engine
+        engine.step()
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+        # the engine reduces at step() (stage 1) or per backward (stages 2/3): nothing to skip here
+        return _NULL
+
+    def clip_gradients(self, module, optimizer, clip_val: float, algorithm: str = "norm"):
+        raise MisconfigurationError("under DeepSpeed the engine clips gradients: set Trainer(gradient_clip_val=...) "
+                                    "or the config's gradient_clipping")
+
+    # -- state dicts -----------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Full fp32 weights on CPU, on every rank (a collective under ZeRO)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+        raw = self.unwrap_module(module)
+        out = {}
+        engine = self._engine_for(module)
+        for name, p in raw.named_parameters():
+            full = safe_get_full_fp32_param(p) if engine is not None else None
+            if full is None:
+                if hasattr(p, "ds_id"):
+                    import deepspeed
+                    with deepspeed.zero.GatheredParameters([p]):
+                        full = p.detach().clone()
+                else:
+                    full = p.detach()
+            out[name] = full.detach().to("cpu", copy=True).reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+        for name, b in raw.named_buffers():
+            out[name] = b.detach().to("cpu", copy=True)
+        # state_dict order, persistent buffers only
+        return {k: out[k] for k in raw.state_dict(keep_vars=True) if k in out}
+
+    def load_module_state_dict(self, module: nn.Module, state: dict, strict: bool = True):
+        """Load full weights into the model (and the optimizer's fp32 master copy)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+        import deepspeed
+        raw = self.unwrap_module(module)
+        params = dict(raw.named_parameters())
+        if strict:
+            missing = [k for k in raw.state_dict() if k not in state]
+            unexpected = [k for k in state if k not in raw.state_dict()]
+            if missing or unexpected:
+                raise CheckpointError(f"weights do not match the model: missing {missing[:10]}, "
+                                      f"unexpected {unexpected[:10]}")
+        zero3 = any(hasattr(p, "ds_id") for p in params.values())
+        ctx = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0) if zero3 else _NULL
+        with torch.no_grad():
+            with ctx:
+                for n, p in params.items():
+                    if n in state:
+                        p.data.copy_(state[n].to(p.device, p.dtype).reshape(p.shape))
+            if self._engine_for(module) is not None:
+                for n, p in params.items():
+                    if n in state:
+                        safe_set_full_fp32_param(p, state[n].to(self.root_device, torch.float32))
+            for n, b in raw.named_buffers():
+                if n in state:
+                    b.copy_(state[n].to(b.device, b.dtype))
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str, module: nn.Module, optimizers: list, trainer_state: dict,
+                        meta: dict, weights_only: bool = False) -> None:
+        """``engine.save_checkpoint`` into ``NAME.tmp/model/`` (every rank writes its
+        partitions), then rank 0 adds ``trainer_state.pt`` and ``meta.json`` and renames."""
+        from ember import checkpoint_io as cio
+        path = os.path.normpath(os.fspath(path))
+        meta = dict(meta, sharded=True, deepspeed={"zero_stage": self.stage, "tag": TAG})
+        engine = self._engine_for(module)
+        if weights_only or engine is None:
+            weights = self.module_state_dict(module)
+            meta["sharded"] = False
+            if self.is_global_zero:
+                state = None if weights_only else dict(trainer_state, optimizers=[])
+                cio.write_checkpoint(path, weights, state, meta)
+            self.barrier("save_checkpoint")
+            return
+        tmp = cio.tmp_path(path)
+        if self.is_global_zero:
+            cio._remove(tmp)
+            os.makedirs(tmp)
+        self.barrier("save_checkpoint:tmp")
+        engine.save_checkpoint(tmp, tag=TAG, client_state={}, save_latest=False)
+        self.barrier("save_checkpoint:shards")
+        if self.is_global_zero:
+            state = dict(trainer_state, optimizers=[{"stored_in": cio.DCP_WEIGHTS_DIR, "format": "deepspeed"}])
+            cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True)
+        self.barrier("save_checkpoint:commit")
+
+    def load_checkpoint(self, path: str, module: nn.Module, optimizers: list, strict: bool = True,
+                        weights_only: bool = False) -> dict:
+        """Resume from a checkpoint this strategy wrote (same world size for optimizer
+        states), or load weights from any ember checkpoint."""
+        from ember import checkpoint_io as cio
+        path = os.fspath(path)
+        weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
+        state = state or {}
+        engine = self._engine_for(module)
+        want_optim = bool(optimizers) and not weights_only
+        if weights is None:
+            if meta.get("strategy") != "deepspeed":
+                raise CheckpointError(f"{path} holds sharded weights written by the {meta.get('strategy')!r} "
+                                      "strategy; load it with that strategy (or export full weights there)")
+            saved_world = meta.get("world_size")
+            if want_optim and engine is not None and saved_world not in (None, self.world_size):
+                raise CheckpointError(
+                    f"{path} was saved by {saved_world} DeepSpeed rank(s); its ZeRO optimizer partitions load "
+                    f"only at that world size (now {self.world_size}). Resume with {saved_world} processes, or "
+                    "load the weights only (validate/test, or load_full_weights) and start a new fit")
+            if want_optim and engine is not None:
+                load_path, _ = engine.load_checkpoint(path, tag=TAG, load_module_strict=strict,
+                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
+                if load_path is None:
+                    raise CheckpointError(f"DeepSpeed found no checkpoint under {path}/{TAG}")
+            else:
+                weights = load_full_weights(path)
+        if weights is not None:
+            if want_optim and [s for s in state.get("optimizers", []) if s]:
+                raise CheckpointError(f"{path} holds optimizer states of the {meta.get('strategy')!r} strategy, "
+                                      "which DeepSpeed cannot load; load its weights with "
+                                      "Module.load_from_checkpoint and start a new fit")
+            cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
+            self.load_module_state_dict(module, weights, strict=strict)
+        state["meta"] = meta
+        return state
+
+    def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
+        """Write full fp32 weights as safetensors (a ``.safetensors`` file or a directory).
+        Collective; rank 0 writes."""
+        from ember import checkpoint_io as cio
+        module = module if module is not None else (self._engine or self._module)
+        if module is None:
+            raise MisconfigurationError("export_full() needs a module: none was set up by this strategy")
+        weights = self.module_state_dict(module)
+        path = os.fspath(path)
+        if self.is_global_zero:
+            if path.endswith(".safetensors"):
+                cio.save_weights_file(path, weights)
+            else:
+                cio.save_model_sharded(weights, path, max_shard_size)
+        self.barrier("export_full")
+        return path
+
+    def __repr__(self) -> str:
+        return (f"DeepSpeedStrategy(stage={self.stage}, world_size={self.world_size}, rank={self.global_rank}, "
+                f"offload_optimizer={self.offload_optimizer}, offload_parameters={self.offload_parameters})")
+
+
+def _through_engine(engine, name: str):
+    def method(*args, **kwargs):
+        return engine(*args, _ember_method=name, **kwargs)
+    method.__name__ = name
+    return method
+
+
+def load_full_weights(path: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a checkpoint written by :class:`DeepSpeedStrategy` (any
+    ZeRO stage), consolidated in one process without a process group."""
+    from ember import checkpoint_io as cio
+    weights, _, _ = cio.read_checkpoint(path, load_state=False)
+    if weights is not None:
+        return weights
+    import_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    import io
+    with contextlib.redirect_stdout(io.StringIO()):
+        sd = get_fp32_state_dict_from_zero_checkpoint(os.fspath(path), tag=TAG)
+    prefix = "module."
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
