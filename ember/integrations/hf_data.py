@@ -1,0 +1,689 @@
+"""Data for fine-tuning Hugging Face models: read text (CSV, JSON lines, Python
+lists, ``datasets.Dataset``), tokenise once (optionally cached on disk), pad per
+batch, optionally group samples of similar length.
+
+Public names are re-exported by :mod:`ember.integrations.transformers`.
+"""
+from __future__ import annotations
+
+import bz2
+import csv
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ember.errors import MisconfigurationError
+from ember.module import DataModule
+
+CACHE_FORMAT = 1
+
+
+# ---------------------------------------------------------------------------------- hub loading
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def not_found_error(what: str, name: str, err: BaseException | None, local_files_only: bool) -> MisconfigurationError:
+    """The error for a model/tokenizer name that cannot be loaded."""
+    if os.path.isdir(name):
+        return MisconfigurationError(f"{what}={name!r}: the folder exists but could not be loaded "
+                                     f"({type(err).__name__}: {err})")
+    how = ("pass local_files_only=False to download it from the Hugging Face Hub"
+           if local_files_only and not _offline() else "connect to the network (HF_HUB_OFFLINE is set)"
+           if _offline() else "check the name and your network connection")
+    return MisconfigurationError(
+        f"{what}={name!r} is not available locally: it is not a folder and not in the Hugging Face "
+        f"cache. Pass the path of a local folder holding config.json and the weights (e.g. one written "
+        f"by save_pretrained), or {how}.")
+
+
+def load_tokenizer(tokenizer: Any, local_files_only: bool = True):
+    """A tokenizer object, or one loaded with ``AutoTokenizer.from_pretrained`` from a
+    local folder / the Hugging Face cache (no network unless ``local_files_only=False``)."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        if not callable(tokenizer) or not hasattr(tokenizer, "convert_tokens_to_ids"):
+            raise MisconfigurationError(f"tokenizer={tokenizer!r}: expected a path/name string or a "
+                                        "transformers tokenizer")
+        return tokenizer
+    from transformers import AutoTokenizer
+    name = os.fspath(tokenizer)
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=local_files_only or _offline())
+    except (OSError, ValueError) as err:
+        raise not_found_error("tokenizer", name, err, local_files_only) from err
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """Dynamic padding needs a pad token: borrow EOS (with a warning) when there is none."""
+    if tokenizer.pad_token_id is not None:
+        return
+    if tokenizer.eos_token is None:
+        raise MisconfigurationError(
+            f"the tokenizer {type(tokenizer).__name__} has neither a pad token nor an EOS token; set one, "
+            "e.g. tokenizer.add_special_tokens({'pad_token': '[PAD]'}) and resize the model's embeddings")
+    warnings.warn(f"the tokenizer has no pad token; using its EOS token {tokenizer.eos_token!r} for padding "
+                  "(padded positions are masked out of attention and loss)", UserWarning, stacklevel=3)
+    tokenizer.pad_token = tokenizer.eos_token
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything about the tokenizer that changes its output ids."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps([str(getattr(tokenizer, "name_or_path", "")), tokenizer.all_special_tokens,
+                         getattr(tokenizer, "truncation_side", "right")]).encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------- reading
+def _open_text(path: str):
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(os.path.splitext(path)[1].lower())
+    return opener(path, "rt", encoding="utf-8", newline="") if opener else open(path, encoding="utf-8", newline="")
+
+
+def _rows_to_columns(rows: list, where: str) -> dict[str, list]:
+    cols: dict[str, list] = {}
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict):
+            raise MisconfigurationError(f"{where}: row {i} is a {type(r).__name__}; expected every row to be a dict")
+        for k in r:
+            if k not in cols:
+                cols[k] = [None] * i
+        for k in cols:
+            cols[k].append(r.get(k))
+    return cols
+
+
+def read_columns(source: Any, where: str, text_column: str = "text", label_column: str | None = "label") -> dict[str, list]:
+    """``source`` as a dict of equally long column lists.
+
+    Accepts a CSV/TSV/JSON/JSON-lines/TXT path (optionally .gz/.bz2/.xz), a list of
+    strings, of dicts, or of ``(text, label)`` pairs, a dict of columns, or a
+    ``datasets.Dataset``.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise MisconfigurationError(f"{where}={path!r}: no such file")
+        base = path
+        if os.path.splitext(base)[1].lower() in (".gz", ".bz2", ".xz"):
+            base = os.path.splitext(base)[0]
+        ext = os.path.splitext(base)[1].lower()
+        with _open_text(path) as f:
+            if ext in (".csv", ".tsv"):
+                rows = list(csv.DictReader(f, delimiter="\t" if ext == ".tsv" else ","))
+                return _rows_to_columns(rows, where)
+            if ext in (".json", ".jsonl", ".ndjson"):
+                text = f.read()
+                stripped = text.lstrip()
+                if stripped.startswith("["):
+                    return read_columns(json.loads(text), where, text_column, label_column)
+                if stripped.startswith("{") and ext == ".json":
+                    try:
+                        obj = json.loads(text)
+                        if all(isinstance(v, list) for v in obj.values()):
+                            return read_columns(obj, where, text_column, label_column)
+                    except json.JSONDecodeError:
+                        pass  # JSON lines in a .json file
+                rows = []
+                for n, line in enumerate(io.StringIO(text), 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as err:
+                            raise MisconfigurationError(f"{where}={path!r}: line {n} is not valid JSON: {err}") from err
+                return _rows_to_columns(rows, where)
+            if ext == ".txt":
+                return {text_column: [ln.rstrip("\n") for ln in f if ln.strip()]}
+        raise MisconfigurationError(f"{where}={path!r}: unknown file type {ext!r}; use .csv, .tsv, .json, "
+                                    ".jsonl or .txt (optionally compressed .gz/.bz2/.xz)")
+    if hasattr(source, "column_names") and hasattr(source, "to_dict"):   # datasets.Dataset
+        return {k: list(v) for k, v in source.to_dict().items()}
+    if isinstance(source, dict):
+        cols = {str(k): list(v) for k, v in source.items()}
+        lens = {len(v) for v in cols.values()}
+        if len(lens) > 1:
+            raise MisconfigurationError(f"{where}: columns have different lengths {sorted(lens)}")
+        return cols
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise MisconfigurationError(f"{where}: the data is empty")
+        first = source[0]
+        if isinstance(first, str):
+            return {text_column: list(source)}
+        if isinstance(first, dict):
+            return _rows_to_columns(list(source), where)
+        if isinstance(first, (list, tuple)) and len(first) == 2:
+            if label_column is None:
+                raise MisconfigurationError(f"{where}: (text, label) pairs given, but this data has no labels")
+            return {text_column: [r[0] for r in source], label_column: [r[1] for r in source]}
+        raise MisconfigurationError(f"{where}: rows must be strings, dicts or (text, label) pairs; got "
+                                    f"{type(first).__name__}")
+    raise MisconfigurationError(f"{where}: expected a file path, a list, a dict of columns or a datasets.Dataset; "
+                                f"got {type(source).__name__}")
+
+
+def column(cols: dict[str, list], name: str, where: str, arg: str) -> list:
+    if name not in cols:
+        raise MisconfigurationError(f"{arg}={name!r}: no such column in {where}; its columns are {sorted(cols)}")
+    values = cols[name]
+    bad = next((i for i, v in enumerate(values) if v is None), None)
+    if bad is not None:
+        raise MisconfigurationError(f"{where}: row {bad} has no value in column {name!r}")
+    return values
+
+
+def data_hash(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, default=str).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------- tokenised data
+class TokenizedDataset(Dataset):
+    """Ragged token sequences stored flat (one int tensor per feature plus offsets).
+
+    Items are dicts of 1-D tensors (``input_ids``, optional ``token_type_ids``) and,
+    when labelled, ``labels`` (a scalar for sequence labels)."""
+
+    def __init__(self, features: dict[str, torch.Tensor], offsets: torch.Tensor, labels: torch.Tensor | None = None):
+        self.features, self.offsets, self.labels = features, offsets, labels
+
+    @classmethod
+    def from_lists(cls, feats: dict[str, list[list[int]]], labels: list[int] | None = None) -> "TokenizedDataset":
+        lengths = [len(x) for x in feats["input_ids"]]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        if lengths:
+            offsets[1:] = torch.tensor(lengths, dtype=torch.long).cumsum(0)
+        flat = {k: torch.tensor([t for seq in v for t in seq], dtype=torch.long) for k, v in feats.items()}
+        lab = torch.tensor(labels, dtype=torch.long) if labels is not None else None
+        return cls(flat, offsets, lab)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def __getitem__(self, i: int) -> dict:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        item = {k: v[a:b] for k, v in self.features.items()}
+        if self.labels is not None:
+            item["labels"] = self.labels[i]
+        return item
+
+    def subset(self, indices: list[int]) -> "TokenizedDataset":
+        feats = {k: [self.features[k][int(self.offsets[i]):int(self.offsets[i + 1])].tolist() for i in indices]
+                 for k in self.features}
+        labels = self.labels[indices].tolist() if self.labels is not None else None
+        return TokenizedDataset.from_lists(feats, labels)
+
+    # safe on-disk form: plain int tensors, loadable with torch.load(weights_only=True)
+    def state(self) -> dict:
+        out = {"offsets": self.offsets, **{f"f.{k}": v for k, v in self.features.items()}}
+        if self.labels is not None:
+            out["labels"] = self.labels
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict) -> "TokenizedDataset":
+        feats = {k[2:]: v for k, v in state.items() if k.startswith("f.")}
+        return cls(feats, state["offsets"], state.get("labels"))
+
+
+class PadCollator:
+    """Pads one batch to its longest sequence (dynamic padding).
+
+    ``lm_labels=True`` adds ``labels`` = ``input_ids`` with padded positions set to -100
+    (masked by position, so an EOS token used for padding is still learned where it is real).
+    """
+
+    def __init__(self, pad_token_id: int, padding_side: str = "right", pad_to_multiple_of: int | None = None,
+                 lm_labels: bool = False):
+        if padding_side not in ("right", "left"):
+            raise MisconfigurationError(f"padding_side={padding_side!r} is not valid; choose one of: 'right', 'left'")
+        self.pad_token_id, self.padding_side = int(pad_token_id), padding_side
+        self.pad_to_multiple_of, self.lm_labels = pad_to_multiple_of, lm_labels
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        n = max(len(it["input_ids"]) for it in items)
+        if self.pad_to_multiple_of:
+            n = -(-n // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        b = len(items)
+        ids = torch.full((b, n), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, n), dtype=torch.long)
+        extra = {k: torch.zeros((b, n), dtype=torch.long) for k in items[0] if k not in ("input_ids", "labels")}
+        tok_labels = "labels" in items[0] and items[0]["labels"].ndim == 1
+        # per-token labels aligned with the inputs (token classification) are padded like them;
+        # target sequences of their own length (seq2seq) are right-padded to their longest
+        aligned = tok_labels and all(len(it["labels"]) == len(it["input_ids"]) for it in items)
+        labels = None
+        if tok_labels and not aligned:
+            labels_n = max(len(it["labels"]) for it in items)
+            labels = torch.full((b, labels_n), -100, dtype=torch.long)
+            for i, it in enumerate(items):
+                labels[i, :len(it["labels"])] = it["labels"]
+        elif aligned:
+            labels = torch.full((b, n), -100, dtype=torch.long)
+        for i, it in enumerate(items):
+            m = len(it["input_ids"])
+            sl = slice(0, m) if self.padding_side == "right" else slice(n - m, n)
+            ids[i, sl] = it["input_ids"]
+            mask[i, sl] = 1
+            for k, t in extra.items():
+                t[i, sl] = it[k]
+            if aligned:
+                labels[i, sl] = it["labels"]
+        out = {"input_ids": ids, "attention_mask": mask, **extra}
+        if labels is not None:
+            out["labels"] = labels
+        elif "labels" in items[0]:
+            out["labels"] = torch.stack([it["labels"] for it in items])
+        elif self.lm_labels:
+            out["labels"] = ids.masked_fill(mask == 0, -100)
+        return out
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """Random order in which neighbours have similar lengths (less padding).
+
+    A seeded permutation (``seed + epoch``) is cut into mega-batches of
+    ``mega_batch_mult * batch_size`` samples, each sorted by length, longest first.
+    An ordering of the dataset, so ember's loaders can shard it over ranks and
+    skip into it when resuming."""
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, mega_batch_mult: int = 50):
+        self.lengths, self.batch_size, self.seed = list(lengths), batch_size, int(seed)
+        self.mega = max(1, mega_batch_mult * batch_size)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(len(self.lengths), generator=g).tolist()
+        out = []
+        for i in range(0, len(perm), self.mega):
+            out += sorted(perm[i:i + self.mega], key=lambda j: -self.lengths[j])
+        return iter(out)
+
+
+def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) index lists; the val part is ``round(n * fraction)`` samples drawn with ``seed``."""
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction < 1:
+        raise MisconfigurationError(f"val_split={fraction!r} is not valid; use a fraction in (0, 1) or None")
+    k = max(1, int(round(n * fraction)))
+    if k >= n:
+        raise MisconfigurationError(f"val_split={fraction!r} leaves no training data ({n} samples)")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[k:]), sorted(perm[:k])
+
+
+# ---------------------------------------------------------------------------------- base DataModule
+class _HFTextData(DataModule):
+    """What the text DataModules share: sources per split, tokenise-once with a
+    disk cache, dynamic padding, length grouping."""
+
+    _SPLITS = ("train", "val", "test", "predict")
+    _lm_labels = False
+
+    def __init__(self, tokenizer, *, train=None, val=None, test=None, predict=None, text_column="text",
+                 max_length: int = 128, batch_size: int = 32, eval_batch_size: int | None = None,
+                 val_split: float | None = None, seed: int = 42, group_by_length: bool = False,
+                 cache_dir: str | None = None, num_workers: int = 0, pad_to_multiple_of: int | None = None,
+                 local_files_only: bool = True):
+        super().__init__()
+        for name, v in (("max_length", max_length), ("batch_size", batch_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MisconfigurationError(f"{name}={v!r} is not valid; use an int >= 1")
+        if eval_batch_size is not None and (not isinstance(eval_batch_size, int) or eval_batch_size < 1):
+            raise MisconfigurationError(f"eval_batch_size={eval_batch_size!r} is not valid; use an int >= 1 or None")
+        if val_split is not None:
+            if val is not None:
+                raise MisconfigurationError("val_split and val are both set; give a validation set or a fraction "
+                                            "of train to hold out, not both")
+            if train is None:
+                raise MisconfigurationError("val_split needs train data to split")
+            split_indices(10, val_split, 0)   # validates the fraction
+        if all(s is None for s in (train, val, test, predict)):
+            raise MisconfigurationError(f"{type(self).__name__}: give at least one of train, val, test, predict")
+        self.tokenizer = load_tokenizer(tokenizer, local_files_only)
+        ensure_pad_token(self.tokenizer)
+        self.sources = {"train": train, "val": val, "test": test, "predict": predict}
+        self.text_column, self.max_length = text_column, max_length
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.val_split, self.seed, self.group_by_length = val_split, seed, group_by_length
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
+        self.datasets: dict[str, TokenizedDataset] = {}
+        self._columns: dict[str, dict] = {}
+
+    # -- reading -----------------------------------------------------------------------------
+    def _label_column(self) -> str | None:
+        return None
+
+    def columns(self, split: str) -> dict[str, list] | None:
+        """The raw columns of a split (read once)."""
+        if split not in self._columns:
+            src = self.sources[split]
+            self._columns[split] = None if src is None else read_columns(
+                src, f"{type(self).__name__}({split}=...)", self.text_column, self._label_column())
+        return self._columns[split]
+
+    # -- tokenising ------------------------------------------------------------------------------
+    def _settings(self) -> dict:
+        return {"format": CACHE_FORMAT, "class": type(self).__name__, "max_length": self.max_length,
+                "text_column": self.text_column}
+
+    def _cache_path(self, split: str, payload) -> str | None:
+        if self.cache_dir is None:
+            return None
+        key = data_hash(tokenizer_fingerprint(self.tokenizer), self._settings(), split, payload)
+        return os.path.join(self.cache_dir, f"{split}-{key[:20]}.pt")
+
+    def _tokenized(self, split: str) -> TokenizedDataset | None:
+        """Tokenise ``split`` once; with ``cache_dir``, read/write a safe torch file."""
+        if split in self.datasets:
+            return self.datasets[split]
+        cols = self.columns(split)
+        if cols is None:
+            return None
+        payload = self._payload(split, cols)
+        path = self._cache_path(split, payload)
+        if path is not None and os.path.isfile(path):
+            try:
+                ds = TokenizedDataset.from_state(torch.load(path, map_location="cpu", weights_only=True))
+            except Exception:   # a damaged cache file: rebuild it
+                ds = None
+            if ds is not None:
+                self.datasets[split] = ds
+                return ds
+        ds = self._tokenize(split, payload)
+        if path is not None:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            torch.save(ds.state(), tmp)
+            os.replace(tmp, path)
+        self.datasets[split] = ds
+        return ds
+
+    def _encode(self, texts: list[str], pairs: list[str] | None = None, truncation: bool = True,
+                add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        kw = dict(truncation=truncation, add_special_tokens=add_special_tokens, return_attention_mask=False)
+        if truncation:
+            kw["max_length"] = self.max_length
+        enc = self.tokenizer(texts, pairs, **kw) if pairs is not None else self.tokenizer(texts, **kw)
+        feats = {"input_ids": list(enc["input_ids"])}
+        if "token_type_ids" in enc and any(any(t) for t in enc["token_type_ids"]):
+            feats["token_type_ids"] = list(enc["token_type_ids"])
+        return feats
+
+    # -- DataModule hooks ---------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        if self.cache_dir is not None:   # tokenise on local rank zero; other ranks read the cache
+            for split in self._SPLITS:
+                self._tokenized(split)
+
+    def setup(self, stage: str) -> None:
+        for split in self._SPLITS:
+            self._tokenized(split)
+        if self.val_split is not None and "val" not in self.datasets:
+            full = self.datasets["train"]
+            tr, va = split_indices(len(full), self.val_split, self.seed)
+            self.datasets["train"], self.datasets["val"] = full.subset(tr), full.subset(va)
+
+    def _ensure(self, split: str) -> TokenizedDataset | None:
+        if split not in self.datasets or (split == "train" and self.val_split is not None and "val" not in self.datasets):
+            self.setup("fit")
+        return self.datasets.get(split)
+
+    def _collator(self, split: str) -> PadCollator:
+        return PadCollator(self.tokenizer.pad_token_id, "right", self.pad_to_multiple_of,
+                           lm_labels=self._lm_labels and split != "predict")
+
+    def _loader(self, split: str, shuffle: bool = False):
+        ds = self._ensure(split)
+        if ds is None:
+            return None
+        bs = self.batch_size if split == "train" else self.eval_batch_size
+        kw = dict(batch_size=bs, collate_fn=self._collator(split), num_workers=self.num_workers,
+                  persistent_workers=self.num_workers > 0)
+        if split == "train" and self.group_by_length:
+            return DataLoader(ds, sampler=LengthGroupedSampler(ds.lengths, bs, self.seed), **kw)
+        return DataLoader(ds, shuffle=shuffle, **kw)
+
+    def train_dataloader(self):
+        dl = self._loader("train", shuffle=True)
+        if dl is None:
+            raise MisconfigurationError(f"{type(self).__name__}: no train data; pass train=...")
+        return dl
+
+    def val_dataloader(self):
+        return self._loader("val")
+
+    def test_dataloader(self):
+        dl = self._loader("test")
+        if dl is None:
+            raise MisconfigurationError(f"{type(self).__name__}: no test data; pass test=...")
+        return dl
+
+    def predict_dataloader(self):
+        dl = self._loader("predict")
+        if dl is None:
+            raise MisconfigurationError(f"{type(self).__name__}: no predict data; pass predict=...")
+        return dl
+
+
+def _as_int_label(v):
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v.strip())
+    return None
+
+
+class TextClassificationData(_HFTextData):
+    """Text (or text pair) classification data.
+
+    Args:
+        tokenizer: a transformers tokenizer, or a local folder / cached Hub name.
+        train, val, test, predict: a CSV/TSV/JSON/JSON-lines path, a list of strings, of
+            dicts or of ``(text, label)`` pairs, a dict of columns, or a ``datasets.Dataset``.
+        text_column, text_pair_column, label_column: column names.
+        max_length: truncation length in tokens. Padding is per batch (dynamic).
+        batch_size / eval_batch_size: per-process batch sizes.
+        val_split: hold out this fraction of ``train`` (drawn with ``seed``) for validation.
+        group_by_length: order training batches so that similar lengths meet (less padding).
+        cache_dir: keep tokenised splits here (keyed by tokenizer, settings and data).
+        label_names: the class names in id order. Without it, integer labels (or integer
+            strings) are used as ids and other labels are mapped to ids in sorted order.
+    """
+
+    def __init__(self, tokenizer, train=None, val=None, test=None, predict=None, text_column: str = "text",
+                 label_column: str = "label", max_length: int = 128, batch_size: int = 32,
+                 eval_batch_size: int | None = None, val_split: float | None = None, seed: int = 42,
+                 group_by_length: bool = False, cache_dir: str | None = None, num_workers: int = 0,
+                 label_names: list[str] | None = None, text_pair_column: str | None = None,
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True):
+        super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
+                         max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
+                         val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
+                         num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
+                         local_files_only=local_files_only)
+        if label_names is not None and (not isinstance(label_names, (list, tuple)) or len(label_names) < 2
+                                        or len(set(map(str, label_names))) != len(label_names)):
+            raise MisconfigurationError(f"label_names={label_names!r}: give at least two distinct class names")
+        self.label_column, self.text_pair_column = label_column, text_pair_column
+        self._label_names = [str(x) for x in label_names] if label_names is not None else None
+        self._labels_ready = False
+
+    def _label_column(self) -> str | None:
+        return self.label_column
+
+    def _settings(self) -> dict:
+        return dict(super()._settings(), label_column=self.label_column, pair=self.text_pair_column,
+                    label_names=self.label_names)
+
+    # -- labels --------------------------------------------------------------------------------------
+    def _resolve_labels(self) -> None:
+        if self._labels_ready:
+            return
+        self._labels_ready = True
+        if self._label_names is not None:
+            self._names = list(self._label_names)
+            self._int_labels = False
+            return
+        split = next((s for s in ("train", "val", "test") if self.sources[s] is not None), None)
+        if split is None:
+            self._names, self._int_labels = None, False
+            return
+        values = column(self.columns(split), self.label_column, f"the {split} data", "label_column")
+        ints = [_as_int_label(v) for v in values]
+        if all(i is not None for i in ints):
+            if min(ints) < 0:
+                raise MisconfigurationError(f"label_column={self.label_column!r}: integer labels must be >= 0; "
+                                            f"found {min(ints)} (or give label_names)")
+            self._names = [str(i) for i in range(max(max(ints) + 1, 2))]
+            self._int_labels = True
+        else:
+            self._names = sorted({str(v) for v in values})
+            self._int_labels = False
+
+    @property
+    def label_names(self) -> list[str] | None:
+        self._resolve_labels()
+        return self._names
+
+    @property
+    def num_labels(self) -> int | None:
+        names = self.label_names
+        return len(names) if names is not None else None
+
+    @property
+    def id2label(self) -> dict[int, str] | None:
+        names = self.label_names
+        return {i: n for i, n in enumerate(names)} if names is not None else None
+
+    @property
+    def label2id(self) -> dict[str, int] | None:
+        names = self.label_names
+        return {n: i for i, n in enumerate(names)} if names is not None else None
+
+    def _label_ids(self, split: str, values: list) -> list[int]:
+        names = self.label_names
+        l2i = self.label2id
+        out = []
+        for i, v in enumerate(values):
+            as_int = _as_int_label(v)
+            if self._int_labels or (as_int is not None and str(v) not in l2i):
+                idx = as_int if as_int is not None and 0 <= as_int < len(names) else None
+            else:
+                idx = l2i.get(str(v))
+            if idx is None:
+                raise MisconfigurationError(
+                    f"{split} row {i}: label {v!r} is not one of the {len(names)} classes {names}"
+                    + ("" if self._label_names is not None else " found in the training data; pass label_names=[...] "
+                       "to fix the class set"))
+            out.append(idx)
+        return out
+
+    # -- tokenising ----------------------------------------------------------------------------------
+    def _payload(self, split: str, cols: dict) -> dict:
+        where = f"the {split} data"
+        texts = [str(t) for t in column(cols, self.text_column, where, "text_column")]
+        pairs = None
+        if self.text_pair_column is not None:
+            pairs = [str(t) for t in column(cols, self.text_pair_column, where, "text_pair_column")]
+        labels = None
+        if split != "predict" or self.label_column in cols:
+            if split == "predict" and any(v is None for v in cols[self.label_column]):
+                labels = None
+            else:
+                labels = self._label_ids(split, column(cols, self.label_column, where, "label_column"))
+        return {"texts": texts, "pairs": pairs, "labels": labels}
+
+    def _tokenize(self, split: str, payload: dict) -> TokenizedDataset:
+        feats = self._encode(payload["texts"], payload["pairs"])
+        return TokenizedDataset.from_lists(feats, payload["labels"])
+
+
+class CausalLMData(_HFTextData):
+    """Text for causal language modelling.
+
+    Each text becomes one training sequence (truncated to ``max_length``, with EOS
+    appended when ``add_eos``), or with ``packing=True`` all texts are concatenated
+    and cut into blocks of ``max_length`` tokens (no padding at all). ``labels`` are
+    the input ids with padding set to -100; the model shifts them. ``predict`` texts
+    are prompts: left-padded, no EOS, for ``generate``.
+    """
+
+    _lm_labels = True
+
+    def __init__(self, tokenizer, train=None, val=None, test=None, predict=None, text_column: str = "text",
+                 max_length: int = 512, batch_size: int = 8, eval_batch_size: int | None = None,
+                 val_split: float | None = None, seed: int = 42, packing: bool = False, add_eos: bool = True,
+                 group_by_length: bool = False, cache_dir: str | None = None, num_workers: int = 0,
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True):
+        super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
+                         max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
+                         val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
+                         num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
+                         local_files_only=local_files_only)
+        self.packing, self.add_eos = packing, add_eos
+
+    def _settings(self) -> dict:
+        return dict(super()._settings(), packing=self.packing, add_eos=self.add_eos)
+
+    def _payload(self, split: str, cols: dict) -> dict:
+        return {"texts": [str(t) for t in column(cols, self.text_column, f"the {split} data", "text_column")]}
+
+    def _tokenize(self, split: str, payload: dict) -> TokenizedDataset:
+        texts = payload["texts"]
+        if split == "predict":
+            return TokenizedDataset.from_lists(self._encode(texts))
+        eos = self.tokenizer.eos_token_id if self.add_eos else None
+        ids = self._encode(texts, truncation=False)["input_ids"]
+        if eos is not None:
+            ids = [x + [eos] if (not x or x[-1] != eos) else x for x in ids]
+        if self.packing:
+            flat = [t for x in ids for t in x]
+            n = self.max_length
+            ids = [flat[i:i + n] for i in range(0, len(flat), n)]
+        else:
+            ids = [x[:self.max_length] for x in ids]
+        ids = [x for x in ids if x]
+        return TokenizedDataset.from_lists({"input_ids": ids})
+
+    def _collator(self, split: str) -> PadCollator:
+        if split == "predict":   # prompts for generate(): pad on the left
+            return PadCollator(self.tokenizer.pad_token_id, "left", self.pad_to_multiple_of)
+        return super()._collator(split)
+
+
+def num_batches(n: int, batch_size: int) -> int:
+    return math.ceil(n / batch_size)

@@ -1,0 +1,530 @@
+"""Fine-tune Hugging Face Transformers models with the ember Trainer, no loop code.
+
+    from ember.integrations.transformers import TransformersModule, TextClassificationData
+    data = TextClassificationData("path/to/model", train="train.csv", val_split=0.1)
+    module = TransformersModule("path/to/model", task="sequence-classification", lr=2e-5)
+    ember.Trainer(max_epochs=3).fit(module, datamodule=data)
+    module.save_pretrained("out/", tokenizer=data.tokenizer)
+
+See docs/transformers.md. ``import ember`` does not import this module (nor transformers).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from typing import Any
+
+import torch
+import torchmetrics
+from torch import nn
+from torch.nn import functional as F
+
+from ember.callbacks.base import Callback
+from ember.errors import MisconfigurationError, invalid_choice
+from ember.integrations.hf_data import (CausalLMData, LengthGroupedSampler, PadCollator, TextClassificationData,
+                                        TokenizedDataset, _offline, load_tokenizer, not_found_error)
+from ember.module import TrainModule
+
+__all__ = ["TransformersModule", "TextClassificationData", "CausalLMData", "ExportBestPretrained",
+           "TokenizedDataset", "PadCollator", "LengthGroupedSampler", "TASKS"]
+
+#: task name -> transformers Auto class
+TASKS = {"sequence-classification": "AutoModelForSequenceClassification",
+         "token-classification": "AutoModelForTokenClassification",
+         "causal-lm": "AutoModelForCausalLM",
+         "seq2seq-lm": "AutoModelForSeq2SeqLM"}
+_TOKEN_TASKS = ("causal-lm", "seq2seq-lm", "token-classification")   # losses averaged over tokens
+SCHEDULERS = ("linear", "cosine", "constant")
+
+
+def _resolve_task(task) -> tuple[str, type | None]:
+    """-> (task name or 'custom', class). Strings may also be dotted class paths."""
+    import transformers
+    if isinstance(task, str) and task in TASKS:
+        return task, getattr(transformers, TASKS[task])
+    if isinstance(task, str) and "." in task:
+        mod, _, name = task.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError) as err:
+            raise MisconfigurationError(f"task={task!r}: cannot import it ({err}); choose one of "
+                                        f"{list(TASKS)} or an AutoModelFor... class") from err
+        return _resolve_task(cls)
+    if isinstance(task, type) and hasattr(task, "from_pretrained"):
+        for name, auto in TASKS.items():
+            if task is getattr(transformers, auto):
+                return name, task
+        return _task_of_class(task.__name__) or "custom", task
+    raise invalid_choice("task", task, list(TASKS) + ["an AutoModelFor... class"])
+
+
+def _task_of_class(name: str) -> str | None:
+    if "ForSequenceClassification" in name:
+        return "sequence-classification"
+    if "ForTokenClassification" in name:
+        return "token-classification"
+    if "ForCausalLM" in name or "LMHeadModel" in name:
+        return "causal-lm"
+    if "ForSeq2SeqLM" in name or "ForConditionalGeneration" in name:
+        return "seq2seq-lm"
+    return None
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _lr_lambda(kind: str, warmup_steps: int | None, warmup_ratio: float, total_steps):
+    """LambdaLR factor: linear warmup, then linear/cosine decay to 0 (or constant).
+    ``total_steps`` is a callable, read at the first step (when the Trainer knows its data)."""
+    cache: dict[str, int] = {}
+
+    def fn(step: int) -> float:
+        if "total" not in cache:
+            total = total_steps()
+            if total is None:   # not known yet (scheduler construction): the first step's factor
+                return 0.0 if (warmup_steps or (warmup_steps is None and warmup_ratio > 0)) else 1.0
+            cache["total"] = max(1, int(total))
+            cache["warmup"] = warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * cache["total"])
+        total, warmup = cache["total"], cache["warmup"]
+        if step < warmup:
+            return step / max(1, warmup)
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return fn
+
+
+def _no_decay(module: nn.Module, name: str) -> bool:
+    return name.endswith("bias") or "norm" in type(module).__name__.lower() or "norm" in name.lower()
+
+
+class TransformersModule(TrainModule):
+    """A TrainModule around a Hugging Face ``PreTrainedModel``.
+
+    Args:
+        model: a local folder / cached Hub name, or a ``PreTrainedModel``.
+        task: ``"sequence-classification"``, ``"token-classification"``, ``"causal-lm"``,
+            ``"seq2seq-lm"``, an ``AutoModelFor...`` class or its dotted path. Default: taken
+            from a model object's class, else ``"sequence-classification"``.
+        lr, weight_decay: AdamW; biases and normalisation weights get no weight decay.
+        warmup_ratio / warmup_steps: linear warmup (steps win over the ratio), then
+            ``scheduler`` (``"linear"``, ``"cosine"`` or ``"constant"``), stepped every optimizer step.
+        num_labels, id2label, label2id: classification heads. When none is given the
+            model is built in ``configure_model`` with the labels of the DataModule.
+        gradient_checkpointing: recompute activations in backward (less memory).
+        freeze_base: train only the task head.
+        model_kwargs: passed to ``from_pretrained`` (e.g. ``attn_implementation``).
+        token_exact_accumulation: for token-level losses, average over all target tokens of
+            an optimizer step (every micro-batch and rank), not per micro-batch.
+        generate_kwargs: for ``predict_step`` of language models (default ``max_new_tokens=32``).
+        tokenizer: used to decode generations and saved by ``save_pretrained``; defaults to the
+            DataModule's.
+        local_files_only: never reach the network when loading by name (default True).
+        model_config: a config dict to build an untrained model from (how checkpoints of
+            modules made from model objects are rebuilt).
+    """
+
+    def __init__(self, model: Any = None, task: Any = None, lr: float = 2e-5, weight_decay: float = 0.01,
+                 warmup_ratio: float = 0.06, warmup_steps: int | None = None, scheduler: str = "linear",
+                 num_labels: int | None = None, id2label: dict | None = None, label2id: dict | None = None,
+                 gradient_checkpointing: bool = False, freeze_base: bool = False, model_kwargs: dict | None = None,
+                 token_exact_accumulation: bool = True, generate_kwargs: dict | None = None,
+                 tokenizer: Any = None, local_files_only: bool = True, model_config: dict | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8):
+        super().__init__()
+        self.save_hyperparameters(ignore=["model", "tokenizer", "task"])
+        if scheduler not in SCHEDULERS:
+            raise invalid_choice("scheduler", scheduler, SCHEDULERS)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+            raise MisconfigurationError(f"lr={lr!r} is not valid; use a positive number")
+        if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            raise MisconfigurationError(f"weight_decay={weight_decay!r} is not valid; use a number >= 0")
+        if not isinstance(warmup_ratio, (int, float)) or not 0 <= warmup_ratio < 1:
+            raise MisconfigurationError(f"warmup_ratio={warmup_ratio!r} is not valid; use a fraction in [0, 1)")
+        if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
+                                         or warmup_steps < 0):
+            raise MisconfigurationError(f"warmup_steps={warmup_steps!r} is not valid; use an int >= 0 or None")
+        if model is None and model_config is None:
+            raise MisconfigurationError("TransformersModule(model=...) is missing: give a local folder, a cached "
+                                        "Hub name or a PreTrainedModel")
+        if task is None:
+            task = (_task_of_class(type(model).__name__) if isinstance(model, nn.Module) else None) \
+                or "sequence-classification"
+        self.task, self._auto_cls = _resolve_task(task)
+        self.hparams["task"] = self.task if self.task in TASKS else f"{self._auto_cls.__module__}.{self._auto_cls.__qualname__}"
+        id2label = {int(k): str(v) for k, v in id2label.items()} if id2label else None
+        if id2label and label2id is None:
+            label2id = {v: k for k, v in id2label.items()}
+        if num_labels is not None and id2label is not None and num_labels != len(id2label):
+            raise MisconfigurationError(f"num_labels={num_labels} disagrees with id2label, which names "
+                                        f"{len(id2label)} classes")
+        if num_labels is None and id2label is not None:
+            num_labels = len(id2label)
+        if num_labels is not None and (isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1):
+            raise MisconfigurationError(f"num_labels={num_labels!r} is not valid; use an int >= 1")
+        self.num_labels, self.id2label, self.label2id = num_labels, id2label, label2id
+        self.lr, self.weight_decay, self.scheduler = float(lr), float(weight_decay), scheduler
+        self.warmup_ratio, self.warmup_steps = float(warmup_ratio), warmup_steps
+        self.adam_betas, self.adam_eps = tuple(adam_betas), float(adam_eps)
+        self.gradient_checkpointing, self.freeze_base = gradient_checkpointing, freeze_base
+        self.model_kwargs = dict(model_kwargs or {})
+        self.token_exact_accumulation = token_exact_accumulation
+        self.generate_kwargs = {"max_new_tokens": 32, **(generate_kwargs or {})}
+        self.local_files_only = local_files_only
+        self.tokenizer = load_tokenizer(tokenizer, local_files_only) if tokenizer is not None else None
+        if isinstance(tokenizer, (str, os.PathLike)):
+            self.hparams["tokenizer"] = os.fspath(tokenizer)
+        self.model: nn.Module | None = None
+        self.metrics = nn.ModuleDict()
+        self._exact = False
+        self._loss_norm: float | None = None
+        self._win_tokens: torch.Tensor | int = 0
+        self._win_micro = 0
+        if isinstance(model, nn.Module):
+            self.hparams["model_config"] = model.config.to_dict()
+            self._set_model(model)
+        elif isinstance(model, (str, os.PathLike)):
+            self.hparams["model"] = os.fspath(model)
+            if self.task != "sequence-classification" or num_labels is not None:
+                self._set_model(self._load(os.fspath(model)))
+        else:
+            self._set_model(self._from_config(model_config))
+
+    # ------------------------------------------------------------------ building
+    def _label_kwargs(self) -> dict:
+        if self.task not in ("sequence-classification", "token-classification") or self.num_labels is None:
+            return {}
+        id2label = self.id2label or {i: f"LABEL_{i}" for i in range(self.num_labels)}
+        return {"num_labels": self.num_labels, "id2label": id2label,
+                "label2id": self.label2id or {v: k for k, v in id2label.items()}}
+
+    def _load(self, name: str) -> nn.Module:
+        from transformers import AutoConfig
+        local = self.local_files_only or _offline()
+        try:
+            config = AutoConfig.from_pretrained(name, local_files_only=local)
+        except (OSError, ValueError) as err:
+            raise not_found_error("model", name, err, self.local_files_only) from err
+        labels = self._label_kwargs()
+        mismatched = bool(labels) and getattr(config, "num_labels", None) != labels["num_labels"]
+        for k, v in labels.items():
+            setattr(config, k, v)
+        kwargs = {_dtype_kwarg(): torch.float32, **self.model_kwargs}
+        if mismatched:
+            kwargs.setdefault("ignore_mismatched_sizes", True)
+        try:
+            return self._auto_cls.from_pretrained(name, config=config, local_files_only=local, **kwargs)
+        except (OSError, ValueError) as err:
+            raise not_found_error("model", name, err, self.local_files_only) from err
+
+    def _from_config(self, cfg: dict) -> nn.Module:
+        from transformers import AutoConfig
+        cfg = dict(cfg)
+        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        for k, v in self._label_kwargs().items():
+            setattr(config, k, v)
+        return self._auto_cls.from_config(config)
+
+    def _set_model(self, model: nn.Module) -> None:
+        cfg = getattr(model, "config", None)
+        if cfg is None:
+            raise MisconfigurationError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
+        if self.task in ("sequence-classification", "token-classification"):
+            if self.num_labels is not None and cfg.num_labels != self.num_labels:
+                raise MisconfigurationError(f"num_labels={self.num_labels} but the model has {cfg.num_labels} "
+                                            "outputs; build the model with the right num_labels")
+            if self.id2label:
+                cfg.id2label, cfg.label2id = dict(self.id2label), dict(self.label2id)
+            self.num_labels = cfg.num_labels
+            self.id2label = {int(k): v for k, v in cfg.id2label.items()}
+            self.label2id = dict(cfg.label2id)
+        if self.freeze_base:
+            base = getattr(model, "base_model", model)
+            if base is model:
+                raise MisconfigurationError(f"freeze_base=True: {type(model).__name__} has no separate base model")
+            for p in base.parameters():
+                p.requires_grad_(False)
+        if self.gradient_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(cfg, "use_cache"):
+                cfg.use_cache = False
+        self.model = model
+        self._build_metrics()
+
+    def _build_metrics(self) -> None:
+        from torchmetrics import classification as C
+        stages = {}
+        for stage in ("val", "test"):
+            m = {}
+            if self.task == "sequence-classification":
+                k = self.num_labels
+                if k == 2:
+                    m["acc"], m["f1"] = C.BinaryAccuracy(), C.BinaryF1Score()
+                elif k and k > 2:
+                    m["acc"] = C.MulticlassAccuracy(num_classes=k, average="micro")
+                    m["f1"] = C.MulticlassF1Score(num_classes=k, average="macro")
+            elif self.task in _TOKEN_TASKS:
+                m["loss"] = torchmetrics.MeanMetric()
+                if self.task == "token-classification":
+                    m["acc"] = C.MulticlassAccuracy(num_classes=self.num_labels, average="micro", ignore_index=-100)
+                else:
+                    m["ppl"] = _Perplexity()
+            stages[stage] = nn.ModuleDict(m)
+        self.metrics = nn.ModuleDict(stages)
+
+    def configure_model(self) -> None:
+        """Build the model now if the labels were left to the DataModule; check that the
+        model and the data agree on the classes; share the DataModule's tokenizer."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if self.tokenizer is None and getattr(dm, "tokenizer", None) is not None:
+            self.tokenizer = dm.tokenizer
+        data_labels = getattr(dm, "id2label", None) if self.task in ("sequence-classification",
+                                                                     "token-classification") else None
+        if self.model is None:
+            if data_labels:
+                self.num_labels, self.id2label = len(data_labels), dict(data_labels)
+                self.label2id = {v: k for k, v in data_labels.items()}
+            self._set_model(self._load(self.hparams["model"]))
+            if self.num_labels is not None:
+                self.hparams.update(num_labels=self.num_labels, id2label=dict(self.id2label),
+                                    label2id=dict(self.label2id))
+        elif data_labels:
+            if len(data_labels) != self.num_labels:
+                raise MisconfigurationError(
+                    f"num_labels={self.num_labels} but the data has {len(data_labels)} classes "
+                    f"{list(data_labels.values())}; make them agree (or leave num_labels unset)")
+            if all(str(v) == f"LABEL_{k}" for k, v in self.model.config.id2label.items()):
+                self.id2label = dict(data_labels)
+                self.label2id = {v: k for k, v in data_labels.items()}
+                self.model.config.id2label, self.model.config.label2id = dict(self.id2label), dict(self.label2id)
+        tok = self.tokenizer
+        if tok is not None and getattr(self.model.config, "pad_token_id", 0) is None and tok.pad_token_id is not None:
+            self.model.config.pad_token_id = tok.pad_token_id
+
+    def _require_model(self) -> nn.Module:
+        if self.model is None:
+            raise MisconfigurationError(
+                "the model is built when the labels are known: pass num_labels=/id2label= to TransformersModule, "
+                "or run it through a Trainer with a DataModule that has num_labels")
+        return self.model
+
+    def forward(self, **inputs):
+        return self._require_model()(**inputs)
+
+    # ------------------------------------------------------------------ losses
+    def _token_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sum of token losses, number of target tokens, logits); labels -100 are ignored,
+        causal LM labels are shifted as the model does."""
+        if "labels" not in batch:
+            raise MisconfigurationError(f"the batch has no 'labels' (keys: {sorted(batch)}); the {self.task} "
+                                        "loss needs them")
+        labels = batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if self.task == "seq2seq-lm" and "decoder_input_ids" not in inputs:
+            prep = getattr(self.model, "prepare_decoder_input_ids_from_labels", None)
+            if prep is not None:
+                inputs["decoder_input_ids"] = prep(labels=labels)
+            else:
+                inputs["labels"] = labels
+        logits = self.model(**inputs).logits
+        if self.task == "causal-lm":
+            targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        else:
+            targets = labels
+        targets = targets.to(logits.device)
+        loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        return loss_sum, (targets != -100).sum(), logits
+
+    # ------------------------------------------------------------------ steps
+    def on_train_start(self) -> None:
+        t = self.trainer
+        self._exact = bool(self.token_exact_accumulation and self.task in _TOKEN_TASKS
+                           and (t.accumulate_grad_batches > 1 or t.world_size > 1)
+                           and not t.strategy.owns_optimizer_step)
+        self._win_tokens, self._win_micro = 0, 0
+
+    def training_step(self, batch, batch_idx):
+        bs = batch["input_ids"].shape[0] if "input_ids" in batch else None
+        if self._exact:
+            loss_sum, n, _ = self._token_loss(batch)
+            if self._loss_norm is None:
+                # a constant of the run that keeps gradients at the scale of a mean loss (fp16-safe);
+                # on_before_optimizer_step divides it out again
+                norm = float(batch["labels"].numel())
+                self._loss_norm = float(self.trainer.strategy.broadcast(norm)) if self.trainer.world_size > 1 else norm
+            self._win_tokens = self._win_tokens + n
+            self._win_micro += 1
+            self.log("train/loss", loss_sum.detach() / n.clamp(min=1), prog_bar=True, batch_size=bs)
+            return loss_sum / self._loss_norm
+        model = self._require_model()
+        out = model(**batch)
+        if getattr(out, "loss", None) is None:
+            raise MisconfigurationError(f"the model returned no loss; the batch needs 'labels' (keys: {sorted(batch)})")
+        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)
+        return out.loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Token-exact accumulation: the gradients hold sum(token-loss grads) / (norm * m)
+        (m micro-batches, and DDP averaged them over W ranks); rescale so that they are
+        the gradient of the mean over every target token of the window on every rank."""
+        if not self._exact or self._win_micro == 0:
+            return
+        t = self.trainer
+        n = torch.as_tensor(self._win_tokens, device=self.device).float()
+        world = t.world_size
+        if world > 1:
+            n = t.strategy.reduce(n, "sum")
+        factor = (self._loss_norm * self._win_micro * world) / n.clamp(min=1.0)
+        self._win_tokens, self._win_micro = 0, 0
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        try:
+            torch._foreach_mul_(grads, factor.to(grads[0].device))
+        except (RuntimeError, TypeError, NotImplementedError):   # e.g. sharded (DTensor) gradients
+            f = float(factor)
+            for g in grads:
+                g.mul_(f)
+
+    def _eval_step(self, batch, stage: str):
+        model = self._require_model()
+        m = self.metrics[stage] if stage in self.metrics else {}
+        bs = batch["input_ids"].shape[0] if "input_ids" in batch else None
+        if self.task in _TOKEN_TASKS:
+            loss_sum, n, logits = self._token_loss(batch)
+            m["loss"].update(loss_sum / n.clamp(min=1), n)
+            self.log(f"{stage}/loss", m["loss"], prog_bar=stage == "val")
+            if "ppl" in m:
+                m["ppl"].update(loss_sum / n.clamp(min=1), n)
+                self.log(f"{stage}/ppl", m["ppl"])
+            if "acc" in m:
+                m["acc"](logits.argmax(-1), batch["labels"])
+                self.log(f"{stage}/acc", m["acc"])
+            return None
+        out = model(**batch)
+        if getattr(out, "loss", None) is not None:
+            self.log(f"{stage}/loss", out.loss, on_epoch=True, sync_dist=True, batch_size=bs, prog_bar=stage == "val")
+        if self.task == "sequence-classification" and "labels" in batch and m:
+            preds, target = out.logits.argmax(-1), batch["labels"]
+            for name, metric in m.items():
+                metric(preds, target)
+                self.log(f"{stage}/{name}", metric, prog_bar=stage == "val" and name == "acc")
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        return self._eval_step(batch, "test")
+
+    def predict_step(self, batch, batch_idx):
+        """Classification: ``{"label": ids, "probs": probabilities}``; token classification:
+        ``{"label": ids per token, -100 at padding}``; language models: the generated text
+        (a list of strings) when a tokenizer is attached, else the generated token ids."""
+        model = self._require_model()
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if self.task in ("sequence-classification", "token-classification"):
+            probs = model(**inputs).logits.float().softmax(-1)
+            label = probs.argmax(-1)
+            if self.task == "token-classification" and "attention_mask" in inputs:
+                label = label.masked_fill(inputs["attention_mask"] == 0, -100)
+                return {"label": label}
+            return {"label": label, "probs": probs}
+        if self.task in ("causal-lm", "seq2seq-lm"):
+            kw = dict(self.generate_kwargs)
+            pad = self.tokenizer.pad_token_id if self.tokenizer is not None else model.config.pad_token_id
+            if pad is not None:
+                kw.setdefault("pad_token_id", pad)
+            gen = model.generate(**{k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}, **kw)
+            if self.task == "causal-lm":
+                gen = gen[:, inputs["input_ids"].shape[1]:]
+            if self.tokenizer is not None:
+                return self.tokenizer.batch_decode(gen, skip_special_tokens=True)
+            return gen
+        return model(**inputs)
+
+    # ------------------------------------------------------------------ optimization
+    def configure_optimizers(self):
+        model = self._require_model()
+        decay, no_decay, seen = [], [], set()
+        for mod in model.modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:   # tied weights once
+                    seen.add(id(p))
+                    (no_decay if _no_decay(mod, pname) else decay).append(p)
+        groups = [g for g in ({"params": decay, "weight_decay": self.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if not groups:
+            raise MisconfigurationError("no trainable parameters (is everything frozen?)")
+        opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps)
+
+        def total_steps():
+            t = self._trainer
+            if t is None or not t.num_training_batches:
+                return None
+            return t.estimated_stepping_batches
+
+        fn = _lr_lambda(self.scheduler, self.warmup_steps, self.warmup_ratio, total_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    # ------------------------------------------------------------------ export
+    def save_pretrained(self, save_directory: str, tokenizer: Any = None, state_dict: dict | None = None,
+                        **kwargs) -> str:
+        """Write a folder that ``AutoModelFor....from_pretrained`` (and, with a tokenizer,
+        ``AutoTokenizer.from_pretrained``) load. ``tokenizer`` defaults to the attached one."""
+        model = self._require_model()
+        save_directory = os.fspath(save_directory)
+        os.makedirs(save_directory, exist_ok=True)
+        if state_dict is not None:
+            state_dict = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state_dict.items()}
+        model.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if isinstance(tok, (str, os.PathLike)):
+            tok = load_tokenizer(tok, self.local_files_only)
+        if tok is not None:
+            tok.save_pretrained(save_directory)
+        return save_directory
+
+
+class _Perplexity(torchmetrics.MeanMetric):
+    """exp(token-weighted mean loss)."""
+
+    def compute(self):
+        return torch.exp(super().compute())
+
+
+class ExportBestPretrained(Callback):
+    """At the end of ``fit``, write a ``save_pretrained`` folder (plus the tokenizer) from
+    the best checkpoint of the trainer's ``ModelCheckpoint`` (its newest one without a
+    monitor; the current weights when there is no checkpoint). Rank zero writes, once;
+    the live module keeps its weights."""
+
+    def __init__(self, dirpath: str, tokenizer: Any = None):
+        self.dirpath = os.fspath(dirpath)
+        self.tokenizer = tokenizer
+        self.exported_from: str | None = None
+
+    def on_fit_end(self, trainer, module) -> None:
+        if not isinstance(module, TransformersModule):
+            raise MisconfigurationError(f"ExportBestPretrained needs a TransformersModule, got {type(module).__name__}")
+        from ember import checkpoint_io as cio
+        ckpt = trainer.checkpoint_callback
+        path = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
+        weights = None
+        if trainer.is_global_zero:
+            if path and os.path.exists(path):
+                weights, _, _ = cio.read_checkpoint(path, load_state=False)
+            self.exported_from = path if weights is not None else "current weights"
+            module.save_pretrained(self.dirpath, tokenizer=self.tokenizer, state_dict=weights)
+        trainer.strategy.barrier("export_pretrained")
