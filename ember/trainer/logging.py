@@ -56,6 +56,10 @@ class Results:
         #: set by the evaluation loop when it runs several dataloaders: names get
         #: a "/dataloader_idx_N" suffix, as in Lightning
         self.dataloader_idx = None
+        #: set by the fit loop around on_train_epoch_end: values logged there default to
+        #: epoch values (as Lightning) and are emitted right after the hook (``late``)
+        self.epoch_end_hook = False
+        self.late: set = set()
 
     def new_batch(self, batch) -> None:
         self.batch, self._batch_size = batch, None
@@ -72,6 +76,8 @@ class Results:
         e = self.entries.get(name)
         if e is None:
             e = self._new_entry(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        if self.epoch_end_hook:
+            self.late.add(name)
         if e.metric is not None:
             e.last = e.metric._forward_cache if e.on_step else None
             e.updated = True
@@ -104,7 +110,7 @@ class Results:
             reduce_fx = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, reduce_fx)
         if reduce_fx not in _REDUCE:
             raise invalid_choice(f"self.log({name!r}, reduce_fx)", reduce_fx, _REDUCE)
-        d_step, d_epoch = _DEFAULTS.get(self.stage, (False, True))
+        d_step, d_epoch = (False, True) if self.epoch_end_hook else _DEFAULTS.get(self.stage, (False, True))
         on_step = d_step if on_step is None else bool(on_step)
         on_epoch = d_epoch if on_epoch is None else bool(on_epoch)
         if self.stage != "train" and on_step and not on_epoch:
@@ -127,9 +133,11 @@ class Results:
                 out[e.name + "_step" if e.on_epoch else e.name] = (e, e.last)
         return out
 
-    def epoch_values(self) -> dict:
+    def epoch_values(self, names=None) -> dict:
         out = {}
         for e in self.entries.values():
+            if names is not None and e.name not in names:
+                continue
             if e.on_epoch and (e.updated or e.metric is not None):
                 v = e.epoch_value()
                 if v is not None:
@@ -145,6 +153,7 @@ class Results:
 
     def reset(self) -> None:
         self.dataloader_idx = None
+        self.late = set()
         for e in self.entries.values():
             e.total, e.weight, e.updated, e.last = None, 0, False, None
             if e.metric is not None:

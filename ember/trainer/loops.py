@@ -36,6 +36,7 @@ a hook nobody overrides is never called)::
         if epoch % check_val_every_n_epoch == 0: validation loop   # on_validation_* hooks
         epoch-interval schedulers (ReduceLROnPlateau reads its monitor)
         on_train_epoch_end                   # ModelCheckpoint / EarlyStopping act here
+        emit what the module logged in on_train_epoch_end   # epoch values by default
         epoch += 1
     on_train_end
     on_fit_end
@@ -105,7 +106,15 @@ class FitLoop:
                     and t.check_val_every_n_epoch is not None and not t._val_ran_at_batch_end:
                 t._run_validation()
             t._step_schedulers("epoch")
-            t._call_hook("on_train_epoch_end")
+            results = t._results["train"]
+            results.epoch_end_hook = True
+            try:
+                t._call_hook("on_train_epoch_end")
+            finally:
+                results.epoch_end_hook = False
+            if results.late:   # values logged in on_train_epoch_end
+                t._emit_epoch(results, names=results.late)
+                results.late = set()
             t.current_epoch += 1
             t._batches_done = 0
             t._epoch_finished = False

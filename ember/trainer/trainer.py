@@ -437,8 +437,8 @@ class Trainer:
         host = to_host(vals, self.strategy)
         self._publish(host, {n: vals[n][0] for n in vals})
 
-    def _emit_epoch(self, results: Results, log: bool = True) -> dict:
-        vals = results.epoch_values()
+    def _emit_epoch(self, results: Results, log: bool = True, names=None) -> dict:
+        vals = results.epoch_values(names)
         if not vals:
             return {}
         host = to_host(vals, self.strategy)
