@@ -319,3 +319,29 @@ def test_metrics_logged_in_on_validation_epoch_end(make_trainer):
     loader, v = values_data(50, 16)
     out = make_trainer().validate(EpochEnd(), loader)
     assert out[0]["val/total"] == pytest.approx(v.sum().item(), rel=1e-6)
+
+
+def test_metrics_logged_in_on_train_epoch_end(make_trainer, data):
+    class EpochEnd(LinearModule):
+        def __init__(self):
+            super().__init__()
+            self.losses = []
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.losses.append(loss.detach())
+            return loss
+
+        def on_train_epoch_end(self):
+            self.log("train/mean_of_epoch", torch.stack(self.losses).mean())
+            self.losses.clear()
+
+    logger = CaptureLogger()
+    module = EpochEnd()
+    trainer = make_trainer(max_epochs=2, log_every_n_steps=100, logger=logger)
+    trainer.fit(module, data(n=32, batch_size=8))
+    # logged as an epoch value (not a step value) and emitted at each epoch's end
+    epoch_calls = [(s, m["train/mean_of_epoch"]) for s, m in logger.calls if "train/mean_of_epoch" in m]
+    assert [s for s, _ in epoch_calls] == [4, 8]
+    assert trainer.callback_metrics["train/mean_of_epoch"].item() == pytest.approx(epoch_calls[-1][1])
+    assert "train/mean_of_epoch_step" not in trainer.logged_metrics
