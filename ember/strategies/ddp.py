@@ -25,6 +25,46 @@ START_METHODS = ("popen",)
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
+def route_through_forward(wrapper: nn.Module, module: nn.Module, name: str) -> None:
+    """Make ``module.<name>(...)`` run through ``wrapper.__call__`` (DDP's forward, which
+    prepares the gradient all-reduce of the following backward), as Lightning Fabric
+    does: ``module.forward`` is swapped for the method just for that call and restored
+    before the method runs (so that it can call ``self(x)`` itself)."""
+    current = module.__dict__.get(name)
+    original = getattr(current, "__wrapped__", None) if getattr(current, "_ember_routed", False) else None
+    if original is None:
+        if not callable(getattr(type(module), name, None)):
+            return
+        original = getattr(module, name)
+
+    def routed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        had_own_forward = "forward" in module.__dict__
+        own_forward = module.__dict__.get("forward")
+
+        def forward_once(*a, **k):
+            if had_own_forward:
+                module.forward = own_forward
+            else:
+                del module.forward
+            return original(*a, **k)
+
+        module.forward = forward_once
+        try:
+            return wrapper(*args, **kwargs)
+        finally:
+            if module.__dict__.get("forward") is forward_once:  # the wrapper did not call it
+                if had_own_forward:
+                    module.forward = own_forward
+                else:
+                    del module.forward
+
+    routed.__wrapped__ = original
+    routed._ember_routed = True
+    setattr(module, name, routed)
+
+
 class DDPStrategy(Strategy):
     """Data parallel over processes: each rank holds the full model and a shard of the data.
 
@@ -115,6 +155,11 @@ class DDPStrategy(Strategy):
 
     def _detect(self, per_node: int | None) -> ClusterEnvironment:
         env = detect_environment(per_node or 1, self.num_nodes)
+        if isinstance(env, LocalEnvironment) and env.world_size > 1 and self._devices_explicit \
+                and per_node is not None and per_node != env.local_world_size:
+            raise MisconfigurationError(
+                f"devices={per_node}, but this script already runs {env.world_size} processes (started "
+                f"for an earlier Trainer/Accelerator); use devices={env.world_size}")
         if env.creates_processes_externally and not isinstance(env, LocalEnvironment):
             if self._devices_explicit and per_node is not None and per_node != env.local_world_size:
                 raise MisconfigurationError(
@@ -194,7 +239,9 @@ class DDPStrategy(Strategy):
         if not any(p.requires_grad for p in module.parameters()):
             return module  # nothing to synchronise (e.g. evaluation only); DDP would refuse it
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        ddp = nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        route_through_forward(ddp, module, "training_step")
+        return ddp
 
     def teardown(self) -> None:
         # The process group lives until the interpreter exits (or ember.distributed.destroy()),

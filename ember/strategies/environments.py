@@ -29,6 +29,8 @@ from ember.errors import MisconfigurationError
 LAUNCH_MARKER = "EMBER_LAUNCHER_PID"
 
 _DEFAULT_PORT = 29500
+#: the environment a strategy of this process has set up (see ClusterEnvironment.export)
+_ACTIVE: "ClusterEnvironment | None" = None
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -60,7 +62,10 @@ class ClusterEnvironment:
         return max(1, self.world_size // max(1, self.local_world_size))
 
     def export(self) -> None:
-        """Publish the torchrun-style variables in ``os.environ``."""
+        """Publish the torchrun-style variables in ``os.environ`` and make this the
+        environment of the process (later strategies in the same script reuse it)."""
+        global _ACTIVE
+        _ACTIVE = self
         os.environ.update({
             "RANK": str(self.global_rank), "LOCAL_RANK": str(self.local_rank),
             "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.local_world_size),
@@ -208,6 +213,8 @@ class LocalEnvironment(ClusterEnvironment):
 def detect_environment(num_processes: int, num_nodes: int = 1) -> ClusterEnvironment:
     """The environment of this process. ``num_processes`` is the number of ranks
     per node the user asked for (used only when ember launches them itself)."""
+    if _ACTIVE is not None:
+        return _ACTIVE
     if LocalEnvironment.is_launched_child():
         return LocalEnvironment.from_env()
     if TorchElasticEnvironment.detect():

@@ -228,15 +228,19 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
               "failed to recv", "failed to send", "read error", "write error")
 
 
+def is_comm_error(exc: BaseException) -> bool:
+    """An error raised by a collective / the process group."""
+    import torch.distributed as dist
+    kinds = tuple(k for k in (getattr(dist, "DistError", None), getattr(dist, "DistBackendError", None),
+                              getattr(dist, "DistNetworkError", None)) if k is not None)
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return isinstance(exc, kinds) or any(s in text for s in ("gloo", "nccl", "c10d", "processgroup"))
+
+
 def is_peer_lost_error(exc: BaseException) -> bool:
     """A communication error that says another rank went away (not this rank's fault)."""
-    import torch.distributed as dist
-    kinds = tuple(k for k in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None),
-                              getattr(dist, "DistError", None)) if k is not None)
     text = f"{type(exc).__name__}: {exc}".lower()
-    if not (isinstance(exc, kinds) or "gloo" in text or "nccl" in text or "c10d" in text):
-        return False
-    return any(s in text for s in _PEER_LOST)
+    return is_comm_error(exc) and any(s in text for s in _PEER_LOST)
 
 
 class _ExitState:
@@ -258,7 +262,7 @@ def _excepthook(exc_type, exc, tb):
     peer_lost = is_peer_lost_error(exc)
     child = None
     if launcher is not None:  # did one of our ranks fail first? (then this is a consequence)
-        child = launcher.wait_for_child_failure(3.0 if peer_lost else 0.0)
+        child = launcher.wait_for_child_failure(3.0 if is_comm_error(exc) else 0.0)
     with _report_lock:
         first = not _reported
         _reported = True

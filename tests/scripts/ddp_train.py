@@ -137,7 +137,8 @@ def run_metrics(devices, root, batch_size=16):
     trainer = eval_trainer(devices, root, callbacks)
     module = Classifier()
     loader = DataLoader(eval_data(), batch_size=batch_size)
-    trainer.fit(module, DataLoader(eval_data(), batch_size=batch_size, shuffle=True), loader)
+    # global training batch 32 whatever the number of processes (same updates)
+    trainer.fit(module, DataLoader(eval_data(), batch_size=32 // devices, shuffle=True), loader)
     res["fit_val"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("acc", "n", "rank")}
     res["validate"] = {k: float(v) for k, v in trainer.validate(module, loader)[0].items()}
     res["validate_gather"] = {k: float(trainer.callback_metrics[k]) for k in ("acc", "n", "ids_in_order")}
