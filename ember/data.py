@@ -135,6 +135,14 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
     gen.manual_seed(seed)
     kw = _loader_kwargs(dl)
     user_sampler = dl.sampler
+    if dl.batch_sampler is None:
+        # automatic batching off (batch_size=None): each dataset item is one batch
+        if isinstance(user_sampler, (RandomSampler, SequentialSampler)):
+            sampler = ResumableSampler(len(dl.dataset), seed=seed, num_replicas=num_replicas, rank=rank,
+                                       shuffle=isinstance(user_sampler, RandomSampler) if shuffle is None else shuffle)
+        else:
+            sampler = _ShardedSampler(user_sampler, num_replicas, rank) if num_replicas > 1 else user_sampler
+        return DataLoader(dl.dataset, batch_size=None, sampler=sampler, generator=gen, **kw)
     if dl.batch_size is None or not isinstance(user_sampler, (RandomSampler, SequentialSampler)):
         if num_replicas > 1:
             # a custom sampler under DDP: shard its output deterministically
@@ -222,7 +230,7 @@ def skip_batches(dl: Any, num_batches: int) -> bool:
     if isinstance(s, _SkipBatchSampler):
         s.set_start(num_batches)
     else:
-        s.set_start(num_batches * dl.batch_size)
+        s.set_start(num_batches * (dl.batch_size or 1))
     return True
 
 
