@@ -221,3 +221,18 @@ def test_trainer_val_loader_is_never_shuffled(make_trainer):
         Record(), DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=4, shuffle=True))
     assert torch.equal(torch.cat(seen), ds.tensors[0][:, 0])
 
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_loader_without_automatic_batching(shuffle):
+    """batch_size=None: the dataset's items are the batches; still resumable and shardable."""
+    dl = DataLoader(ids(6), batch_size=None, shuffle=shuffle)
+    p = prepare_dataloader(dl, seed=1)
+    assert isinstance(p.sampler, ResumableSampler) and p.sampler.shuffle == shuffle and p.batch_size is None
+    full = [int(b[0]) for b in p]
+    assert sorted(full) == list(range(6)) and (full != list(range(6))) == shuffle
+    assert edata.skip_batches(p, 4)
+    assert [int(b[0]) for b in p] == full[4:]
+    shards = [prepare_dataloader(DataLoader(ids(5), batch_size=None), seed=0, num_replicas=2, rank=r) for r in range(2)]
+    assert [[int(b[0]) for b in s] for s in shards] == [[0, 2, 4], [1, 3, 0]]
+    assert edata.num_padded(shards[0]) == 1
