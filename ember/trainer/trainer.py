@@ -232,6 +232,12 @@ class Trainer:
         if not isinstance(module, TrainModule):
             raise MisconfigurationError(f"trainer.{stage}(module=...): expected a ember.TrainModule, got "
                                         f"{type(module).__name__}")
+        first = next(iter(loaders))   # trainer.fit(module, datamodule) works, as in Lightning
+        if isinstance(loaders[first], DataModule):
+            if datamodule is not None:
+                raise MisconfigurationError(f"trainer.{stage}(): got a DataModule both in place of the dataloaders "
+                                            "and as datamodule=; pass it once")
+            datamodule, loaders = loaders[first], {**loaders, first: None}
         if ckpt_path is not None:
             ckpt_path = _state.resolve_ckpt_path(self, ckpt_path)   # errors before any work
         self.stage = stage
