@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 import ember
+import ember.errors
 from ember.callbacks import Callback
 from conftest import LinearModule, regression_data
 
@@ -297,6 +298,23 @@ def test_datamodule_hook_order(make_trainer):
     out = trainer.test(datamodule=dm)
     assert calls == ["prepare_data", "setup:test", "test_dataloader", "teardown:test"]
     assert set(out[0]) == {"test/loss"}
+
+
+def test_datamodule_in_place_of_the_dataloaders(make_trainer):
+    class DM(ember.DataModule):
+        def train_dataloader(self):
+            return DataLoader(regression_data(24), batch_size=8)
+
+        def test_dataloader(self):
+            return DataLoader(regression_data(16), batch_size=8)
+
+    trainer = make_trainer(max_epochs=1)
+    module = LinearModule()
+    trainer.fit(module, DM())                       # positional, as in Lightning
+    assert trainer.global_step == 3 and isinstance(trainer.datamodule, DM)
+    assert set(trainer.test(module, DM())[0]) == {"test/loss"}
+    with pytest.raises(ember.errors.MisconfigurationError, match="pass it once"):
+        trainer.fit(module, DM(), datamodule=DM())
 
 
 def test_dataloaders_defined_on_the_module(make_trainer):
