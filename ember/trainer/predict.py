@@ -3,6 +3,8 @@ processes the outputs are gathered so every rank returns exactly the dataset, in
 dataset order (sampler padding dropped)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ember.errors import MisconfigurationError
@@ -18,16 +20,19 @@ def run_predict(t) -> list:
     t._call_hook("on_predict_start")
     t._call_hook("on_predict_epoch_start")
     all_outputs = []
+    # several dataloaders: predict_step(batch, batch_idx, dataloader_idx) when it takes one
+    multi = len(t._eval_loaders) > 1 and "dataloader_idx" in inspect.signature(module.predict_step).parameters
     with torch.no_grad():
         for dl_idx, loader in enumerate(t._eval_loaders):
             t.current_dataloader = loader
+            kwargs = {"dataloader_idx": dl_idx} if multi else {}
             outs = []
             for batch_idx, batch in enumerate(loader):
                 batch = t._prepare_batch(batch)
                 for h in hs:
                     h(t, module, batch, batch_idx, dl_idx)
                 with t.strategy.precision.forward_context():
-                    out = module.predict_step(batch, batch_idx)
+                    out = module.predict_step(batch, batch_idx, **kwargs)
                 for h in he:
                     h(t, module, out, batch, batch_idx, dl_idx)
                 outs.append(out)
