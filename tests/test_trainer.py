@@ -231,6 +231,15 @@ def test_validate_test_predict_return_values(make_trainer, data):
     assert module.training        # evaluation puts the module back into train mode
 
 
+def test_predict_with_several_dataloaders(make_trainer, data):
+    class Tagged(LinearModule):
+        def predict_step(self, batch, batch_idx, dataloader_idx=0):
+            return (dataloader_idx, batch_idx, batch[0].shape[0])
+
+    out = make_trainer().predict(Tagged(), [data(n=10, batch_size=8), data(n=8, batch_size=8)])
+    assert out == [[(0, 0, 8), (0, 1, 2)], [(1, 0, 8)]]
+
+
 def test_validate_after_fit_uses_fitted_module(make_trainer, data):
     trainer = make_trainer(max_epochs=1)
     module = LinearModule()
