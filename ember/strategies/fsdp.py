@@ -266,7 +266,7 @@ class FSDPStrategy(DDPStrategy):
                 own = [f"{mod_name}.{n}" if mod_name else n
                        for n, _ in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))]
                 if any(n in meta for n in own):
-                    m.reset_parameters()
+                    _reset_full(m, self.root_device)
 
     def setup_optimizers(self, module: nn.Module, optimizers: list) -> tuple[nn.Module, list]:
         """Point optimizers created before sharding (``Accelerator.prepare(model, opt)``)
@@ -529,6 +529,25 @@ class FSDPStrategy(DDPStrategy):
                 f"cpu_offload={self.cpu_offload}, state_dict_type={self.state_dict_type!r})")
 
 
+def _reset_full(m: nn.Module, device: torch.device) -> None:
+    """``m.reset_parameters()`` on full-size stand-ins of its sharded parameters, then each
+    rank keeps its slice: the same initialisation as on one device (given the same seed on
+    every rank), and no duplicated shards where DTensor has no sharded RNG (CPU)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    sharded = {n: p for n, p in m._parameters.items() if isinstance(p, DTensor)}
+    for n, p in sharded.items():
+        m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                        requires_grad=p.requires_grad)
+    try:
+        m.reset_parameters()
+        for n, p in sharded.items():
+            full = m._parameters[n].detach()
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+    finally:
+        for n, p in sharded.items():
+            m._parameters[n] = p
+
+
 @contextlib.contextmanager
 def _no_gradient_sync(module):
     module.set_requires_gradient_sync(False)
@@ -553,5 +572,7 @@ def load_full_weights(path: str) -> dict[str, torch.Tensor]:
     prefix = _DCP_KEY_MODEL + "."
     sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
           if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
-    dcp.load(sd, checkpoint_id=folder, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=folder, no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}
