@@ -1,7 +1,7 @@
 """ModelCheckpoint: save checkpoints periodically and keep the top-k by a monitored
 metric. Every rank calls the save (sharded strategies write shards); only global
-rank zero deletes files. Its bookkeeping is part of the checkpoint, so top-k
-stays consistent across resumes."""
+rank zero links ``last`` and deletes files. Its bookkeeping is part of the
+checkpoint, so top-k stays consistent across resumes."""
 from __future__ import annotations
 
 import math
@@ -9,26 +9,36 @@ import os
 import re
 import shutil
 import time
+import uuid
+import warnings
 
 import torch
 
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 
+_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+
 
 class ModelCheckpoint(Callback):
-    """
+    """Save checkpoints while training (enabled by default with its defaults below).
+
     Args:
-        dirpath: where to write; default ``<log_dir>/checkpoints``.
-        filename: template such as ``"{epoch}-{step}-{val/loss:.3f}"`` (metric names are
-            inserted as ``name=value``, with ``/`` written as ``_``).
+        dirpath: where to write; default ``<log_dir>/checkpoints`` (``log_dir`` is the first
+            logger's run folder, or ``default_root_dir`` without a logger).
+        filename: template such as ``"{epoch}-{step}-{val/loss:.3f}"``; each field becomes
+            ``name=value`` (``auto_insert_metric_name=False``: just the value) and ``/`` in
+            names is written as ``_``. Default ``"{epoch}-{step}"``.
         monitor / mode: the metric to rank checkpoints by (``"min"`` or ``"max"``).
-        save_top_k: keep the k best (−1 all, 0 none); without a monitor, the k latest.
-        save_last: also keep ``last`` pointing at the newest checkpoint (a symlink, or a
-            copy where links are not possible).
-        every_n_train_steps / every_n_epochs / train_time_interval: when to save
-            (defaults: every epoch end).
-        save_weights_only: write a plain ``.safetensors`` file of the weights instead.
+        save_top_k: keep the k best (-1 all, 0 none); without a monitor, the k latest.
+        save_last: also keep ``last`` pointing at the newest checkpoint (a symlink where
+            the file system allows it, else a copy); ``last`` is what ``ckpt_path="last"`` finds.
+        every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of
+            them; default: every epoch end). ``train_time_interval`` takes seconds or a
+            ``datetime.timedelta``.
+        save_weights_only: write plain ``.safetensors`` files of the weights (no trainer
+            state: they cannot be resumed from, but load with ``Module.load_from_checkpoint``).
+        save_on_train_epoch_end: True: never save after a mid-epoch validation.
     """
 
     CHECKPOINT_NAME_LAST = "last"
@@ -40,20 +50,28 @@ class ModelCheckpoint(Callback):
                  auto_insert_metric_name: bool = True, verbose: bool = False):
         if mode not in ("min", "max"):
             raise invalid_choice("ModelCheckpoint(mode)", mode, ["min", "max"])
-        if not isinstance(save_top_k, int) or save_top_k < -1:
+        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
             raise MisconfigurationError(f"ModelCheckpoint(save_top_k={save_top_k!r}): use -1 (all), 0 (none) or k >= 1")
         for name, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if v is not None and (not isinstance(v, int) or v < 0):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise MisconfigurationError(f"ModelCheckpoint({name}={v!r}): use a non-negative int or None")
-        if sum(x is not None and x != 0 for x in (every_n_train_steps, every_n_epochs, train_time_interval)) > 1:
+        if hasattr(train_time_interval, "total_seconds"):
+            train_time_interval = train_time_interval.total_seconds()
+        if train_time_interval is not None and (isinstance(train_time_interval, bool) or
+                                                not isinstance(train_time_interval, (int, float)) or
+                                                train_time_interval <= 0):
+            raise MisconfigurationError(f"ModelCheckpoint(train_time_interval={train_time_interval!r}): use "
+                                        "positive seconds or a datetime.timedelta")
+        if sum(bool(x) for x in (every_n_train_steps, every_n_epochs, train_time_interval)) > 1:
             raise MisconfigurationError("ModelCheckpoint: set only one of every_n_train_steps, every_n_epochs, "
                                         "train_time_interval")
+        if filename is not None and (not isinstance(filename, str) or not filename or os.sep in filename.replace("/", "")):
+            raise MisconfigurationError(f"ModelCheckpoint(filename={filename!r}): use a non-empty template "
+                                        "without path separators, e.g. '{epoch}-{step}'")
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.filename, self.monitor, self.mode = filename, monitor, mode
         self.save_top_k, self.save_last = save_top_k, save_last
         self.every_n_train_steps = every_n_train_steps or 0
-        if hasattr(train_time_interval, "total_seconds"):
-            train_time_interval = train_time_interval.total_seconds()
         self.train_time_interval = train_time_interval
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None else (
             0 if (self.every_n_train_steps or train_time_interval) else 1)
@@ -61,30 +79,36 @@ class ModelCheckpoint(Callback):
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.best_k_models: dict[str, float] = {}
         self.kth_best_model_path = ""
+        self.kth_value: float | None = None
         self.best_model_path = ""
         self.best_model_score: torch.Tensor | None = None
         self.last_model_path = ""
         self._last_global_step_saved = -1
         self._last_time = time.monotonic()
+        self._val_ran = False
+        self._warned = False
+        self._stale: list[str] = []
         if not (self.every_n_train_steps or self.train_time_interval):
             self.inactive_hooks = frozenset({"on_train_batch_end"})
 
     @property
     def state_key(self) -> str:
-        return f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}, every_n_train_steps={self.every_n_train_steps}, every_n_epochs={self.every_n_epochs}}}"
+        return (f"ModelCheckpoint{{monitor={self.monitor!r}, mode={self.mode!r}, every_n_train_steps="
+                f"{self.every_n_train_steps}, every_n_epochs={self.every_n_epochs}}}")
 
     # -- hooks ------------------------------------------------------------------------------
     def setup(self, trainer, module, stage):
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.log_dir, "checkpoints")
         self._last_time = time.monotonic()
+        self._val_ran = False
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self._last_global_step_saved or trainer.sanity_checking:
             return
         due = False
-        if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0 and trainer.global_step:
-            due = True
+        if self.every_n_train_steps:
+            due = trainer.global_step > 0 and trainer.global_step % self.every_n_train_steps == 0
         elif self.train_time_interval:
             if trainer.world_size == 1:
                 due = time.monotonic() - self._last_time >= self.train_time_interval
@@ -94,83 +118,130 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_validation_end(self, trainer, module):
+        if trainer.sanity_checking or trainer.stage != "fit":
+            return
+        self._val_ran = True
         # mid-epoch validations only; at an epoch end the save happens in on_train_epoch_end
-        if trainer.sanity_checking or trainer.stage != "fit" or self.save_on_train_epoch_end:
+        if self.save_on_train_epoch_end or trainer._epoch_finished \
+                or trainer._batches_done >= trainer.num_training_batches:
             return
-        if trainer._epoch_finished or trainer._batches_done >= trainer.num_training_batches:
-            return
-        if self.monitor is not None and not self.every_n_train_steps and not self.train_time_interval:
+        if self.monitor is not None and not self.every_n_train_steps and not self.train_time_interval \
+                and self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer, module):
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             self._save(trainer)
 
-    # -- saving -------------------------------------------------------------------------------
+    # -- names --------------------------------------------------------------------------------
     def format_checkpoint_name(self, metrics: dict, epoch: int, step: int) -> str:
+        """The file name (without extension) for ``metrics`` at ``epoch``/``step``."""
         template = self.filename or "{epoch}-{step}"
         values = {"epoch": epoch, "step": step, **{k: float(v) for k, v in metrics.items()}}
 
         def repl(m):
-            name, fmt = m.group(1), m.group(2) or ""
+            name, fmt = m.group(1).strip(), m.group(2) or ""
             if name not in values:
                 raise MisconfigurationError(f"ModelCheckpoint(filename={template!r}): {name!r} is not a logged "
                                             f"metric; logged: {sorted(metrics)}")
             v = format(values[name], fmt[1:]) if fmt else str(values[name])
-            return f"{name.replace('/', '_')}={v}" if self.auto_insert_metric_name else v
-        return re.sub(r"\{([^{}:]+)(:[^{}]*)?\}", repl, template).replace("/", "_")
+            return f"{name}={v}" if self.auto_insert_metric_name else v
+        return _FIELD.sub(repl, template).replace("/", "_").replace(os.sep, "_")
 
-    def _monitor_value(self, trainer):
-        if self.monitor is None:
-            return None
-        v = trainer.callback_metrics.get(self.monitor)
-        if v is None:
-            raise MisconfigurationError(
-                f"ModelCheckpoint(monitor={self.monitor!r}) could not find the metric; logged metrics are "
-                f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...) or change monitor.")
-        return float(v)
+    def _template_fields(self) -> list[str]:
+        return [m.group(1).strip() for m in _FIELD.finditer(self.filename or "")] if self.filename else []
 
-    def _is_better(self, score, than) -> bool:
-        if math.isnan(score):
-            return False
+    def _missing(self, trainer) -> list[str]:
+        names = ([self.monitor] if self.monitor else []) + [
+            f for f in self._template_fields() if f not in ("epoch", "step")]
+        return [n for n in names if n not in trainer.callback_metrics]
+
+    def _metrics_expected(self, trainer) -> bool:
+        """Whether a missing metric is an error now (the loops that log it have run) or
+        only not yet available (a validation metric before the first validation)."""
+        if self._val_ran:
+            return True
+        return trainer._epoch_finished and not trainer._val_loaders
+
+    # -- saving -------------------------------------------------------------------------------
+    def _is_better(self, score: float, than: float) -> bool:
         return score < than if self.mode == "min" else score > than
 
+    def _worst(self, scores: dict) -> str:
+        if self.monitor is None:   # without a monitor the oldest goes first
+            return min(scores, key=scores.get)
+        return (max if self.mode == "min" else min)(scores, key=scores.get)
+
     def _save(self, trainer) -> None:
-        score = self._monitor_value(trainer)
-        self._last_global_step_saved = trainer.global_step
+        missing = self._missing(trainer)
+        if missing:
+            msg = (f"ModelCheckpoint(monitor={self.monitor!r}, filename={self.filename!r}) could not find "
+                   f"{missing}; logged metrics are {sorted(trainer.callback_metrics)}. Log it with "
+                   f"self.log({missing[0]!r}, ...) or change the argument.")
+            if self._metrics_expected(trainer):
+                raise MisconfigurationError(msg)
+            if not self._warned and trainer.is_global_zero:
+                warnings.warn(msg + " Skipping this save (no validation has run yet).", stacklevel=2)
+            self._warned = True
+            return
+        score = None
+        if self.monitor is not None:
+            score = float(trainer.callback_metrics[self.monitor])
+            if math.isnan(score):   # a NaN ranks last
+                score = math.inf if self.mode == "min" else -math.inf
+        step = trainer.global_step
+        self._last_global_step_saved = step
         self._last_time = time.monotonic()
-        name = self.format_checkpoint_name(trainer.callback_metrics, trainer.current_epoch, trainer.global_step)
         ext = ".safetensors" if self.save_weights_only else ""
+        name = self.format_checkpoint_name(trainer.callback_metrics, trainer.current_epoch, step)
         path = os.path.join(self.dirpath, name + ext)
-        keep = self.save_top_k != 0
-        worst = None
-        if keep and score is not None and self.save_top_k > 0 and len(self.best_k_models) >= self.save_top_k:
-            worst = self.kth_best_model_path
-            keep = self._is_better(score, self.best_k_models[worst])
+        others = {p: s for p, s in self.best_k_models.items() if p != path}
+        if self.save_top_k == 0:
+            keep = False
+        elif self.save_top_k == -1 or score is None or len(others) < self.save_top_k:
+            keep = True
+        else:
+            keep = self._is_better(score, others[self._worst(others)])
         if keep:
-            self._write(trainer, path)
-            self.best_k_models[path] = score if score is not None else float(trainer.global_step)
-            if score is None and self.save_top_k > 0:
-                # without a monitor keep the k latest
-                while len(self.best_k_models) > self.save_top_k:
-                    oldest = min(self.best_k_models, key=self.best_k_models.get)
-                    self.best_k_models.pop(oldest)
-                    self._remove(trainer, oldest)
-            elif worst is not None:
-                self.best_k_models.pop(worst, None)
-                if worst != path:
-                    self._remove(trainer, worst)
+            # the bookkeeping is updated before the write, so the checkpoint records itself
+            # and the files it replaces (deleted after the write, or on resume if a crash
+            # came in between)
+            before = (dict(self.best_k_models), self._stale)
+            kept = dict(others, **{path: score if score is not None else float(step)})
+            drop = []
+            while self.save_top_k > 0 and len(kept) > self.save_top_k:
+                worst = self._worst({p: s for p, s in kept.items() if p != path})
+                kept.pop(worst)
+                drop.append(worst)
+            self.best_k_models, self._stale = kept, drop
             self._update_best()
+            if self.save_last:
+                self.last_model_path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + ext)
+            try:
+                self._write(trainer, path)
+            except BaseException:
+                self.best_k_models, self._stale = before
+                self._update_best()
+                raise
         if self.save_last:
-            last = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + ext)
-            self._link_last(trainer, path if keep else None, last)
+            self._update_last(trainer, path if keep else None, ext)
+        self._remove_stale(trainer)
         if trainer.is_global_zero and keep:
             aliases = ["latest"] + (["best"] if path == self.best_model_path else [])
             for lg in trainer.loggers:
                 lg.after_save_checkpoint(path, aliases=aliases, score=score)
 
+    def _remove_stale(self, trainer) -> None:
+        stale, self._stale = self._stale, []
+        for p in stale:
+            if p not in self.best_k_models:
+                self._remove(trainer, p)
+
+    def on_train_start(self, trainer, module):
+        self._remove_stale(trainer)   # left by a crash between a save and its clean-up
+
     def save_last_now(self, trainer) -> str:
-        """Save the newest state as ``last`` (used on preemption)."""
+        """Save the current state as a full checkpoint ``last`` (used on preemption)."""
         self.dirpath = self.dirpath or os.path.join(trainer.log_dir, "checkpoints")
         path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST)
         trainer.save_checkpoint(path)
@@ -183,70 +254,112 @@ class ModelCheckpoint(Callback):
             weights = trainer.strategy.module_state_dict(trainer.model)
             if trainer.is_global_zero:
                 os.makedirs(self.dirpath, exist_ok=True)
-                cio.save_weights_file(path, weights)
+                cio.save_weights_file(path, weights, {"epoch": str(trainer.current_epoch),
+                                                      "global_step": str(trainer.global_step)})
             trainer.strategy.barrier("save_weights")
         else:
             trainer.save_checkpoint(path)
         if self.verbose and trainer.is_global_zero:
-            print(f"ember: saved checkpoint {path}")
+            score = f" ({self.monitor}={float(trainer.callback_metrics[self.monitor]):.5g})" if self.monitor else ""
+            print(f"ember: saved checkpoint {path}{score}")
 
-    def _link_last(self, trainer, target, last):
-        if target is None or not trainer.is_global_zero:
-            if target is None:
-                self._write(trainer, last)
-                self.last_model_path = last
+    def _update_last(self, trainer, target, ext):
+        """Point ``last`` at ``target`` (a symlink swapped in atomically), or, when nothing
+        was kept, write the state to ``last`` itself."""
+        last = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + ext)
+        self.last_model_path = last
+        if target is None:
+            self._write(trainer, last)
             return
-        tmp = last + ".link.tmp"
+        if not trainer.is_global_zero:
+            return
+        tmp = f"{last}.{uuid.uuid4().hex[:8]}.link.tmp"
         try:
+            os.symlink(os.path.basename(target), tmp)
+        except (OSError, NotImplementedError):
+            self._copy_last(target, last)
+            return
+        try:
+            if os.path.isdir(last) and not os.path.islink(last):
+                # a real directory (a preemption save): move it aside, it is ignored by discovery
+                old = f"{last}.old-{uuid.uuid4().hex[:12]}"
+                os.rename(last, old)
+                os.replace(tmp, last)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, last)   # atomic on POSIX
+        except OSError:
             if os.path.lexists(tmp):
                 os.remove(tmp)
-            os.symlink(os.path.basename(target), tmp)
-            if os.path.isdir(last) and not os.path.islink(last):
-                shutil.rmtree(last)
+            self._copy_last(target, last)
+
+    @staticmethod
+    def _copy_last(target, last):
+        from ember import checkpoint_io as cio
+        if os.path.isdir(target):
+            tmp = cio.tmp_path(last)
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(target, tmp)
+            cio.commit_directory(tmp, last)
+        else:
+            tmp = f"{last}.{uuid.uuid4().hex[:8]}.tmp"
+            shutil.copy2(target, tmp)
             os.replace(tmp, last)
-        except OSError:
-            if os.path.lexists(last):
-                shutil.rmtree(last) if os.path.isdir(last) and not os.path.islink(last) else os.remove(last)
-            (shutil.copytree if os.path.isdir(target) else shutil.copy2)(target, last)
-        self.last_model_path = last
 
     def _remove(self, trainer, path):
-        if not trainer.is_global_zero or not path or not os.path.exists(path):
+        if not trainer.is_global_zero or not path or not os.path.lexists(path):
             return
-        last = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST)
-        if os.path.islink(last) and os.path.realpath(last) == os.path.realpath(path):
-            return  # 'last' still points here
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        for name in (self.CHECKPOINT_NAME_LAST, self.CHECKPOINT_NAME_LAST + ".safetensors"):
+            last = os.path.join(self.dirpath, name)
+            if os.path.islink(last) and os.path.realpath(last) == os.path.realpath(path):
+                return  # 'last' still points here
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
     def _update_best(self):
         if not self.best_k_models:
+            self.best_model_path, self.kth_best_model_path, self.kth_value = "", "", None
+            self.best_model_score = None
             return
-        pick = min if self.mode == "min" or self.monitor is None else max
         if self.monitor is None:
             self.best_model_path = max(self.best_k_models, key=self.best_k_models.get)
             self.kth_best_model_path = min(self.best_k_models, key=self.best_k_models.get)
             return
-        self.best_model_path = pick(self.best_k_models, key=self.best_k_models.get)
-        self.best_model_score = torch.tensor(self.best_k_models[self.best_model_path])
-        worst = max if self.mode == "min" else min
-        self.kth_best_model_path = worst(self.best_k_models, key=self.best_k_models.get)
+        best = (min if self.mode == "min" else max)(self.best_k_models, key=self.best_k_models.get)
+        self.best_model_path = best
+        self.best_model_score = torch.tensor(self.best_k_models[best])
+        self.kth_best_model_path = self._worst(self.best_k_models)
+        self.kth_value = self.best_k_models[self.kth_best_model_path]
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self):
-        return {"monitor": self.monitor, "best_model_score": None if self.best_model_score is None else float(self.best_model_score),
+        return {"monitor": self.monitor, "mode": self.mode, "dirpath": self.dirpath,
+                "best_model_score": None if self.best_model_score is None else float(self.best_model_score),
                 "best_model_path": self.best_model_path, "best_k_models": dict(self.best_k_models),
                 "kth_best_model_path": self.kth_best_model_path, "last_model_path": self.last_model_path,
-                "dirpath": self.dirpath}
+                "last_global_step_saved": self._last_global_step_saved, "stale": list(self._stale)}
 
     def load_state_dict(self, state):
-        if state.get("dirpath") and self.dirpath not in (None, state["dirpath"]):
-            # a new run directory: keep our own bookkeeping fresh but remember the best
+        self._last_global_step_saved = int(state.get("last_global_step_saved", -1))
+        saved_dir = state.get("dirpath")
+        if saved_dir and self.dirpath is not None and os.path.normpath(self.dirpath) != os.path.normpath(saved_dir):
+            # a new run directory (e.g. a new logger version): start a fresh top-k there, as
+            # Lightning does, but remember the best of the earlier run
             self.best_model_path = state.get("best_model_path", "")
+            s = state.get("best_model_score")
+            self.best_model_score = None if s is None else torch.tensor(s)
             return
-        self.dirpath = state.get("dirpath", self.dirpath)
+        self.dirpath = saved_dir or self.dirpath
+        # checkpoints deleted since (by hand, or a crash after the save) drop out
         self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items() if os.path.exists(k)}
-        self.kth_best_model_path = state.get("kth_best_model_path", "")
-        self.best_model_path = state.get("best_model_path", "")
-        s = state.get("best_model_score")
-        self.best_model_score = None if s is None else torch.tensor(s)
         self.last_model_path = state.get("last_model_path", "")
+        self._stale = [p for p in state.get("stale", []) if p not in self.best_k_models]
+        if self.best_k_models:
+            self._update_best()
+        else:
+            self.best_model_path = state.get("best_model_path", "")
+            s = state.get("best_model_score")
+            self.best_model_score = None if s is None else torch.tensor(s)

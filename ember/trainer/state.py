@@ -1,18 +1,40 @@
 """Everything the Trainer stores in and restores from a checkpoint, the default
-callbacks and loggers, and preemption signals."""
+callbacks and loggers, preemption signals and the non-finite loss check.
+
+What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.md):
+
+- loop position: epoch, global step, batches done in the epoch (the sampler skips
+  that many batches of indices on resume, no data is read), a partial gradient
+  accumulation window (the accumulated gradients of every rank);
+- optimizers (through the strategy), schedulers, the GradScaler;
+- callback states, the module's ``on_save_checkpoint`` additions, datamodule state;
+- per-rank RNG states (python, numpy, torch, cuda) and the sampler seed;
+- the epoch accumulators of the values logged during training and the latest
+  ``callback_metrics``, so epoch means and monitors agree with an uninterrupted run.
+"""
 from __future__ import annotations
 
-import glob
+import json
+import math
 import os
 import signal
+import subprocess
 import sys
 import threading
+import warnings
 
 import torch
 
-from ember.errors import CheckpointError, MisconfigurationError
+from ember.errors import CheckpointError, EmberError, MisconfigurationError
 
 STATE_VERSION = 1
+#: set EMBER_PREEMPTION_EXIT=0 to make ``fit`` return after a preemption save instead
+#: of ending the process with ``SystemExit(0)``
+_EXIT_ENV = "EMBER_PREEMPTION_EXIT"
+
+
+class NonFiniteLossError(EmberError, FloatingPointError):
+    """The training loss became NaN or infinite."""
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -58,20 +80,60 @@ def build_loggers(t) -> list:
 
 
 # ----------------------------------------------------------------------------- save
+def _cpu(v):
+    return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+
+
+def _results_state(results) -> list:
+    """The epoch accumulators of the training stage (torchmetrics objects excluded)."""
+    out = []
+    for e in results.entries.values():
+        if e.metric is not None:
+            continue
+        out.append({"name": e.name, "on_step": e.on_step, "on_epoch": e.on_epoch, "prog_bar": e.prog_bar,
+                    "logger": e.logger, "reduce_fx": e.reduce_fx, "sync_dist": e.sync_dist,
+                    "last": _cpu(e.last), "total": _cpu(e.total), "weight": e.weight, "updated": e.updated})
+    return out
+
+
+def _pending_grads(t):
+    """Gradients of a partly accumulated window (None at a window boundary)."""
+    if not t._grads_pending or t._epoch_finished:
+        return None
+    if t.strategy.is_sharded or t.strategy.owns_optimizer_step:
+        warnings.warn(f"checkpoint saved inside a gradient accumulation window under the {t.strategy.name} "
+                      "strategy: the partly accumulated gradients are not saved, so a resume from it is not "
+                      "exact. Save at optimizer steps (ModelCheckpoint(every_n_train_steps=...)) instead.",
+                      stacklevel=4)
+        return None
+    module = t.strategy.unwrap_module(t.model)
+    return {n: _cpu(p.grad) for n, p in module.named_parameters() if p.grad is not None}
+
+
 def trainer_state(t) -> dict:
     from ember import checkpoint_io as cio
     epoch, done = (t.current_epoch + 1, 0) if t._epoch_finished else (t.current_epoch, t._batches_done)
-    state = {
+    mid_epoch = done > 0
+    per_rank = {"rng": cio.collect_rng_states(),
+                "results": _results_state(t._results["train"]) if mid_epoch else [],
+                "grads": _pending_grads(t)}
+    gathered = t.strategy.all_gather_object(per_rank) if t.world_size > 1 else [per_rank]
+    metrics = {k: float(v) for k, v in t.callback_metrics.items()}
+    return {
         "version": STATE_VERSION,
-        "loop": {"epoch": epoch, "global_step": t.global_step, "batches_done": done},
+        "loop": {"epoch": epoch, "global_step": t.global_step, "batches_done": done,
+                 "accumulate_grad_batches": t.accumulate_grad_batches,
+                 "num_training_batches": t.num_training_batches if t.num_training_batches != float("inf") else -1},
         "schedulers": [c["scheduler"].state_dict() for c in t.lr_scheduler_configs],
         "precision": t.strategy.precision.state_dict(),
         "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
-        "rng": t.strategy.all_gather_object(cio.collect_rng_states()),
+        "rng": [g["rng"] for g in gathered],
+        "results": [g["results"] for g in gathered],
+        "grads": [g["grads"] for g in gathered] if any(g["grads"] is not None for g in gathered) else None,
+        "callback_metrics": metrics,
         "data_seed": t._data_seed,
         "datamodule": t.datamodule.state_dict() if t.datamodule is not None else {},
     }
-    return state
 
 
 def checkpoint_meta(t) -> dict:
@@ -93,76 +155,231 @@ def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
     t.strategy.save_checkpoint(path, t.model, t.optimizers, state, checkpoint_meta(t), weights_only=weights_only)
 
 
-# ----------------------------------------------------------------------------- restore
-def resolve_ckpt_path(t, ckpt_path) -> str:
-    if ckpt_path == "best":
-        cb = t.checkpoint_callback
-        if cb is None or not getattr(cb, "best_model_path", ""):
-            raise CheckpointError("ckpt_path='best': no best checkpoint is known (no ModelCheckpoint with a "
-                                  "monitor has saved one in this Trainer)")
-        return cb.best_model_path
-    if ckpt_path == "last":
-        found = find_last(t)
-        if found is None:
-            raise CheckpointError(f"ckpt_path='last': no checkpoint found under {t.default_root_dir!r}")
-        return found
-    path = os.fspath(ckpt_path)
-    if not os.path.exists(path):
-        raise CheckpointError(f"ckpt_path={path!r} does not exist")
-    return path
+# ----------------------------------------------------------------------------- find / check
+def _candidate_dirs(t) -> list[str]:
+    """Where checkpoints of this run may be: the ModelCheckpoint dirpaths and the
+    ``checkpoints`` folders of ``default_root_dir`` and of its logger versions
+    (``root/checkpoints``, ``root/<name>/checkpoints``, ``root/<name>/<version>/checkpoints``)."""
+    import glob
+    dirs = [cb.dirpath for cb in t.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    root = t.default_root_dir
+    for pattern in ("checkpoints", os.path.join("*", "checkpoints"), os.path.join("*", "*", "checkpoints")):
+        dirs += sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
+    return list(dict.fromkeys(os.path.normpath(d) for d in dirs))
 
 
 def find_last(t) -> str | None:
+    """The most recently completed checkpoint directory (``last`` wins a tie with the
+    checkpoint it links to). Staging ``*.tmp`` folders and weights-only files never count."""
     from ember import checkpoint_io as cio
-    dirs = []
-    for cb in t.checkpoint_callbacks:
-        if getattr(cb, "dirpath", None):
-            dirs.append(cb.dirpath)
-    dirs += glob.glob(os.path.join(t.default_root_dir, "**", "checkpoints"), recursive=True)
-    best = None
-    for d in dict.fromkeys(dirs):
+    best, best_key = None, None
+    for d in _candidate_dirs(t):
         for c in cio.list_checkpoints(d):
-            if os.path.basename(c) == "last" or best is None or os.path.getmtime(c) >= os.path.getmtime(best):
-                if best is None or os.path.getmtime(c) >= os.path.getmtime(best):
-                    best = c
+            try:
+                key = (os.stat(os.path.join(c, cio.META_NAME)).st_mtime_ns, os.path.basename(c) == "last")
+            except OSError:
+                continue
+            if best_key is None or key > best_key:
+                best, best_key = c, key
     return best
+
+
+def _best_from_last(t) -> str | None:
+    """best_model_path recorded by a ModelCheckpoint in the newest checkpoint."""
+    from ember import checkpoint_io as cio
+    last = find_last(t)
+    if last is None or not os.path.isfile(os.path.join(last, cio.STATE_NAME)):
+        return None
+    try:
+        state = cio.load_torch(os.path.join(last, cio.STATE_NAME))
+    except CheckpointError:
+        return None
+    keys = [cb.state_key for cb in t.checkpoint_callbacks]
+    for key, s in (state.get("callbacks") or {}).items():
+        if key.startswith("ModelCheckpoint") and (not keys or key in keys) and s.get("best_model_path"):
+            if os.path.exists(s["best_model_path"]):
+                return s["best_model_path"]
+    return None
+
+
+def resolve_ckpt_path(t, ckpt_path, stage: str = "fit") -> str:
+    """Turn ``ckpt_path`` (a path, "last" or "best") into a path and check it before any
+    work: missing, incomplete and truncated checkpoints raise CheckpointError here."""
+    from ember import checkpoint_io as cio
+    if ckpt_path == "best":
+        cb = t.checkpoint_callback
+        path = getattr(cb, "best_model_path", "") if cb is not None else ""
+        path = path or _best_from_last(t)
+        if not path:
+            raise CheckpointError("ckpt_path='best': no best checkpoint is known (no ModelCheckpoint with a "
+                                  "monitor has saved one in this Trainer or in the newest checkpoint under "
+                                  f"{t.default_root_dir!r})")
+    elif ckpt_path == "last":
+        path = find_last(t)
+        if path is None:
+            searched = _candidate_dirs(t) or [os.path.join(t.default_root_dir, "checkpoints")]
+            raise CheckpointError(f"ckpt_path='last': no complete checkpoint found; searched {searched}")
+    elif isinstance(ckpt_path, (str, os.PathLike)):
+        path = os.fspath(ckpt_path)
+    else:
+        raise MisconfigurationError(f"ckpt_path={ckpt_path!r} is not valid; use a path, 'last', 'best' or None")
+    precheck(path, need_state=(stage == "fit"))
+    return path
+
+
+def precheck(path: str, need_state: bool) -> None:
+    """Cheap checks (no tensors loaded): exists, complete, file sizes as recorded,
+    and holds a trainer state when a fit resumes from it."""
+    from ember import checkpoint_io as cio
+    if not os.path.exists(path):
+        missing = getattr(cio, "_missing_message", None)
+        raise CheckpointError(missing(path) if missing else f"checkpoint not found: {path} does not exist")
+    if os.path.isfile(path):
+        if need_state:
+            raise CheckpointError(f"{path} holds weights only (no trainer state), so fit cannot resume from it; "
+                                  "load it with Module.load_from_checkpoint and start a new fit, or pass it "
+                                  "to validate/test/predict")
+        return
+    meta_file = os.path.join(path, cio.META_NAME)
+    if not os.path.isfile(meta_file):
+        if os.path.isfile(os.path.join(path, cio.INDEX_NAME)) and not need_state:
+            return
+        cio.read_checkpoint(path, load_state=False)   # raises the detailed "incomplete" error
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {cio.META_NAME})")
+    try:
+        with open(meta_file) as f:
+            meta = json.load(f)
+    except (ValueError, OSError) as err:
+        raise CheckpointError(f"{meta_file} is truncated or corrupt ({err})") from err
+    files = meta.get("files") if isinstance(meta, dict) else None
+    for name, size in (files or {}).items():
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if os.path.getsize(fp) != size:
+            raise CheckpointError(f"{fp} is truncated or corrupt: it has {os.path.getsize(fp)} bytes, "
+                                  f"{cio.META_NAME} recorded {size}")
+    if need_state and not os.path.isfile(os.path.join(path, cio.STATE_NAME)):
+        raise CheckpointError(f"{path} holds weights only (no {cio.STATE_NAME}), so fit cannot resume from it; "
+                              "load it with Module.load_from_checkpoint and start a new fit, or pass it to "
+                              "validate/test/predict")
+
+
+# ----------------------------------------------------------------------------- restore
+def _warn_setup_changes(t, meta: dict, path: str) -> None:
+    changes = []
+    for key, now in (("world_size", t.world_size), ("precision", t.precision)):
+        if key in meta and meta[key] != now:
+            changes.append(f"{key} {meta[key]!r} -> {now!r}")
+    if changes:
+        warnings.warn(f"resuming from {path} with a different setup ({', '.join(changes)}): training continues, "
+                      "but not bit-exactly as an uninterrupted run would", stacklevel=4)
+
+
+def _restore_results(t, saved: list) -> None:
+    from ember.trainer.logging import _Entry
+    results = t._results["train"]
+    results.reset()
+    device = t.strategy.root_device
+    for s in saved:
+        e = _Entry(s["name"], s["on_step"], s["on_epoch"], s["prog_bar"], s["logger"], s["reduce_fx"],
+                   s["sync_dist"], None)
+        e.last = s["last"].to(device) if isinstance(s["last"], torch.Tensor) else s["last"]
+        e.total = s["total"].to(device) if isinstance(s["total"], torch.Tensor) else s["total"]
+        e.weight, e.updated = s["weight"], s["updated"]
+        results.entries[e.name] = e
+
+
+def _restore_grads(t, grads: dict, path: str) -> None:
+    module = t.strategy.unwrap_module(t.model)
+    params = dict(module.named_parameters())
+    unknown = [n for n in grads if n not in params]
+    if unknown:
+        raise CheckpointError(f"{path}: accumulated gradients for unknown parameters {unknown[:10]}")
+    for n, g in grads.items():
+        p = params[n]
+        p.grad = g.to(device=p.device, dtype=p.dtype)
+    t._grads_pending = True
 
 
 def restore(t, path: str, full: bool) -> None:
     from ember import checkpoint_io as cio
-    state = t.strategy.load_checkpoint(path, t.model, t.optimizers if full else [], weights_only=not full)
+    try:
+        state = t.strategy.load_checkpoint(path, t.model, t.optimizers if full else [], weights_only=not full)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as err:
+        raise CheckpointError(f"{path} does not fit this module/optimizer setup: {type(err).__name__}: {err}") from err
     t._resumed = full
+    t.ckpt_path = path
     if not full:
         return
     if not state or "loop" not in state:
         raise CheckpointError(f"{path} holds weights only (no trainer state); pass it to validate/test/predict, "
                               "or load it with Module.load_from_checkpoint and start a new fit")
-    loop = state["loop"]
-    t.current_epoch, t.global_step, t._batches_done = loop["epoch"], loop["global_step"], loop["batches_done"]
+    if state.get("version", 0) > STATE_VERSION:
+        raise CheckpointError(f"{path} was written by a newer ember (trainer state version {state['version']}, "
+                              f"this one reads <= {STATE_VERSION}); upgrade ember to resume from it")
+    n_opt = len(state.get("optimizers", []))
+    if n_opt != len(t.optimizers):
+        raise CheckpointError(f"{path} has {n_opt} optimizer state(s) but configure_optimizers returned "
+                              f"{len(t.optimizers)}")
     scheds = state.get("schedulers", [])
     if len(scheds) != len(t.lr_scheduler_configs):
         raise CheckpointError(f"{path} has {len(scheds)} scheduler state(s) but configure_optimizers returned "
                               f"{len(t.lr_scheduler_configs)}")
+    _warn_setup_changes(t, state.get("meta") or {}, path)
+    loop = state["loop"]
+    t.current_epoch, t.global_step, t._batches_done = loop["epoch"], loop["global_step"], loop["batches_done"]
+    t._epoch_finished, t._grads_pending = False, False
     for cfg, s in zip(t.lr_scheduler_configs, scheds):
         cfg["scheduler"].load_state_dict(s)
     t.strategy.precision.load_state_dict(state.get("precision", {}))
+    t.callback_metrics.update({k: torch.tensor(v) for k, v in (state.get("callback_metrics") or {}).items()})
     cb_states = state.get("callbacks", {})
     for cb in t.callbacks:
+        cb.on_load_checkpoint(t, t.module, state)
         if cb.state_key in cb_states:
             cb.load_state_dict(cb_states[cb.state_key])
     if t.datamodule is not None and state.get("datamodule"):
         t.datamodule.load_state_dict(state["datamodule"])
-    for cb in t.callbacks:
-        cb.on_load_checkpoint(t, t.module, state)
     t.module.on_load_checkpoint(state)
     t._data_seed = state.get("data_seed", t._data_seed)
-    for loader in [t._train_loader]:
-        s = getattr(loader, "sampler", None)
-        if s is not None and hasattr(s, "seed"):
-            s.seed = t._data_seed
+    s = getattr(t._train_loader, "sampler", None)
+    if s is not None and hasattr(s, "seed"):
+        s.seed = t._data_seed
+    same_world = len(state.get("rng") or []) == t.world_size
+    rank = t.global_rank
+    results = state.get("results") or []
+    if t._batches_done and same_world and results:
+        _restore_results(t, results[rank])
+    grads = state.get("grads")
+    if grads and t._batches_done:
+        if not same_world or loop.get("accumulate_grad_batches") != t.accumulate_grad_batches:
+            warnings.warn(f"{path} was saved inside a gradient accumulation window with another world size or "
+                          "accumulate_grad_batches; the partly accumulated gradients are dropped", stacklevel=3)
+        elif grads[rank] is not None:
+            _restore_grads(t, grads[rank], path)
     rng = state.get("rng") or []
     if rng:
-        cio.restore_rng_states(rng[t.global_rank % len(rng)])
+        cio.restore_rng_states(rng[rank % len(rng)])
+
+
+# ----------------------------------------------------------------------------- non-finite loss
+def check_finite_loss(t, loss: torch.Tensor, batch_idx: int) -> None:
+    """Raise NonFiniteLossError when ``loss`` is NaN/inf. One host sync: the loop calls
+    this only at log points (or every step under ``detect_anomaly=True``)."""
+    v = float(loss.detach().float())
+    if math.isfinite(v):
+        return
+    every = t.detect_anomaly
+    raise NonFiniteLossError(
+        f"the training loss is {v} at global step {t.global_step + 1} (epoch {t.current_epoch}, batch {batch_idx}); "
+        + ("the optimizer step was not taken. " if every else
+           f"the loss is checked every log_every_n_steps={t.log_every_n_steps} steps, so it may have become "
+           "non-finite earlier: pass Trainer(detect_anomaly=True) to check every step and locate the first one. ")
+        + "Lower the learning rate, clip gradients (gradient_clip_val) or use precision='16-mixed' or "
+          "'bf16-mixed'.")
 
 
 # ----------------------------------------------------------------------------- preemption
@@ -172,6 +389,7 @@ _SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "
 def install_signal_handlers(t) -> None:
     t._prev_handlers = {}
     t._signal_received = None
+    t._preempted = False
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -199,7 +417,9 @@ def uninstall_signal_handlers(t) -> None:
 
 
 def check_signal(t, force: bool = False) -> bool:
-    """Act on SIGTERM/SIGUSR1: save a checkpoint and leave the fit loop."""
+    """Act on SIGTERM/SIGUSR1 (called after an optimizer step): save ``last`` and leave
+    the fit loop. Under several processes the ranks agree at log points (and epoch ends)
+    with one small all-reduce, so no collective runs per step."""
     received = getattr(t, "_signal_received", None)
     if t.world_size > 1:
         if not force and t.global_step % t.log_every_n_steps:
@@ -215,11 +435,26 @@ def check_signal(t, force: bool = False) -> bool:
     else:
         path = os.path.join(t.log_dir, "checkpoints", "last")
         save_checkpoint(t, path)
+    exits = os.environ.get(_EXIT_ENV, "1") != "0"
     if t.is_global_zero:
-        print(f"ember: received {name} at step {t.global_step}; saved checkpoint {path}. "
-              "Resume with trainer.fit(..., ckpt_path='last').", file=sys.stderr, flush=True)
-        if received == getattr(signal, "SIGUSR1", None) and os.environ.get("SLURM_JOB_ID"):
-            os.system(f"scontrol requeue {os.environ['SLURM_JOB_ID']}")
+        print(f"ember: received {name} at step {t.global_step}; saved checkpoint {path}. Resume with "
+              f"trainer.fit(..., ckpt_path='last'). " + ("Exiting with code 0." if exits else "Stopping the fit."),
+              file=sys.stderr, flush=True)
+        job = os.environ.get("SLURM_JOB_ID")
+        if received == getattr(signal, "SIGUSR1", None) and job:
+            try:
+                subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
+            except (OSError, subprocess.SubprocessError) as err:
+                print(f"ember: scontrol requeue {job} failed: {err}", file=sys.stderr, flush=True)
     t._stop_now = True
     t.interrupted = True
+    t._preempted = True
     return True
+
+
+def exit_if_preempted(t) -> None:
+    """After teardown: end the process with code 0 when the fit stopped for a
+    preemption signal (the checkpoint is saved), unless EMBER_PREEMPTION_EXIT=0."""
+    if getattr(t, "_preempted", False) and sys.exc_info()[1] is None and os.environ.get(_EXIT_ENV, "1") != "0":
+        t._preempted = False
+        raise SystemExit(0)
