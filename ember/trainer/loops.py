@@ -63,6 +63,7 @@ import torch
 from ember import data as edata
 from ember.errors import MisconfigurationError
 from ember.trainer.logging import Results
+from ember.trainer.state import check_finite_loss
 
 _DL_SUFFIX = re.compile(r"/dataloader_idx_(\d+)")
 
@@ -144,18 +145,19 @@ class FitLoop:
         edata.set_epoch(loader, t.current_epoch)
         t._val_ran_at_batch_end = False
         results = t._results["train"]
-        results.reset()
+        if not t._batches_done:   # a resumed epoch keeps the accumulators restored from the checkpoint
+            results.reset()
         module._results = results
         module.train()
         t._call_hook("on_train_epoch_start")
 
         start = t._batches_done
         limit = t.num_training_batches
+        if start >= limit:
+            return
         if start and not edata.skip_batches(loader, start):
             raise MisconfigurationError("cannot resume mid-epoch: the train dataloader is not index-based "
                                         "(IterableDataset); save checkpoints at epoch ends instead")
-        if start >= limit:
-            return
         acc_n = t.accumulate_grad_batches
         automatic = module.automatic_optimization
         opt = t.optimizers[0] if t.optimizers else None
@@ -176,6 +178,10 @@ class FitLoop:
         training_step = module.training_step
         owns_step = strategy.owns_optimizer_step
         last_window_start = (limit // acc_n) * acc_n
+        # non-finite loss: checked (one host sync) only before steps that are log points, or
+        # every step under detect_anomaly; a GradScaler (16-mixed) skips such steps by itself
+        check_loss = None if (precision.scaler is not None or owns_step) else check_finite_loss
+        check_every = bool(t.detect_anomaly)
 
         batch_idx = start - 1
         for batch in loader:
@@ -205,6 +211,8 @@ class FitLoop:
                     out = training_step(batch, batch_idx)
                 loss = out if type(out) is torch.Tensor else extract_loss(out)
                 if loss is not None:
+                    if check_loss is not None and (check_every or (boundary and (t.global_step + 1) % log_every == 0)):
+                        check_loss(t, loss, batch_idx)
                     if acc_n > 1:
                         # the last window of an epoch may be shorter than acc_n
                         loss = loss / (acc_n if batch_idx < last_window_start else (limit - last_window_start))

@@ -239,7 +239,7 @@ class Trainer:
                                             "and as datamodule=; pass it once")
             datamodule, loaders = loaders[first], {**loaders, first: None}
         if ckpt_path is not None:
-            ckpt_path = _state.resolve_ckpt_path(self, ckpt_path)   # errors before any work
+            ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)   # errors before any work
         self.stage = stage
         self.should_stop = self._stop_now = self.interrupted = self._resumed = False
         try:
@@ -266,6 +266,7 @@ class Trainer:
                 self.datamodule.teardown(stage)
             self.strategy.teardown()
             self.stage = None
+            _state.exit_if_preempted(self)   # SystemExit(0) after a preemption save (docs/checkpointing.md)
 
     def _setup(self, module, datamodule, stage, loaders):
         from ember.accelerator import Accelerator
@@ -386,7 +387,7 @@ class Trainer:
         FitLoop(self).run()
         self._call_hook("on_fit_end")
         for lg in self.loggers if self.is_global_zero else []:
-            lg.finalize("success")
+            lg.finalize("interrupted" if self.interrupted else "success")
         return None
 
     def _run_validation(self):
