@@ -81,7 +81,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        h.update(backend.to_str().encode())
+        spec = json.loads(backend.to_str())
+        spec.pop("truncation", None)   # runtime state set by the last call, not the vocabulary
+        spec.pop("padding", None)
+        h.update(json.dumps(spec, sort_keys=True).encode())
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps([str(getattr(tokenizer, "name_or_path", "")), tokenizer.all_special_tokens,

@@ -26,7 +26,8 @@ def make_tokenizer(eos_only: bool = False):
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", eos_token="[EOS]")
+                                   sep_token="[SEP]", eos_token="[EOS]",
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
 
 
 def vocab_size() -> int:
