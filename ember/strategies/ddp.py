@@ -210,10 +210,12 @@ class DDPStrategy(Strategy):
         if self._single:
             return super().setup_environment()
         env = self.cluster_environment
+        launch = not env.creates_processes_externally and launchers._LAUNCHER is None
+        cmd = launchers.relaunch_command() if launch else None  # fails before anything is changed
         env.export()
-        if not env.creates_processes_externally and launchers._LAUNCHER is None:
+        if launch:
             self._launcher = launchers.SubprocessLauncher(env)
-            self._launcher.launch()
+            self._launcher.launch(cmd)
         if LocalEnvironment.is_launched_child():
             launchers.watch_parent()
         device = self.root_device

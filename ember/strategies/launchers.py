@@ -96,9 +96,9 @@ class SubprocessLauncher:
     def failure(self) -> "tuple[int, int] | None":
         return self._failure
 
-    def launch(self) -> None:
+    def launch(self, cmd: list[str] | None = None) -> None:
         global _LAUNCHER
-        cmd = relaunch_command()
+        cmd = cmd or relaunch_command()
         env = self.env
         for rank in range(1, env.world_size):
             child_env = dict(os.environ)
