@@ -1,21 +1,9 @@
-"""The Accelerator: custom training loops on the same Strategy + Precision
-machinery the Trainer uses (the Trainer prepares its module, optimizers and data
-through the flat verbs ``setup_module`` / ``setup_optimizers`` /
-``setup_dataloader`` below).
-
-    acc = Accelerator(precision="bf16-mixed", gradient_accumulation_steps=2)
-    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
-    for batch in loader:
-        with acc.accumulate(model):
-            loss = model(batch)
-            acc.backward(loss)
-            if acc.sync_gradients:
-                acc.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step(); sched.step(); opt.zero_grad()
-
-The wrappers (:class:`AcceleratedOptimizer`, :class:`AcceleratedScheduler`,
+"""The Accelerator: custom training loops on the Strategy + Precision machinery of
+the Trainer (which prepares its module, optimizers and data through the flat verbs
+``setup_module`` / ``setup_optimizers`` / ``setup_dataloader`` below). The objects
+``prepare`` returns (:class:`AcceleratedOptimizer`, :class:`AcceleratedScheduler`,
 :class:`DataLoaderShard`) and the checkpoint, tracker and debug helpers live in
-:mod:`ember.accelerator_state`. See ``docs/accelerator.md``.
+:mod:`ember.accelerator_state`. Guide: ``docs/accelerator.md``.
 """
 from __future__ import annotations
 
@@ -32,7 +20,7 @@ from torch import nn
 from ember import data as edata
 from ember import distributed as _dist
 from ember.accelerator_state import (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard,
-                                     DistributedOperationError, check_collective, is_scheduler,
+                                     DistributedOperationError, check_collective, check_log_with, is_scheduler,
                                      wrap_forward, unwrap_forward)
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.precision import Precision
@@ -78,12 +66,13 @@ class Accelerator:
                 or gradient_accumulation_steps < 1:
             raise MisconfigurationError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} is not "
                                         "valid; use an int >= 1")
-        self.log_with = _check_log_with(log_with)
+        log_with = check_log_with(log_with)
         prec = Precision.from_string(precision)
         strat = build_strategy(strategy, devices, num_nodes)
         strat.precision = prec
         self._init(strat)
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.log_with = log_with
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_dir = os.fspath(project_dir) if project_dir is not None else os.getcwd()
         self.debug = os.environ.get("EMBER_DEBUG", "0").lower() not in ("", "0", "false", "no") \
@@ -113,7 +102,6 @@ class Accelerator:
         self._active_loader = None
         self._unscaled: set = set()
         self._trigger = False
-        self._save_iteration = 0
         self._log_step = 0
         self.project_dir = os.getcwd()
         self.log_with = []
@@ -220,14 +208,7 @@ class Accelerator:
     def prepare_model(self, model, device_placement=None):
         return self.prepare(model)
 
-    def prepare_optimizer(self, optimizer, device_placement=None):
-        return self.prepare(optimizer)
-
-    def prepare_data_loader(self, data_loader, device_placement=None):
-        return self.prepare(data_loader)
-
-    def prepare_scheduler(self, scheduler):
-        return self.prepare(scheduler)
+    prepare_optimizer = prepare_data_loader = prepare_scheduler = prepare_model
 
     # -- step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -347,7 +328,7 @@ class Accelerator:
         if reduction not in _REDUCTIONS:
             raise invalid_choice("reduction", reduction, _REDUCTIONS)
         if self.debug:
-            self._check(f"reduce({reduction})", tensor)
+            self._check(f"reduce:{reduction}", tensor)
         out = tensor if reduction == "none" else _dist.reduce(tensor, reduction, strategy=self.strategy)
         if scale != 1.0:
             out = _dist._map(out, lambda t: t * scale)
@@ -398,7 +379,7 @@ class Accelerator:
         return _InOrder(self, self.is_local_main_process)
 
     def on_main_process(self, function: Callable) -> Callable:
-        """Decorator: run ``function`` on the main process only (others get None)."""
+        """Decorator: run ``function`` on the main process only (the others get None)."""
         return self.on_process(function, 0)
 
     def on_local_main_process(self, function: Callable) -> Callable:
@@ -410,27 +391,11 @@ class Accelerator:
 
     def on_process(self, function: Callable | None = None, process_index: int = 0):
         """Decorator: run ``function`` on global process ``process_index`` only."""
-        if function is None:
-            return functools.partial(self.on_process, process_index=process_index)
-
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            if self.process_index == process_index:
-                return function(*args, **kwargs)
-            return None
-        return wrapper
+        return _only(self, function, "process_index", process_index)
 
     def on_local_process(self, function: Callable | None = None, local_process_index: int = 0):
         """Decorator: run ``function`` on local process ``local_process_index`` of each node."""
-        if function is None:
-            return functools.partial(self.on_local_process, local_process_index=local_process_index)
-
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            if self.local_process_index == local_process_index:
-                return function(*args, **kwargs)
-            return None
-        return wrapper
+        return _only(self, function, "local_process_index", local_process_index)
 
     def split_between_processes(self, inputs, apply_padding: bool = False):
         """Context yielding this process's contiguous share of a list, tuple, tensor (dim 0)
@@ -501,12 +466,9 @@ class Accelerator:
     def free_memory(self, *objects):
         """Drop the references held to prepared objects, collect garbage, empty the CUDA
         cache. Returns ``[None] * len(objects)`` for ``a, b = acc.free_memory(a, b)``."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
-        self._custom_objects.clear()
-        self._unscaled.clear()
+        for held in (self._models, self._optimizers, self._schedulers, self._dataloaders,
+                     self._custom_objects, self._unscaled):
+            held.clear()
         self._active_loader = None
         self._step = 0
         self.sync_gradients = True
@@ -526,17 +488,11 @@ class Accelerator:
         init_trackers(self, project_name, config, init_kwargs)
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        """Log scalar ``values`` (numbers or 0-d tensors) to every tracker at ``step``
-        (default: the number of earlier ``log`` calls). Main process only."""
-        if not self.trackers:
-            return
-        from ember.loggers.base import to_scalar
-        if step is None:
-            step = self._log_step
-        self._log_step = step + 1
-        metrics = {k: to_scalar(v) for k, v in values.items()}
-        for tr in self.trackers:
-            tr.log_metrics(metrics, step=step)
+        """Log scalar ``values`` (numbers or 0-d tensors, fetched in one transfer) to every
+        tracker at ``step`` (default: the number of earlier ``log`` calls). Main process only."""
+        if self.trackers:
+            from ember.accelerator_state import log_values
+            log_values(self, values, step)
 
     def get_tracker(self, name: str, unwrap: bool = False):
         """The tracker named ``"tensorboard"``, ``"csv"``, ``"wandb"`` (or a custom
@@ -558,18 +514,14 @@ class Accelerator:
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
 
 
-def _check_log_with(log_with) -> list:
-    from ember.loggers import LOGGER_CHOICES, Logger
-    if log_with is None:
-        return []
-    specs = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
-    for s in specs:
-        if not (isinstance(s, Logger) or (isinstance(s, str) and s.strip().lower() in LOGGER_CHOICES + ("all",))):
-            raise invalid_choice("log_with", s, list(LOGGER_CHOICES) + ["all", "a Logger", "a list of these"])
-    out = []
-    for s in specs:
-        out += ["tensorboard", "csv"] if isinstance(s, str) and s.strip().lower() == "all" else [s]
-    return out
+def _only(acc, function, attr: str, index: int):
+    if function is None:
+        return functools.partial(_only, acc, attr=attr, index=index)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs) if getattr(acc, attr) == index else None
+    return wrapper
 
 
 class _MultiContext:

@@ -17,7 +17,7 @@ import torch
 
 from ember import checkpoint_io as cio
 from ember import data as edata
-from ember.errors import CheckpointError, EmberError, MisconfigurationError
+from ember.errors import CheckpointError, EmberError, MisconfigurationError, invalid_choice
 
 _END = object()
 
@@ -35,7 +35,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     It is a ``torch.optim.Optimizer`` (schedulers can be built on it); its state lives
     in the wrapped :attr:`optimizer`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator):  # noqa: D107 (no Optimizer.__init__)
+    def __init__(self, optimizer: torch.optim.Optimizer, accelerator):  # no Optimizer.__init__: state is inner
         self.optimizer = optimizer
         self._acc = accelerator
         self._strategy = accelerator.strategy
@@ -120,12 +120,9 @@ class AcceleratedScheduler:
         self._once = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def _optimizers(self) -> list:
-        if self._opts is None:
+        if not self._opts:
             target = getattr(self.scheduler, "optimizer", None)
-            found = [o for o in self._acc._optimizers if o is target or o.optimizer is target]
-            if not found:
-                return []
-            self._opts = found
+            self._opts = [o for o in self._acc._optimizers if o is target or o.optimizer is target]
         return self._opts
 
     def step(self, *args, **kwargs) -> None:
@@ -145,9 +142,6 @@ class AcceleratedScheduler:
             if total is not None and sched._step_count > total:
                 break  # OneCycleLR raises past its end (a last partial window)
             sched.step(*args, **kwargs)
-
-    def get_last_lr(self):
-        return self.scheduler.get_last_lr()
 
     def state_dict(self):
         return self.scheduler.state_dict()
@@ -186,10 +180,6 @@ class DataLoaderShard:
     @property
     def total_batch_size(self) -> int:
         return (getattr(self.base, "batch_size", None) or 1) * self._strategy.world_size
-
-    @property
-    def total_dataset_length(self) -> int | None:
-        return edata.dataset_length(self.base)
 
     def set_epoch(self, epoch: int) -> None:
         """Use the data order of ``epoch`` for the next pass."""
@@ -251,8 +241,6 @@ class DataLoaderShard:
             raise AttributeError(name)
         return getattr(self.__dict__["base"], name)
 
-    def __repr__(self) -> str:
-        return f"DataLoaderShard(epoch={self.epoch}, batches={len(self)}, base={self.base!r})"
 
 
 # -- forward under the precision -----------------------------------------------------------------
@@ -376,13 +364,15 @@ def check_collective(strategy, op: str, data: Any, free_dim: int | None = None) 
     ok = all(o == every[0][0] for o, _ in every) and all(_compatible(every[0][1], l, free_dim) for _, l in every)
     if ok:
         return
-    ops = {o for o, _ in every}
-    what = "different operations" if len(ops) > 1 else f"`{op}` with tensors that do not fit"
-    rule = ("the same dtype and number of dimensions and the same shape"
-            + (f" (except dimension {free_dim})" if free_dim is not None else ""))
+    if len({o for o, _ in every}) > 1:
+        what, rule = "different operations", "Every process must call the same collectives in the same order."
+    else:
+        what = f"`{op}` with tensors that do not fit"
+        rule = ("Every process must pass tensors of the same dtype and number of dimensions and the same "
+                "shape" + (f" except in dimension {free_dim}." if free_dim is not None else "."))
     lines = [f"ember debug mode: the processes called {what}; running it would hang or fail:"]
     lines += [f"  rank {r}: {_fmt(o, l)}" for r, (o, l) in enumerate(every)]
-    lines.append(f"Every process must call the same collective in the same order, with tensors of {rule}.")
+    lines.append(rule)
     raise DistributedOperationError("\n".join(lines))
 
 
@@ -552,6 +542,31 @@ def tracker_name(spec) -> str:
     return name[:-6] if name.endswith("logger") and len(name) > 6 else name
 
 
+def check_log_with(log_with) -> list:
+    from ember.loggers import LOGGER_CHOICES, Logger
+    specs = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
+    out = []
+    for s in specs:
+        key = s.strip().lower() if isinstance(s, str) else None
+        if not isinstance(s, Logger) and key not in LOGGER_CHOICES + ("all",):
+            raise invalid_choice("log_with", s, list(LOGGER_CHOICES) + ["all", "a Logger", "a list of these"])
+        out += ["tensorboard", "csv"] if key == "all" else [key or s]
+    return out
+
+
+def log_values(acc, values: dict, step: int | None) -> None:
+    if step is None:
+        step = acc._log_step
+    acc._log_step = step + 1
+    metrics = dict(values)
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+    if keys:  # one device-to-host transfer for all tensors
+        vals = torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()
+        metrics.update(zip(keys, vals))
+    for tracker in acc.trackers:
+        tracker.log_metrics(metrics, step=step)
+
+
 def init_trackers(acc, project_name: str, config, init_kwargs) -> None:
     from ember.loggers import build_logger
     acc.trackers = []
@@ -568,8 +583,7 @@ def init_trackers(acc, project_name: str, config, init_kwargs) -> None:
 
 
 class _NullTracker:
-    """What :meth:`Accelerator.get_tracker` returns on non-main processes: every
-    method accepts anything and does nothing."""
+    """``get_tracker`` on non-main processes: every method does nothing."""
     name = "null"
 
     def __getattr__(self, name):
