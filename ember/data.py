@@ -97,7 +97,11 @@ class _SkipBatchSampler(Sampler[list]):
         return len(self.batch_sampler)
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["batch_sampler"], name)
+        try:
+            inner = self.__dict__["batch_sampler"]
+        except KeyError:   # not initialised yet (copy / unpickle)
+            raise AttributeError(name) from None
+        return getattr(inner, name)
 
 
 _LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
