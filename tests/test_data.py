@@ -236,3 +236,11 @@ def test_loader_without_automatic_batching(shuffle):
     shards = [prepare_dataloader(DataLoader(ids(5), batch_size=None), seed=0, num_replicas=2, rank=r) for r in range(2)]
     assert [[int(b[0]) for b in s] for s in shards] == [[0, 2, 4], [1, 3, 0]]
     assert edata.num_padded(shards[0]) == 1
+
+
+def test_prepared_loader_with_custom_batch_sampler_can_be_copied():
+    import copy
+    import pickle
+    p = prepare_dataloader(DataLoader(ids(8), batch_sampler=EvenOddBatches(8)), seed=0)
+    assert batches(copy.deepcopy(p)) == batches(p)
+    assert batches(pickle.loads(pickle.dumps(p))) == batches(p)
