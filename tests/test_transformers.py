@@ -114,58 +114,20 @@ def test_causal_lm_loss_decreases_and_generates(tmp_path):
     assert module.model.config.pad_token_id == data.tokenizer.pad_token_id
 
 
-def _token_batches(task: str):
-    """Ten samples of uneven lengths for ``task`` as padded-per-batch dicts."""
-    g = torch.Generator().manual_seed(0)
-    items = []
-    lengths = [3, 9, 5, 12, 4, 7, 10, 2, 8, 6]
-    for i, n in enumerate(lengths):
-        ids = torch.randint(5, hf_tiny.vocab_size(), (n,), generator=g)
-        if task == "causal-lm":
-            items.append({"input_ids": ids})
-        elif task == "token-classification":
-            lab = torch.randint(0, 3, (n,), generator=g)
-            lab[0] = -100   # e.g. a special token
-            items.append({"input_ids": ids, "labels": lab})
-        else:
-            tgt = torch.randint(5, hf_tiny.vocab_size(), (max(1, (i * 7) % 9),), generator=g)
-            items.append({"input_ids": ids, "labels": tgt})
-    return items
-
-
-def _model_for(task):
-    return {"causal-lm": hf_tiny.tiny_gpt2, "token-classification": hf_tiny.tiny_bert_token,
-            "seq2seq-lm": hf_tiny.tiny_t5}[task]()
-
-
-class _GradRecorder(TransformersModule):
-    """Records the gradients the optimizer sees (after the module's own rescaling)."""
-
-    def on_before_optimizer_step(self, optimizer):
-        super().on_before_optimizer_step(optimizer)
-        self.seen = getattr(self, "seen", [])
-        self.seen.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+_token_batches = hf_tiny.token_items
+_model_for = hf_tiny.model_for
+_max_rel_diff = hf_tiny.max_rel_diff
 
 
 def _run_grads(tmp_path, task, items, batch_sampler=None, batch_size=None, acc=1, steps=2, exact=True,
                precision="32-true"):
-    # adam_eps=1: an update proportional to the gradient, so step 2 does not amplify rounding
-    module = _GradRecorder(_model_for(task), task=task, lr=1e-3, weight_decay=0.0, warmup_steps=0, adam_eps=1.0,
-                           scheduler="constant", token_exact_accumulation=exact, num_labels=3
-                           if task == "token-classification" else None)
+    module = hf_tiny.grad_recorder(task, token_exact_accumulation=exact)
     collate = PadCollator(0, lm_labels=task == "causal-lm")
     dl = DataLoader(items, batch_sampler=batch_sampler, collate_fn=collate) if batch_sampler else \
         DataLoader(items, batch_size=batch_size, collate_fn=collate)
     trainer = quiet_trainer(tmp_path, max_steps=steps, accumulate_grad_batches=acc, precision=precision)
     trainer.fit(module, train_dataloaders=dl)
     return module.seen
-
-
-def _max_rel_diff(a: dict, b: dict) -> float:
-    """Largest element difference relative to the largest gradient element (gradients that
-    are zero in exact arithmetic, such as attention key biases, hold only rounding noise)."""
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a) / max(b[k].abs().max().item() for k in b)
 
 
 @pytest.mark.parametrize("task", ["causal-lm", "token-classification", "seq2seq-lm"])

@@ -97,3 +97,56 @@ def counting_texts(n: int, seed: int = 0) -> list[str]:
         start = rng.randrange(len(nums) - 2)
         out.append(" ".join(nums[start:start + rng.randint(2, len(nums) - start)]))
     return out
+
+
+def token_items(task: str, n: int = 10) -> list[dict]:
+    """``n`` samples of uneven lengths for a token-level task ('causal-lm',
+    'token-classification', 'seq2seq-lm'), as unpadded dicts for PadCollator."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 9, 5, 12, 4, 7, 10, 2, 8, 6, 11, 3]
+    items = []
+    for i in range(n):
+        size = lengths[i % len(lengths)]
+        ids = torch.randint(5, vocab_size(), (size,), generator=g)
+        if task == "causal-lm":
+            items.append({"input_ids": ids})
+        elif task == "token-classification":
+            lab = torch.randint(0, 3, (size,), generator=g)
+            lab[0] = -100   # e.g. a special token
+            items.append({"input_ids": ids, "labels": lab})
+        else:
+            tgt = torch.randint(5, vocab_size(), (max(1, (i * 7) % 9),), generator=g)
+            items.append({"input_ids": ids, "labels": tgt})
+    return items
+
+
+def model_for(task: str):
+    return {"causal-lm": tiny_gpt2, "token-classification": tiny_bert_token, "seq2seq-lm": tiny_t5}[task]()
+
+
+def grad_recorder(task: str, **kw):
+    """A TransformersModule for ``task`` that records the gradients its optimizer sees
+    (after the module's own token-exact rescaling) in ``module.seen``. AdamW with eps=1
+    makes an update proportional to the gradient, so later steps do not amplify rounding."""
+    from ember.integrations.transformers import TransformersModule
+
+    class GradRecorder(TransformersModule):
+        def on_before_optimizer_step(self, optimizer):
+            super().on_before_optimizer_step(optimizer)
+            self.seen.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+                              if p.grad is not None})
+
+    args = dict(task=task, lr=1e-3, weight_decay=0.0, warmup_steps=0, adam_eps=1.0, scheduler="constant",
+                num_labels=3 if task == "token-classification" else None)
+    args.update(kw)
+    module = GradRecorder(model_for(task), **args)
+    module.seen = []
+    return module
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """Largest element difference relative to the largest gradient element (gradients that
+    are zero in exact arithmetic, such as attention key biases, hold only rounding noise)."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a) / max(b[k].abs().max().item() for k in b)
