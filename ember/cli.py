@@ -503,12 +503,15 @@ class _CLI:
         if seed is not False and seed is not None:
             resolved["seed_everything"] = seed
             seed_everything(seed)
-        try:
+        section = "trainer"
+        try:     # a value the classes themselves reject is a config error too
             trainer = Trainer(**instantiate(self.trainer_given))
+            section = "model"
             model = instantiate(resolved["model"])
+            section = "data"
             data = instantiate(resolved["data"]) if resolved["data"] is not None else None
         except MisconfigurationError as err:
-            raise UsageError(str(err))
+            raise UsageError(f"{section}: {err}")
         trainer.callbacks.append(SaveConfigCallback(to_yaml_safe(resolved)))
         out = getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
         if command in ("validate", "test") and trainer.is_global_zero:

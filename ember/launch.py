@@ -107,6 +107,7 @@ def load_launch_config(path: "str | Path") -> dict:
         _check_keys(f"config_file: {key}.", section, DEFAULTS[key])
         out[key].update(section)
     out.update(data)
+    out["_given"] = set(data)      # keys the file sets (precision/strategy are exported only then)
     return out
 
 
@@ -136,8 +137,14 @@ def validate_launch_config(cfg: dict) -> dict:
 
 
 def worker_env(cfg: dict) -> dict[str, "str | None"]:
-    """The EMBER_* variables exported to the workers (None: remove)."""
-    env: dict[str, "str | None"] = {"EMBER_PRECISION": PRECISION_ENV[cfg["mixed_precision"]]}
+    """The EMBER_* variables exported to the workers (None: remove). Precision and
+    strategy only when a flag or the config file gave them."""
+    given = cfg.get("_given", set(cfg))
+    env: dict[str, "str | None"] = {}
+    if "mixed_precision" in given:
+        env["EMBER_PRECISION"] = PRECISION_ENV[cfg["mixed_precision"]]
+    if "strategy" not in given:
+        return env
     strategy = cfg["strategy"]
     env["EMBER_STRATEGY"] = None if strategy == "no" else strategy
     fsdp, ds = cfg["fsdp_config"], cfg["deepspeed_config"]
@@ -227,11 +234,13 @@ def resolve_launch_config(args: argparse.Namespace) -> dict:
         path = default_config_path()
     cfg = load_launch_config(path) if path is not None else \
         {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULTS.items()}
+    cfg.setdefault("_given", set())
     for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip",
                 "main_process_port", "rdzv_backend", "strategy", "mixed_precision"):
         value = getattr(args, key)
         if value is not None:
             cfg[key] = value
+            cfg["_given"].add(key)
     for flag, key in (("fsdp_reshard_after_forward", "reshard_after_forward"),
                       ("fsdp_cpu_offload", "cpu_offload")):
         if getattr(args, flag) is not None:

@@ -217,7 +217,7 @@ def test_help_lists_trainer_keys(tmp_path):
 
 def test_trainer_rejecting_a_value_is_one_clear_line(cli):
     line = one_line_error(cli("fit", "--config", CONFIG, "--trainer.precision", "17"))
-    assert line.startswith("ember: error: precision=17 is not valid; choose one of: '64-true', '32-true'")
+    assert line.startswith("ember: error: trainer: precision=17 is not valid; choose one of: '64-true', '32-true'")
     line = one_line_error(cli("validate", "--config", CONFIG, "--trainer.accumulate_grad_batches", "0"))
     assert "accumulate_grad_batches=0 is not valid" in line
 

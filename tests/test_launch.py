@@ -1,8 +1,10 @@
 """`ember launch`: real torchrun agents and real gloo process groups (CPU)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +51,7 @@ def worker(tmp_path):
 
 def _env(tmp_path, **extra):
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "xdg"), OUT_FILE=str(tmp_path / "out.json"),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     for key in list(env):
         if key.startswith("EMBER_"):
             del env[key]
@@ -57,9 +59,49 @@ def _env(tmp_path, **extra):
     return env
 
 
-def ember(*args, env, timeout=60, **kw):
-    return subprocess.run([sys.executable, "-m", "ember", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=timeout, **kw)
+def start(*args, env, **kw) -> subprocess.Popen:
+    """`python -m ember ARGS`, output captured."""
+    return subprocess.Popen([sys.executable, "-m", "ember", *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (torchrun starts each worker in its own session)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # a hang: every process prints its Python stacks (PYTHONFAULTHANDLER), then all are killed
+        pids = [proc.pid, *_descendants(proc.pid)]
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                out, err = proc.communicate(timeout=10)
+        pytest.fail(f"{proc.args} did not finish in {timeout} s\nstdout:\n{out[-3000:]}\n"
+                    f"stderr:\n{err[-8000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def ember(*args, env, timeout=90, **kw):
+    return finish(start(*args, env=env, **kw), timeout)
 
 
 def test_two_processes_all_reduce_argv_and_env(tmp_path, worker):
@@ -110,7 +152,7 @@ def test_default_config_file_is_used(tmp_path, worker):
 
 
 def test_failing_rank_stops_the_run_and_reports_once(tmp_path, worker):
-    r = ember("launch", "--num-processes", 2, worker, env=_env(tmp_path, FAIL_RANK="1"), timeout=30)
+    r = ember("launch", "--num-processes", 2, worker, env=_env(tmp_path, FAIL_RANK="1"), timeout=60)
     assert r.returncode != 0
     assert (r.stdout + r.stderr).count("boom on rank 1") == 1, r.stderr
     assert "ember: error: launch: rank 1" in r.stderr
@@ -121,21 +163,16 @@ def test_failing_rank_stops_the_run_and_reports_once(tmp_path, worker):
 def test_two_machines_one_process_each(tmp_path, worker):
     port = free_port()
     env = _env(tmp_path)
-    cmds = [[sys.executable, "-m", "ember", "launch", "--num-machines", "2", "--machine-rank", str(rank),
-             "--main-process-ip", "127.0.0.1", "--main-process-port", str(port),
-             "--num-processes", "1", str(worker), "--node", str(rank)] for rank in (0, 1)]
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for c in cmds]
-    try:
-        outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs
+    procs = [start("launch", "--num-machines", 2, "--machine-rank", rank, "--main-process-ip", "127.0.0.1",
+                   "--main-process-port", port, "--num-processes", 1, worker, "--node", rank, env=env)
+             for rank in (0, 1)]
+    results = [finish(p, 90) for p in procs]
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["world"] == 2 and out["sum"] == 3.0
     assert out["argv"] == ["--node", "0"]        # global rank 0 lives on machine 0
     assert out["env"]["WORLD_SIZE"] == "2" and out["env"]["LOCAL_RANK"] == "0"
+    assert out["env"]["EMBER_PRECISION"] is None      # not given: nothing exported
 
 
 @pytest.mark.parametrize("args, message", [
@@ -168,10 +205,9 @@ def test_launch_ember_fit_on_two_processes(tmp_path):
     from pathlib import Path
     import yaml
     config = Path(__file__).resolve().parents[1] / "examples" / "cli" / "config.yaml"
-    r = subprocess.run([sys.executable, "-m", "ember", "launch", "--num-processes", "2", "--strategy", "ddp",
-                        "--mixed_precision", "bf16", "-m", "ember", "fit", "--config", str(config),
-                        "--trainer.max_steps", "2", "--trainer.logger.save_dir", "logs"],
-                       cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    r = ember("launch", "--num-processes", 2, "--strategy", "ddp", "--mixed_precision", "bf16",
+              "-m", "ember", "fit", "--config", config, "--trainer.max_steps", 2,
+              "--trainer.logger.save_dir", "logs", cwd=tmp_path, env=_env(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr
     runs = list((tmp_path / "logs").glob("*/version_*"))
     assert len(runs) == 1                      # rank 0 alone made the run directory
