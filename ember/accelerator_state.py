@@ -569,14 +569,21 @@ def log_values(acc, values: dict, step: int | None) -> None:
 
 def init_trackers(acc, project_name: str, config, init_kwargs) -> None:
     from ember.loggers import build_logger
+    from ember.loggers.base import next_version
     acc.trackers = []
     acc._log_step = 0
     if not acc.is_main_process:
         return
     init_kwargs = init_kwargs or {}
+    version = None  # file loggers share one version_N folder
     for spec in acc.log_with:
-        tracker = build_logger(spec, save_dir=acc.project_dir, name=project_name,
-                               **dict(init_kwargs.get(tracker_name(spec), {})))
+        key = tracker_name(spec)
+        kw = dict(init_kwargs.get(key, {}))
+        if key in ("tensorboard", "csv") and isinstance(spec, str):
+            if version is None:
+                version = kw.get("version", next_version(os.path.join(acc.project_dir, project_name)))
+            kw.setdefault("version", version)
+        tracker = build_logger(spec, save_dir=acc.project_dir, name=project_name, **kw)
         if config is not None:
             tracker.log_hyperparams(config)
         acc.trackers.append(tracker)

@@ -1,0 +1,189 @@
+"""Accelerator state on disk, one process: save_state/load_state (bit-identical
+resume in a new process, layout, errors), resumable dataloaders, save_model
+sharding, trackers writing real TensorBoard/CSV files, the GAN example."""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from ember import Accelerator
+from ember import checkpoint_io as cio
+from ember.errors import CheckpointError, MisconfigurationError
+from ember.loggers import CSVLogger, TensorBoardLogger
+
+from test_accelerator import ROOT, SCRIPTS, run
+
+
+def compare_finals(out):
+    a = torch.load(out / "final_full.pt", weights_only=True)
+    b = torch.load(out / "final_resume.pt", weights_only=True)
+    assert a.keys() == b.keys() and len(a) > 20
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    return a
+
+
+@pytest.mark.parametrize("precision", ["16-mixed"])
+def test_save_load_state_resumes_bit_identically_in_a_new_process(tmp_path, precision):
+    run(SCRIPTS / "acc_resume.py", tmp_path, "full", "--precision", precision)
+    ckpt = tmp_path / "ckpt"
+    assert sorted(os.listdir(ckpt)) == ["meta.json", "model.safetensors", "model_1.safetensors", "trainer_state.pt"]
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)   # the safe format
+    assert state["dataloaders"][0]["epoch"] == 1 and state["dataloaders"][0]["batches_done"] == 4
+    assert "scaler" in state["precision"] and len(state["optimizers"]) == 2 and len(state["rng"]) == 1
+    assert state["custom_objects"][0]["batches"] == 13 + 4
+    weights, _, meta = cio.read_checkpoint(ckpt)
+    assert meta["kind"] == "accelerator" and meta["precision"] == precision and "0.weight" in weights
+    run(SCRIPTS / "acc_resume.py", tmp_path, "resume", "--precision", precision)
+    final = compare_finals(tmp_path)
+    assert final["skipped"] > 0          # the GradScaler skipped steps and its state was resumed
+    assert final["sched_epoch"] == 2 * 7 - final["skipped"]
+
+
+class CountingDataset(Dataset):
+    def __init__(self, n):
+        self.n, self.reads = n, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return torch.tensor(i)
+
+
+def test_load_state_resumes_mid_epoch_by_skipping_indices(tmp_path):
+    acc = Accelerator(seed=3)
+    loader = acc.prepare(DataLoader(CountingDataset(20), batch_size=4, shuffle=True))
+    seen = []
+    for b in loader:
+        seen.append(b.tolist())
+        if loader.batches_done == 2:
+            acc.save_state(tmp_path / "mid")
+            break
+    full = [b.tolist() for b in loader]   # an uninterrupted epoch 0, for reference
+    acc2 = Accelerator(seed=99)           # a different seed: the sampler's seed comes from the checkpoint
+    ds = CountingDataset(20)
+    loader2 = acc2.prepare(DataLoader(ds, batch_size=4, shuffle=True))
+    acc2.load_state(tmp_path / "mid")
+    rest = [b.tolist() for b in loader2]
+    assert seen == full[:2] and rest == full[2:]
+    assert sorted(ds.reads) == sorted(i for b in full[2:] for i in b)   # skipped samples were never read
+    assert loader2.epoch == 1 and [b.tolist() for b in loader2] != full   # then epoch 1, reshuffled
+
+
+def test_state_saved_on_the_last_batch_resumes_at_the_next_epoch(tmp_path):
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(6)), batch_size=2))
+    for _ in loader:
+        if loader.end_of_dataloader:
+            acc.save_state(tmp_path / "end")
+    acc2 = Accelerator()
+    loader2 = acc2.prepare(DataLoader(TensorDataset(torch.arange(6)), batch_size=2))
+    acc2.load_state(tmp_path / "end")
+    assert loader2.epoch == 1 and len([b for b in loader2]) == 3
+
+
+def test_skip_first_batches():
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=2))
+    assert acc.skip_first_batches(loader, 3) is loader
+    assert [b.tolist() for (b,) in loader] == [[6, 7], [8, 9]]
+    assert len([b for b in loader]) == 5                       # only the next pass skips
+    raw = acc.skip_first_batches(DataLoader(TensorDataset(torch.arange(10)), batch_size=2), 4)
+    assert len(raw) == 1 and [b.tolist() for (b,) in raw] == [[8, 9]]
+
+
+def test_automatic_checkpoint_names_and_load_latest(tmp_path):
+    acc = Accelerator(project_dir=tmp_path)
+    net = nn.Linear(2, 1)
+    net, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    first = acc.save_state()
+    with torch.no_grad():
+        net.weight.fill_(2.0)
+    second = acc.save_state()
+    assert [os.path.basename(p) for p in (first, second)] == ["checkpoint_0", "checkpoint_1"]
+    with torch.no_grad():
+        net.weight.fill_(0.0)
+    acc.load_state()
+    assert torch.all(net.weight == 2.0)
+    assert not glob.glob(str(tmp_path / "checkpoints" / "*.tmp"))
+
+
+def test_load_state_errors(tmp_path):
+    acc = Accelerator()
+    a = nn.Linear(2, 1)
+    a, opt = acc.prepare(a, torch.optim.SGD(a.parameters(), lr=0.1))
+    acc.save_state(tmp_path / "one")
+    with pytest.raises(CheckpointError, match="not found"):
+        acc.load_state(tmp_path / "missing")
+    two = Accelerator()
+    two.prepare(nn.Linear(2, 1), nn.Linear(2, 1))
+    with pytest.raises(CheckpointError, match="holds 1 models, but 2 are prepared"):
+        two.load_state(tmp_path / "one")
+    wrong = Accelerator()
+    w = nn.Linear(3, 1)
+    wrong.prepare(w, torch.optim.SGD(w.parameters(), lr=0.1))
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        wrong.load_state(tmp_path / "one")
+
+    class Unsafe:
+        def state_dict(self):
+            return {"fn": print}
+
+        def load_state_dict(self, s):
+            pass
+
+    acc.register_for_checkpointing(Unsafe())
+    with pytest.raises(CheckpointError, match="fn"):
+        acc.save_state(tmp_path / "unsafe")
+    assert not os.path.exists(tmp_path / "unsafe") and not os.path.exists(tmp_path / "unsafe.tmp")
+
+
+def test_save_model_shards_with_index(tmp_path):
+    acc = Accelerator()
+    model = acc.prepare(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)))
+    files = acc.save_model(model, tmp_path / "sharded", max_shard_size=4300)
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) == 3 and "model.safetensors.index.json" in files
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    loaded = cio.load_model_sharded(tmp_path / "sharded")
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    assert acc.save_model(model, tmp_path / "single") == ["model.safetensors"]
+    with pytest.raises(MisconfigurationError, match="safe_serialization"):
+        acc.save_model(model, tmp_path / "x", safe_serialization=False)
+
+
+def test_trackers_write_tensorboard_and_csv(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = Accelerator(log_with=["tensorboard", "csv"], project_dir=tmp_path)
+    acc.init_trackers("gan", config={"lr": 0.1, "layers": [2, 3]})
+    acc.log({"loss": torch.tensor(0.5), "acc": 0.75}, step=2)
+    acc.log({"loss": 0.25})                                    # step 3: one after the last
+    tb = acc.get_tracker("tensorboard")
+    assert isinstance(tb, TensorBoardLogger) and isinstance(acc.get_tracker("csv"), CSVLogger)
+    assert hasattr(acc.get_tracker("tensorboard", unwrap=True), "add_scalar")
+    with pytest.raises(MisconfigurationError, match="initialised"):
+        acc.get_tracker("wandb")
+    acc.end_training()
+    ea = EventAccumulator(tb.log_dir)
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("loss")] == [(2, 0.5), (3, 0.25)]
+    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "gan" / "version_0" / "metrics.csv"))[0])))
+    assert [(r["step"], r["loss"], r["acc"]) for r in rows] == [("2", "0.5", "0.75"), ("3", "0.25", "")]
+    assert "lr: 0.1" in (tmp_path / "gan" / "version_0" / "hparams.yaml").read_text()
+
+
+def test_gan_example_runs(tmp_path):
+    out = run(ROOT / "examples" / "gan_digits.py", "--steps", "20", "--log-every", "10")
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step")]
+    assert [ln.split()[1] for ln in lines] == ["10", "20"]
+    assert all(float(ln.split()[3]) > 0 and float(ln.split()[5]) > 0 for ln in lines)
