@@ -1,6 +1,8 @@
 """DDPStrategy configuration, cluster environments and launcher helpers, in one
 process (the multi-process behaviour is in test_ddp_multiproc.py)."""
+import copy
 import os
+import pickle
 import sys
 import types
 import warnings
@@ -238,3 +240,9 @@ def test_route_through_forward():
     route_through_forward(w2, m, "training_step")
     m.training_step(x, 0)
     assert (w.calls, w2.calls) == (1, 1)
+    # a copy or a pickle of the module gets the plain method, bound to itself
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        with torch.no_grad():
+            clone.net.weight.add_(1.0)
+        assert torch.equal(clone.training_step(x, 0), (clone.net(x) * 2).sum())
+        assert (w.calls, w2.calls) == (1, 1)

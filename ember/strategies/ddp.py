@@ -7,6 +7,7 @@ Ranks come from ``torchrun`` / ``ember launch``, from SLURM, or, from a plain
 """
 from __future__ import annotations
 
+import types
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -25,44 +26,59 @@ START_METHODS = ("popen",)
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
-def route_through_forward(wrapper: nn.Module, module: nn.Module, name: str) -> None:
-    """Make ``module.<name>(...)`` run through ``wrapper.__call__`` (DDP's forward, which
-    prepares the gradient all-reduce of the following backward), as Lightning Fabric
-    does: ``module.forward`` is swapped for the method just for that call and restored
-    before the method runs (so that it can call ``self(x)`` itself)."""
-    current = module.__dict__.get(name)
-    original = getattr(current, "__wrapped__", None) if getattr(current, "_ember_routed", False) else None
-    if original is None:
-        if not callable(getattr(type(module), name, None)):
-            return
-        original = getattr(module, name)
+class _RoutedMethod:
+    """``module.<name>`` that runs through ``wrapper.__call__``; see :func:`route_through_forward`.
+    A deep copy or a pickle of the module gets the plain method back."""
 
-    def routed(*args, **kwargs):
+    _ember_routed = True
+
+    def __init__(self, wrapper: nn.Module, module: nn.Module, name: str, original):
+        self.wrapper, self.module, self.name, self.__wrapped__ = wrapper, module, name, original
+
+    def __call__(self, *args, **kwargs):
+        module, original = self.module, self.__wrapped__
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         had_own_forward = "forward" in module.__dict__
         own_forward = module.__dict__.get("forward")
 
-        def forward_once(*a, **k):
+        def restore():
             if had_own_forward:
                 module.forward = own_forward
             else:
                 del module.forward
+
+        def forward_once(*a, **k):
+            restore()   # the method may call the real forward (self(x)) itself
             return original(*a, **k)
 
         module.forward = forward_once
         try:
-            return wrapper(*args, **kwargs)
+            return self.wrapper(*args, **kwargs)
         finally:
             if module.__dict__.get("forward") is forward_once:  # the wrapper did not call it
-                if had_own_forward:
-                    module.forward = own_forward
-                else:
-                    del module.forward
+                restore()
 
-    routed.__wrapped__ = original
-    routed._ember_routed = True
-    setattr(module, name, routed)
+    def __reduce__(self):
+        return getattr, (self.module, self.name)   # unpickles to the class's method
+
+    def __deepcopy__(self, memo):
+        copy = memo.get(id(self.module))
+        return types.MethodType(self.__wrapped__.__func__, copy) if copy is not None else self
+
+
+def route_through_forward(wrapper: nn.Module, module: nn.Module, name: str) -> None:
+    """Make ``module.<name>(...)`` run through ``wrapper.__call__`` (DDP's forward, which
+    prepares the gradient all-reduce of the following backward), as Lightning Fabric
+    does: ``module.forward`` is swapped for the method just for that call and restored
+    before the method runs. The Trainer calls ``module.training_step`` directly."""
+    current = module.__dict__.get(name)
+    original = current.__wrapped__ if getattr(current, "_ember_routed", False) else None
+    if original is None:
+        if not callable(getattr(type(module), name, None)):
+            return
+        original = getattr(module, name)
+    object.__setattr__(module, name, _RoutedMethod(wrapper, module, name, original))
 
 
 class DDPStrategy(Strategy):

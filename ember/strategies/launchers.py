@@ -246,7 +246,6 @@ def is_peer_lost_error(exc: BaseException) -> bool:
 class _ExitState:
     installed = False
     failed = False
-    destroyed = False
 
 
 _EXIT = _ExitState()
@@ -309,9 +308,8 @@ def _exit_handler() -> None:
 def shutdown_process_group(barrier: bool = True) -> None:
     """Barrier (optional), then destroy the default process group. Idempotent."""
     import torch.distributed as dist
-    if _EXIT.destroyed or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
         return
-    _EXIT.destroyed = True
     try:
         if barrier and dist.get_world_size() > 1:
             dist.barrier()
