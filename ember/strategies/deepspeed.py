@@ -526,7 +526,7 @@ def load_full_weights(path: str) -> dict[str, torch.Tensor]:
     import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     import io
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         sd = get_fp32_state_dict_from_zero_checkpoint(os.fspath(path), tag=TAG)
     prefix = "module."
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}

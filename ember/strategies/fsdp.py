@@ -292,6 +292,13 @@ class FSDPStrategy(DDPStrategy):
         super().teardown()
 
     # -- step ------------------------------------------------------------------------
+    def optimizer_step(self, optimizer, module: nn.Module | None = None, closure=None) -> None:
+        if self.precision.scaler is None:
+            return self.precision.optimizer_step(optimizer, closure)
+        with warnings.catch_warnings():   # the sharded inf check reduces a 1-element tensor: benign
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            self.precision.optimizer_step(optimizer, closure)
+
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         from torch.distributed.fsdp import FSDPModule
         if not enabled or not isinstance(module, FSDPModule):

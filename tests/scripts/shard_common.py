@@ -35,7 +35,8 @@ class Net(ember.TrainModule):
     """inp -> 2 Blocks -> head; AdamW (+ an optional per-step StepLR). With
     ``late_blocks`` the blocks are built in configure_model (meta device under FSDP)."""
 
-    def __init__(self, lr: float = 0.05, late_blocks: bool = False, sched: bool = False):
+    def __init__(self, lr: float = 0.05, late_blocks: bool = False, sched: bool = False, opt: str = "adamw",
+                 loss_mult: float = 1.0):
         super().__init__()
         self.save_hyperparameters()
         self.inp = nn.Linear(D_IN, D)
@@ -51,7 +52,7 @@ class Net(ember.TrainModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self(x).float(), y)
+        loss = F.cross_entropy(self(x).float(), y) * self.hparams.loss_mult
         self.log("train/loss", loss)
         return loss
 
@@ -60,18 +61,25 @@ class Net(ember.TrainModule):
         self.log("val/loss", F.cross_entropy(self(x).float(), y), sync_dist=True)
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        opt = make_optimizer(self)
         if not self.hparams.sched:
             return opt
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def make_optimizer(net: Net) -> torch.optim.Optimizer:
+    if net.hparams.opt == "sgd":
+        return torch.optim.SGD(net.parameters(), lr=net.hparams.lr)
+    return torch.optim.AdamW(net.parameters(), lr=net.hparams.lr, weight_decay=0.01)
+
+
 def data(n: int = N, seed: int = 0) -> TensorDataset:
+    """The first ``n`` samples of one fixed data set."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, D_IN, generator=g)
-    y = (x[:, :N_CLASSES] + 0.3 * torch.randn(n, N_CLASSES, generator=g)).argmax(1)
-    return TensorDataset(x, y)
+    x = torch.randn(max(n, N), D_IN, generator=g)
+    y = (x[:, :N_CLASSES] + 0.3 * torch.randn(max(n, N), N_CLASSES, generator=g)).argmax(1)
+    return TensorDataset(x[:n], y[:n])
 
 
 def loader(batch_size: int = 4, shuffle: bool = False, n: int = N) -> DataLoader:
@@ -88,11 +96,11 @@ def reference(net: Net, steps: int, window: int, clip: float | None, sched: bool
     all ranks' micro-batches of one accumulation window hold (unshuffled data)."""
     ref = copy.deepcopy(net)
     x, y = data().tensors
-    opt = torch.optim.AdamW(ref.parameters(), lr=ref.hparams.lr, weight_decay=0.01)
+    opt = make_optimizer(ref)
     s = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if sched else None
     for k in range(steps):
         xb, yb = x[k * window:(k + 1) * window], y[k * window:(k + 1) * window]
-        F.cross_entropy(ref(xb), yb).backward()
+        (F.cross_entropy(ref(xb), yb) * ref.hparams.loss_mult).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
@@ -133,6 +141,15 @@ def optimizer_tensors(opt) -> list:
     out = [p for g in opt.param_groups for p in g["params"]]
     for st in opt.state.values():
         out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return out
+
+
+def ds_optimizer_tensors(ds_opt) -> list:
+    """A DeepSpeed ZeRO optimizer's fp32 master partitions, plus the wrapped optimizer's
+    states (stage 3 detaches the masters from its param_groups between steps)."""
+    out = optimizer_tensors(ds_opt.optimizer)
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        out += list(getattr(ds_opt, name, None) or [])
     return out
 
 

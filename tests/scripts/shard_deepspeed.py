@@ -1,0 +1,131 @@
+"""DeepSpeedStrategy checks for one ZeRO stage, several per launch (DeepSpeed starts
+slowly). Started as a plain script: ``Trainer(devices=2)`` starts rank 1 itself.
+
+    python shard_deepspeed.py OUT STAGE      # writes OUT/<check>.rank<r>.json
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shard_common as sc  # noqa: E402
+
+import ember  # noqa: E402
+from ember import Accelerator, Trainer  # noqa: E402
+from ember.callbacks import ModelCheckpoint  # noqa: E402
+from ember.strategies import DeepSpeedStrategy  # noqa: E402
+from ember.strategies.deepspeed import load_full_weights  # noqa: E402
+
+OUT, STAGE = sys.argv[1], int(sys.argv[2])
+STEPS, ACC, CLIP = 4, 2, 0.5
+ZERO = {"stage3_param_persistence_threshold": 0} if STAGE == 3 else {}
+
+
+def ds(**kw):
+    return DeepSpeedStrategy(devices=2, stage=STAGE, **ZERO, **kw)
+
+
+def trainer(strategy, **kw):
+    args = dict(sc.QUIET, enable_checkpointing=False, default_root_dir=OUT)
+    args.update(kw)
+    return Trainer(strategy=strategy, **args)
+
+
+# 1. matches the single-process fp32 reference: accumulation, clipping, a per-step scheduler
+net = sc.make_net(sched=True)
+ref = sc.reference(net, STEPS, window=4 * 2 * ACC, clip=CLIP, sched=True)
+t = trainer(ds(), max_steps=STEPS, accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
+t.fit(net, sc.loader())
+rank = t.global_rank
+full = t.strategy.module_state_dict(t.model)
+cfg = t.strategy.config
+sc.write_result(OUT, "reference", {
+    "max_diff": sc.max_diff(full, ref), "world": t.world_size, "engine": type(t.model).__name__,
+    "lr": t.optimizers[0].param_groups[0]["lr"],
+    "config": {k: cfg[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                   "train_batch_size", "gradient_clipping", "managed_gradient_accumulation")},
+    "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+}, rank)
+
+# 2. resume from a mid-epoch checkpoint is bit-identical (shuffled data)
+ck_dir = os.path.join(OUT, "resume_ckpts")
+t = trainer(ds(), max_steps=6, accumulate_grad_batches=ACC, enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=ck_dir, filename="{step}", every_n_train_steps=3, save_top_k=-1)])
+t.fit(sc.make_net(lr=0.5), sc.loader(shuffle=True))
+straight = t.strategy.module_state_dict(t.model)
+clip_cfg = t.strategy.config["gradient_clipping"]
+mid = os.path.join(ck_dir, "step=3")
+t2 = trainer(ds(), max_steps=6, accumulate_grad_batches=ACC)
+t2.fit(sc.make_net(seed=9, lr=0.5), sc.loader(shuffle=True), ckpt_path=mid)
+resumed = t2.strategy.module_state_dict(t2.model)
+sc.write_result(OUT, "resume", {
+    "bit_identical": sc.equal(straight, resumed), "global_step": t2.global_step,
+    "gradient_clipping": clip_cfg, "files": sorted(os.listdir(mid)),
+    "leftover_tmp": [n for n in os.listdir(ck_dir) if n.endswith(".tmp")]}, rank)
+
+# 2b. without gradient_clip_val nothing is clipped (SGD, large gradients: DeepSpeed's default 1.0 would show)
+net = sc.make_net(opt="sgd", lr=0.05, loss_mult=20.0)
+ref_noclip = sc.reference(net, 4, window=4 * 2 * ACC, clip=None)
+t = trainer(ds(), max_steps=4, accumulate_grad_batches=ACC)
+t.fit(net, sc.loader())
+clipped_ref = sc.reference(sc.make_net(opt="sgd", lr=0.05, loss_mult=20.0), 4, window=4 * 2 * ACC, clip=1.0)
+sc.write_result(OUT, "noclip", {"max_diff": sc.max_diff(t.strategy.module_state_dict(t.model), ref_noclip),
+                                "clip_1_would_differ_by": sc.max_diff(clipped_ref, ref_noclip)}, rank)
+
+# 3. validate from the checkpoint before any fit (weights consolidated from the ZeRO files)
+vt = trainer(ds())
+metrics = vt.validate(sc.make_net(seed=11), sc.loader(n=32), ckpt_path=mid)
+plain = sc.Net()
+plain.load_state_dict(load_full_weights(mid))
+x, y = sc.data(32).tensors
+with torch.no_grad():
+    expected = F.cross_entropy(plain(x), y).item()
+sc.write_result(OUT, "validate", {"val_loss": metrics[0]["val/loss"], "expected": expected}, rank)
+
+# 4. full export loads into a plain module and gives the same outputs
+net = sc.make_net(seed=5)
+t = trainer(ds(), max_steps=2)
+t.fit(net, sc.loader())
+path = t.strategy.export_full(os.path.join(OUT, "export"))
+xb = sc.data().tensors[0][:8]
+with torch.no_grad():
+    y_ds = net(xb)
+res = {"files": sorted(os.listdir(path))}
+if rank == 0:
+    plain = sc.Net()
+    plain.load_state_dict(ember.checkpoint_io.load_model_sharded(path))
+    with torch.no_grad():
+        res["max_out_diff"] = (plain(xb) - y_ds).abs().max().item()
+sc.write_result(OUT, "export", res, rank)
+
+# 5. memory: parameters (ZeRO-3) and optimizer states (fp32 master + AdamW's 2) are partitioned
+params = [getattr(p, "ds_tensor", p) for p in net.parameters()]
+sc.write_result(OUT, "memory", {
+    "param_bytes": sc.storage_bytes(params),
+    "optim_bytes": sc.storage_bytes(sc.ds_optimizer_tensors(t.model.optimizer)),
+    "full_param_bytes": sc.full_param_bytes(sc.make_net())}, rank)
+
+# 6. bf16-mixed trains
+losses = sc.Losses()
+t = trainer(ds(), max_steps=12, precision="bf16-mixed", callbacks=[losses])
+t.fit(sc.make_net(lr=0.02), sc.loader(n=48))
+sc.write_result(OUT, "bf16", {"first": sum(losses.values[:3]) / 3, "last": sum(losses.values[-3:]) / 3,
+                              "bf16": t.strategy.config["bf16"]["enabled"],
+                              "finite": all(v == v for v in losses.values)}, rank)
+
+# 7. Accelerator.prepare(model, optimizer) and a custom loop
+acc = Accelerator(strategy="deepspeed" if STAGE == 2 else DeepSpeedStrategy(stage=STAGE, **ZERO), devices=2)
+net = sc.make_net()
+ref = sc.reference(net, 4, window=4 * 2, clip=None)
+opt = torch.optim.AdamW(net.parameters(), lr=net.hparams.lr, weight_decay=0.01)
+model, opt, dl = acc.prepare(net, opt, sc.loader(n=32))
+for xb, yb in dl:
+    loss = F.cross_entropy(model(xb), yb)
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+sc.write_result(OUT, "accelerator", {
+    "max_diff": sc.max_diff(acc.strategy.module_state_dict(model), ref), "stage": acc.strategy.stage,
+    "model": type(model).__name__, "unwrapped": type(acc.unwrap_model(model)).__name__}, rank)
