@@ -336,3 +336,19 @@ def test_fit_refuses_weights_only_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="weights only"):
         fit(tmp_path / "b", ckpt_path=tmp_path / "w")
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.multiproc
+def test_ddp_resume_inside_window_and_after_one_rank_is_preempted(tmp_path):
+    """2 gloo processes (tests/scripts/resume_ddp.py): per-rank pending gradients and RNG
+    states are saved and restored; SIGTERM on rank 1 alone stops both ranks at the same
+    log point; both resumes end bit-identical to the uninterrupted DDP run."""
+    import json
+    env = dict(os.environ, EMBER_CHECKPOINT_FSYNC="0")
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "resume_ddp.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=500, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "received SIGTERM at step 4" in p.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {"a": [], "b": [], "grads_ranks": 2, "grads_differ": True, "rng_ranks": 2,
+                      "stopped": [4, True], "last_step_after_resume": 6}
