@@ -18,7 +18,7 @@ from pathlib import Path, PurePath
 from typing import Any, Sequence
 
 from ember.callbacks import Callback
-from ember.launch import UsageError
+from ember.launch import UsageError, read_yaml
 
 RUN_COMMANDS = ("fit", "validate", "test", "predict")
 TOP_KEYS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
@@ -93,24 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --------------------------------------------------------------------------- config parsing
 def _load_yaml_file(path: str) -> dict:
-    import yaml
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise UsageError(f"--config: cannot read {path!r}: {err.strerror or err}")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or "syntax error"
-        raise UsageError(f"--config: {path!r} is not valid YAML{where}: {problem}")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
+    data = read_yaml(path, "--config")
+    if data is not None and not isinstance(data, dict):
         raise UsageError(f"--config: {path!r} must hold a mapping with keys "
                          f"{', '.join(TOP_KEYS)}; got {type(data).__name__}")
-    return data
+    return data or {}
 
 
 def _merge(base: dict, new: dict) -> dict:
@@ -170,15 +157,15 @@ def apply_override(cfg: dict, dotted: str, raw: str) -> None:
     for i, key in enumerate(parts[:-1]):
         if isinstance(node, list):
             try:
-                node = node[int(key)]
-                continue
+                nxt = node[int(key)]
             except (ValueError, IndexError):
                 raise UsageError(f"--{dotted}: {'.'.join(parts[:i])} has no item {key!r}")
-        nxt = node.get(key)
-        if isinstance(nxt, str) and i > 0:   # `class_path` given as a plain string
-            nxt = node[key] = {"class_path": nxt}
-        if not isinstance(nxt, (dict, list)):
-            nxt = node[key] = {}
+        else:
+            nxt = node.get(key)
+            if isinstance(nxt, str) and i > 0:   # `class_path` given as a plain string
+                nxt = node[key] = {"class_path": nxt}
+            if not isinstance(nxt, (dict, list)):
+                nxt = node[key] = {}
         if isinstance(nxt, dict) and "class_path" in nxt and parts[i + 1] not in ("class_path", "init_args"):
             if not isinstance(nxt.get("init_args"), dict):
                 nxt["init_args"] = {}
@@ -371,7 +358,8 @@ def _match(where: str, value: Any, tp) -> tuple[bool, Any]:
     if origin is typing.Annotated:
         return _match(where, value, args[0])
     if origin in (typing.Union, types.UnionType):
-        for arm in sorted(args, key=lambda a: a is str):     # '1e-3' prefers float over str
+        # the value's own type first (4 stays an int in float | int); str last ('1e-3' -> float)
+        for arm in sorted(args, key=lambda a: (a is str, a is not type(value))):
             ok, out = _match(where, value, arm)
             if ok:
                 return True, out

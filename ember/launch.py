@@ -82,20 +82,25 @@ def _check_keys(where: str, data: dict, valid) -> None:
             raise UsageError(f"{where}{key}: unknown key{hint}; valid keys: " + ", ".join(valid))
 
 
-def load_launch_config(path: "str | Path") -> dict:
-    """Read and validate a launch config file (the one ``ember config`` writes)."""
+def read_yaml(path: "str | Path", flag: str) -> Any:
+    """``yaml.safe_load`` of a file; a problem becomes a one-line error naming ``flag``."""
     import yaml
-    path = Path(path)
     try:
-        text = path.read_text()
+        text = Path(path).read_text()
     except OSError as err:
-        raise UsageError(f"--config_file: cannot read {str(path)!r}: {err.strerror or err}")
+        raise UsageError(f"{flag}: cannot read {str(path)!r}: {err.strerror or err}")
     try:
-        data = yaml.safe_load(text) or {}
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise UsageError(f"--config_file: {str(path)!r} is not valid YAML{where}")
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "syntax error"
+        raise UsageError(f"{flag}: {str(path)!r} is not valid YAML{where}: {problem}")
+
+
+def load_launch_config(path: "str | Path") -> dict:
+    """Read and validate a launch config file (the one ``ember config`` writes)."""
+    data = read_yaml(path, "--config_file") or {}
     if not isinstance(data, dict):
         raise UsageError(f"--config_file: {str(path)!r} must hold a mapping, got {type(data).__name__}")
     _check_keys("config_file: ", data, DEFAULTS)
@@ -107,6 +112,9 @@ def load_launch_config(path: "str | Path") -> dict:
         _check_keys(f"config_file: {key}.", section, DEFAULTS[key])
         out[key].update(section)
     out.update(data)
+    for key in ("strategy", "mixed_precision"):
+        if out[key] is False:      # YAML 1.1 reads an unquoted `no` as false
+            out[key] = "no"
     out["_given"] = set(data)      # keys the file sets (precision/strategy are exported only then)
     return out
 

@@ -73,7 +73,8 @@ def test_dotted_overrides_are_parsed_as_yaml(cli):
     cfg = print_config(cli, "--trainer.max_steps", "5", "--model.lr", "1e-3", "--model.init_args.hidden", "3",
                        "--data.batch_size=32", "--seed_everything", "11", "--ckpt_path", "last",
                        "--trainer.limit_val_batches", "0.5", "--trainer.max_time", "null",
-                       "--trainer.logger.save_dir", "elsewhere")
+                       "--trainer.logger.save_dir", "elsewhere", "--trainer.val_check_interval", "4",
+                       "--trainer.gradient_clip_val", "1")
     assert cfg["trainer"]["max_steps"] == 5
     assert cfg["model"]["init_args"] == {"hidden": 3, "lr": 0.001, "in_features": 4}
     assert isinstance(cfg["model"]["init_args"]["lr"], float)
@@ -81,6 +82,9 @@ def test_dotted_overrides_are_parsed_as_yaml(cli):
     assert cfg["seed_everything"] == 11 and cfg["ckpt_path"] == "last"
     assert cfg["trainer"]["limit_val_batches"] == 0.5 and cfg["trainer"]["max_time"] is None
     assert cfg["trainer"]["logger"]["init_args"]["save_dir"] == "elsewhere"
+    assert cfg["trainer"]["val_check_interval"] == 4                      # float | int: stays an int
+    assert isinstance(cfg["trainer"]["val_check_interval"], int)
+    assert isinstance(cfg["trainer"]["gradient_clip_val"], float)         # float | None: 1 -> 1.0
 
 
 def test_several_configs_merge_and_later_wins(tmp_path, cli):
@@ -91,6 +95,16 @@ def test_several_configs_merge_and_later_wins(tmp_path, cli):
     assert cfg["model"]["init_args"] == {"hidden": 5, "lr": 0.01, "in_features": 4}
     assert cfg["trainer"]["max_epochs"] == 2
     assert cfg["trainer"]["callbacks"] == [{"class_path": "ember.callbacks.base.Callback", "init_args": {}}]
+
+
+def test_overrides_reach_into_lists_of_objects(cli):
+    ckpt = CONFIG.parent / "checkpointing.yaml"
+    cfg = print_config(cli, "-c", ckpt, "--trainer.callbacks.0.init_args.monitor", "train/loss",
+                       "--trainer.callbacks.0.mode", "max")
+    (callback,) = cfg["trainer"]["callbacks"]
+    assert callback["class_path"].endswith(".ModelCheckpoint")     # short name resolved
+    assert callback["init_args"]["monitor"] == "train/loss" and callback["init_args"]["mode"] == "max"
+    assert callback["init_args"]["save_last"] is True
 
 
 def test_model_class_given_on_the_command_line(cli):

@@ -139,6 +139,17 @@ def test_config_file_values_are_defaults_and_flags_override(tmp_path, worker):
     assert out["env"]["EMBER_DEEPSPEED_ZERO_STAGE"] is None
 
 
+def test_config_file_with_unquoted_no(tmp_path, worker):
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text("strategy: no\nmixed_precision: no\n")      # unquoted: YAML 1.1 reads false
+    r = ember("launch", "--config_file", cfg, worker, env=_env(tmp_path, EMBER_STRATEGY="ddp"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world"] == 1 and out["sum"] == 1.0
+    assert out["env"]["EMBER_PRECISION"] == "32-true"
+    assert out["env"]["EMBER_STRATEGY"] is None     # "no" given: the inherited value is removed
+
+
 def test_default_config_file_is_used(tmp_path, worker):
     env = _env(tmp_path)
     r = ember("config", "--default", env=env)
