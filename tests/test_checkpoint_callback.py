@@ -187,6 +187,15 @@ def test_filename_templates(tmp_path):
         cb.format_checkpoint_name({}, 0, 1)
 
 
+def test_name_collisions_get_a_version_suffix(tmp_path):
+    cb = ModelCheckpoint(filename="{epoch}", every_n_train_steps=1, save_top_k=-1)
+    fit(tmp_path, [cb], max_epochs=1)
+    assert names(tmp_path / "checkpoints") == ["epoch=0", "epoch=0-v1", "epoch=0-v2", "epoch=0-v3"]
+    steps = [json.loads((tmp_path / "checkpoints" / n / "meta.json").read_text())["global_step"]
+             for n in names(tmp_path / "checkpoints")]
+    assert steps == [1, 2, 3, 4]
+
+
 def test_save_weights_only_writes_safetensors(tmp_path):
     cb = ModelCheckpoint(save_weights_only=True, save_last=True, monitor="val/score", save_top_k=1)
     module, _ = fit(tmp_path, [cb], max_epochs=2)

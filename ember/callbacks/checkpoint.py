@@ -4,6 +4,7 @@ rank zero links ``last`` and deletes files. Its bookkeeping is part of the
 checkpoint, so top-k stays consistent across resumes."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -15,7 +16,7 @@ import warnings
 import torch
 
 from ember.callbacks.base import Callback
-from ember.errors import MisconfigurationError, invalid_choice
+from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 
@@ -194,7 +195,9 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
         ext = ".safetensors" if self.save_weights_only else ""
         name = self.format_checkpoint_name(trainer.callback_metrics, trainer.current_epoch, step)
-        path = os.path.join(self.dirpath, name + ext)
+        path = self._free_path(os.path.join(self.dirpath, name + ext), step, ext)
+        if trainer.world_size > 1:
+            path = trainer.strategy.broadcast(path)   # rank zero's view of the directory decides
         others = {p: s for p, s in self.best_k_models.items() if p != path}
         if self.save_top_k == 0:
             keep = False
@@ -230,6 +233,18 @@ class ModelCheckpoint(Callback):
             aliases = ["latest"] + (["best"] if path == self.best_model_path else [])
             for lg in trainer.loggers:
                 lg.after_save_checkpoint(path, aliases=aliases, score=score)
+
+    def _free_path(self, path: str, step: int, ext: str) -> str:
+        """``path``, or ``path-v1``, ``-v2``... when a checkpoint of another step has that name
+        (a template without ``{step}``). The same step is overwritten: that is a re-save after
+        a resume, of the same state."""
+        base = path[: -len(ext)] if ext else path
+        candidate, version = path, 0
+        while os.path.lexists(candidate) and os.path.basename(candidate) != self.CHECKPOINT_NAME_LAST + ext \
+                and _saved_step(candidate) != step:
+            version += 1
+            candidate = f"{base}-v{version}{ext}"
+        return candidate
 
     def _remove_stale(self, trainer) -> None:
         stale, self._stale = self._stale, []
@@ -363,3 +378,15 @@ class ModelCheckpoint(Callback):
             self.best_model_path = state.get("best_model_path", "")
             s = state.get("best_model_score")
             self.best_model_score = None if s is None else torch.tensor(s)
+
+
+def _saved_step(path: str) -> int | None:
+    """The global step a checkpoint (directory or weights file) was saved at, if readable."""
+    from ember import checkpoint_io as cio
+    try:
+        if os.path.isdir(path):
+            with open(os.path.join(path, cio.META_NAME)) as f:
+                return int(json.load(f)["global_step"])
+        return int(cio.read_safetensors_metadata(path)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        return None
