@@ -14,12 +14,14 @@ variables ``torchrun`` would set, then returns so rank 0 joins the job.
   that notices the parent changing).
 
 :func:`install_exit_handlers` (every rank, every launch method) makes the end
-of a distributed run deterministic: on a normal exit all ranks meet at a
-barrier, destroy the process group and leave with ``os._exit`` (skipping the
-interpreter finalisation in which torch's gloo threads can abort the process),
-with the exit code the interpreter would have used. A communication error that
-only reports that *another* rank went away is condensed to one line, so that
-the failing rank's traceback is the one shown.
+of a distributed run deterministic. On a normal exit (atexit) all ranks meet at
+a barrier and destroy the process group while the interpreter is fully alive:
+left to interpreter finalisation, torch's gloo backend aborts a few percent of
+processes (``terminate called without an active exception``). After an
+unhandled exception the rank runs the atexit handlers itself and leaves with
+``os._exit``, so that a broken process group cannot abort or hang the exit. A
+communication error that only reports that *another* rank went away is
+condensed to one line, so that the failing rank's traceback is the one shown.
 """
 from __future__ import annotations
 
