@@ -23,8 +23,7 @@ _END = object()
 
 
 class DistributedOperationError(EmberError, RuntimeError):
-    """Debug mode: the processes called different collectives, or the same one with
-    tensors whose dtype or shape cannot be combined (it would hang or fail)."""
+    """Debug mode: the processes called different collectives, or one with tensors that do not fit."""
 
 
 # -- optimizer / scheduler ------------------------------------------------------------------
@@ -36,9 +35,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     in the wrapped :attr:`optimizer`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, accelerator):  # no Optimizer.__init__: state is inner
-        self.optimizer = optimizer
-        self._acc = accelerator
-        self._strategy = accelerator.strategy
+        self.optimizer, self._acc, self._strategy = optimizer, accelerator, accelerator.strategy
         self._scale_before: torch.Tensor | None = None
         self._skipped: bool | None = None
 
@@ -114,8 +111,7 @@ class AcceleratedScheduler:
     batches of one process keeps its length. ``ReduceLROnPlateau`` steps once."""
 
     def __init__(self, scheduler, accelerator):
-        self.scheduler = scheduler
-        self._acc = accelerator
+        self.scheduler, self._acc = scheduler, accelerator
         self._opts: list | None = None
         self._once = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
@@ -166,13 +162,9 @@ class DataLoaderShard:
     and reshuffles); :attr:`batches_done` counts the batches of the current pass."""
 
     def __init__(self, loader, accelerator):
-        self.base = loader
-        self._acc = accelerator
-        self._strategy = accelerator.strategy
+        self.base, self._acc, self._strategy = loader, accelerator, accelerator.strategy
         self.end_of_dataloader = False
-        self._skip = 0
-        self.batches_done = 0
-        self.epoch = 0
+        self._skip = self.batches_done = self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.base)
@@ -190,8 +182,7 @@ class DataLoaderShard:
         self._skip = int(num_batches)
 
     def __iter__(self):
-        acc = self._acc
-        base = self.base
+        acc, base = self._acc, self.base
         skip, self._skip = self._skip, 0
         edata.set_epoch(base, self.epoch)
         drop = skip if skip and not edata.skip_batches(base, skip) else 0  # iterable: read and drop
@@ -296,9 +287,9 @@ def split_inputs(inputs, num_processes: int, rank: int, apply_padding: bool):
             raise MisconfigurationError(f"split_between_processes: every value of the dict must have the "
                                         f"same length; got {lengths}")
         return type(inputs)((k, split_inputs(v, num_processes, rank, apply_padding)) for k, v in inputs.items())
-    if not hasattr(inputs, "__len__") or not hasattr(inputs, "__getitem__"):
-        raise MisconfigurationError(f"split_between_processes: inputs must be a list, tuple, tensor or dict of "
-                                    f"them; got {type(inputs).__name__}")
+    if not (hasattr(inputs, "__len__") and hasattr(inputs, "__getitem__")):
+        raise MisconfigurationError(f"split_between_processes: inputs must be a list, tuple, tensor or dict "
+                                    f"of them; got {type(inputs).__name__}")
     if num_processes == 1:
         return inputs
     per, extra = divmod(len(inputs), num_processes)
@@ -404,10 +395,6 @@ def save_model(acc, model, save_directory, max_shard_size, safe_serialization: b
     return files
 
 
-def _sharded(strategy) -> bool:
-    return bool(strategy.is_sharded or strategy.owns_optimizer_step)
-
-
 def save_state(acc, output_dir) -> str:
     strategy = acc.strategy
     if output_dir is None:
@@ -426,7 +413,7 @@ def save_state(acc, output_dir) -> str:
     }
     meta = {"kind": "accelerator", "strategy": strategy.name, "world_size": strategy.world_size,
             "precision": strategy.precision.name, "num_models": len(models)}
-    if _sharded(strategy):
+    if strategy.is_sharded or strategy.owns_optimizer_step:   # FSDP, DeepSpeed: the strategy writes
         if len(models) != 1:
             raise MisconfigurationError(f"save_state() under the {strategy.name} strategy needs exactly one "
                                         f"prepared model; {len(models)} are prepared")
@@ -475,7 +462,7 @@ def load_state(acc, input_dir, strict: bool = True) -> dict:
     path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
-    if _sharded(strategy):
+    if strategy.is_sharded or strategy.owns_optimizer_step:   # FSDP, DeepSpeed: the strategy writes
         if len(models) != 1:
             raise MisconfigurationError(f"load_state() under the {strategy.name} strategy needs exactly one "
                                         f"prepared model; {len(models)} are prepared")

@@ -187,3 +187,15 @@ def test_gan_example_runs(tmp_path):
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step")]
     assert [ln.split()[1] for ln in lines] == ["10", "20"]
     assert all(float(ln.split()[3]) > 0 and float(ln.split()[5]) > 0 for ln in lines)
+
+
+def test_docs_examples_run(tmp_path, monkeypatch, capsys):
+    """The complete scripts in docs/accelerator.md (blocks that start with an import) run as written."""
+    import re
+    text = (ROOT / "docs" / "accelerator.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("import")]
+    assert len(blocks) >= 3
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        exec(compile(block, "docs/accelerator.md", "exec"), {"__name__": "__docs__"})
+    assert "accuracy" in capsys.readouterr().out
