@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import lzma
-import math
 import os
 import warnings
 from typing import Any
@@ -687,6 +686,3 @@ class CausalLMData(_HFTextData):
             return PadCollator(self.tokenizer.pad_token_id, "left", self.pad_to_multiple_of)
         return super()._collator(split)
 
-
-def num_batches(n: int, batch_size: int) -> int:
-    return math.ceil(n / batch_size)

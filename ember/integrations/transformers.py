@@ -15,8 +15,9 @@ import math
 import os
 from typing import Any
 
+import functools
+
 import torch
-import torchmetrics
 from torch import nn
 from torch.nn import functional as F
 
@@ -261,6 +262,7 @@ class TransformersModule(TrainModule):
         self._build_metrics()
 
     def _build_metrics(self) -> None:
+        import torchmetrics
         from torchmetrics import classification as C
         stages = {}
         for stage in ("val", "test"):
@@ -277,7 +279,7 @@ class TransformersModule(TrainModule):
                 if self.task == "token-classification":
                     m["acc"] = C.MulticlassAccuracy(num_classes=self.num_labels, average="micro", ignore_index=-100)
                 else:
-                    m["ppl"] = _Perplexity()
+                    m["ppl"] = _perplexity_class()()
             stages[stage] = nn.ModuleDict(m)
         self.metrics = nn.ModuleDict(stages)
 
@@ -497,11 +499,16 @@ class TransformersModule(TrainModule):
         return save_directory
 
 
-class _Perplexity(torchmetrics.MeanMetric):
-    """exp(token-weighted mean loss)."""
+@functools.lru_cache(maxsize=None)
+def _perplexity_class():
+    import torchmetrics   # imported when a model is built: it takes seconds
 
-    def compute(self):
-        return torch.exp(super().compute())
+    class Perplexity(torchmetrics.MeanMetric):
+        """exp(token-weighted mean loss)."""
+
+        def compute(self):
+            return torch.exp(super().compute())
+    return Perplexity
 
 
 class ExportBestPretrained(Callback):
