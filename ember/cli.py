@@ -297,10 +297,16 @@ def resolve_class(where: str, value: Any, base=None, fixed=None) -> dict:
 def check_kwargs(where: str, target, kwargs: dict, fill_defaults: bool = True) -> dict:
     """Check ``kwargs`` against the signature and type hints of ``target``."""
     sig = inspect.signature(target)
+    fn = target.__init__ if inspect.isclass(target) else target
     try:
-        hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
-    except Exception:      # unresolvable forward references: check what we can
-        hints = {}
+        hints = typing.get_type_hints(fn)
+    except Exception:      # some forward reference does not resolve: check the others
+        hints, scope = {}, getattr(fn, "__globals__", {})
+        for name, ann in getattr(fn, "__annotations__", {}).items():
+            try:
+                hints[name] = eval(ann, scope) if isinstance(ann, str) else ann  # noqa: S307
+            except Exception:
+                pass
     P = inspect.Parameter
     params = [p for p in sig.parameters.values()
               if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.name != "self"]
@@ -491,15 +497,14 @@ class _CLI:
         if seed is not False and seed is not None:
             resolved["seed_everything"] = seed
             seed_everything(seed)
-        section = "trainer"
+        built = {}
         try:     # a value the classes themselves reject is a config error too
-            trainer = Trainer(**instantiate(self.trainer_given))
-            section = "model"
-            model = instantiate(resolved["model"])
-            section = "data"
-            data = instantiate(resolved["data"]) if resolved["data"] is not None else None
+            built["trainer"] = Trainer(**instantiate(self.trainer_given))
+            built["model"] = instantiate(resolved["model"])
+            built["data"] = instantiate(resolved["data"])
         except MisconfigurationError as err:
-            raise UsageError(f"{section}: {err}")
+            raise UsageError(f"{('trainer', 'model', 'data')[len(built)]}: {err}")
+        trainer, model, data = built["trainer"], built["model"], built["data"]
         trainer.callbacks.append(SaveConfigCallback(to_yaml_safe(resolved)))
         out = getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
         if command in ("validate", "test") and trainer.is_global_zero:
@@ -574,8 +579,7 @@ def main(argv: Sequence[str] | None = None, *, model_class=None, datamodule_clas
             rest, overrides = split_overrides(argv[1:])
             argv = [argv[0], *rest]
         parser = build_parser()
-        commands = (*RUN_COMMANDS, "launch", "config", "env")
-        parser.hint = f"ember {argv[0]}" if argv and argv[0] in commands else ""
+        parser.hint = f"ember {argv[0]}" if argv and argv[0] in (*RUN_COMMANDS, "launch", "config", "env") else ""
         args = parser.parse_args(argv)
         if args.command in RUN_COMMANDS:
             return run_command(args, overrides, _CLI(model_class, datamodule_class))
@@ -589,3 +593,6 @@ def main(argv: Sequence[str] | None = None, *, model_class=None, datamodule_clas
         msg = " ".join(str(err).split("\n"))
         print(f"ember: error: {msg}", file=sys.stderr)
         return 2
+    except BrokenPipeError:     # `ember env | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
