@@ -24,7 +24,8 @@ from torch.nn import functional as F
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.integrations.hf_data import (CausalLMData, LengthGroupedSampler, PadCollator, TextClassificationData,
-                                        TokenizedDataset, _offline, load_tokenizer, not_found_error)
+                                        TokenizedDataset)
+from ember.integrations.hf_io import _offline, load_tokenizer, not_found_error
 from ember.module import TrainModule
 
 __all__ = ["TransformersModule", "TextClassificationData", "CausalLMData", "ExportBestPretrained",
@@ -295,7 +296,8 @@ class TransformersModule(TrainModule):
             if data_labels:
                 self.num_labels, self.id2label = len(data_labels), dict(data_labels)
                 self.label2id = {v: k for k, v in data_labels.items()}
-            self._set_model(self._load(self.hparams["model"]))
+            with torch.device("cpu"):   # real weights even inside a meta-device init context (FSDP)
+                self._set_model(self._load(self.hparams["model"]))
             if self.num_labels is not None:
                 self.hparams.update(num_labels=self.num_labels, id2label=dict(self.id2label),
                                     label2id=dict(self.label2id))
