@@ -105,6 +105,14 @@ class TestZeRO:
         assert r["bf16"] and r["finite"]
         assert r["last"] < 0.8 * r["first"]
 
+    def test_cpu_offload(self, results):
+        if results.stage == 1:
+            pytest.skip("offload needs ZeRO stage 2 or 3")
+        r = results("offload")
+        assert r["max_diff"] < 1e-5
+        assert r["offload_optimizer"] == "cpu"
+        assert r["offload_param"] == ("cpu" if results.stage == 3 else None)
+
     def test_accelerator_prepare_custom_loop(self, results):
         r = results("accelerator")
         assert r["stage"] == results.stage

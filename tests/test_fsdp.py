@@ -52,6 +52,7 @@ def test_training_matches_single_process_reference(results):
     assert r0["param_types"] == ["DTensor"]
     assert r0["local_numel"] + r1["local_numel"] == r0["full_numel"]     # each parameter split over ranks
     assert r0["max_diff"] < 1e-5
+    assert r0["val_loss"] == pytest.approx(r0["val_expected"], rel=1e-5)     # validation loop under FSDP
 
 
 def test_activation_checkpointing_and_cpu_offload(results):
@@ -117,6 +118,7 @@ def test_accelerator_prepare_remaps_optimizer_and_async_save(results):
     assert r["opt_param_types"] == ["DTensor"]          # optimizer built before sharding now holds the shards
     assert r["max_diff"] < 1e-5
     assert r["async_was_pending"] and r["async_matches_save_time"]
+    assert r["load_state_restores"]
 
 
 def test_configure_model_on_meta_device(results):

@@ -129,3 +129,15 @@ for xb, yb in dl:
 sc.write_result(OUT, "accelerator", {
     "max_diff": sc.max_diff(acc.strategy.module_state_dict(model), ref), "stage": acc.strategy.stage,
     "model": type(model).__name__, "unwrapped": type(acc.unwrap_model(model)).__name__}, rank)
+
+# 8. CPU offload of optimizer states (and of parameters under ZeRO-3) with the torch optimizer
+if STAGE >= 2:
+    net = sc.make_net()
+    ref = sc.reference(net, 4, window=4 * 2 * ACC, clip=CLIP)
+    t = trainer(ds(offload_optimizer=True, offload_parameters=STAGE == 3), max_steps=4,
+                accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
+    t.fit(net, sc.loader())
+    zero = t.strategy.config["zero_optimization"]
+    sc.write_result(OUT, "offload", {"max_diff": sc.max_diff(t.strategy.module_state_dict(t.model), ref),
+                                     "offload_optimizer": zero.get("offload_optimizer", {}).get("device"),
+                                     "offload_param": zero.get("offload_param", {}).get("device")}, rank)

@@ -87,9 +87,13 @@ elif MODE == "w2":
     net = sc.make_net()
     ref = sc.reference(net, STEPS, window=4 * 2 * ACC, clip=CLIP)
     t = trainer(fsdp(), max_steps=STEPS, accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
-    t.fit(net, sc.loader())
+    t.fit(net, sc.loader(), val_dataloaders=sc.loader(n=32))   # validation at the end of the one epoch
     full = t.strategy.module_state_dict(t.model)
+    plain = sc.Net()
+    plain.load_state_dict(ref)
+    x, y = sc.data(32).tensors
     sc.write_result(OUT, "reference", {
+        "val_loss": float(t.callback_metrics["val/loss"]), "val_expected": F.cross_entropy(plain(x), y).item(),
         "max_diff": sc.max_diff(full, ref) if rank == 0 else None, "world": t.world_size,
         "param_types": sorted({type(p).__name__ for p in net.parameters()}),
         "local_numel": sum(p.to_local().numel() for p in net.parameters()),
@@ -213,10 +217,14 @@ elif MODE == "w2":
     acc.strategy.wait_for_checkpoint()
     res = {"type": type(acc.strategy).__name__, "opt_param_types": sorted(
         {type(p).__name__ for g in opt.param_groups for p in g["params"]})}
+    acc.strategy.async_save = False
+    acc.load_state(os.path.join(OUT, "acc_async"))          # back to the weights of the save
+    loaded = acc.strategy.module_state_dict(model)
     if rank == 0:
         res["max_diff"] = sc.max_diff(full, ref)
         res["async_matches_save_time"] = sc.equal(load_full_weights(os.path.join(OUT, "acc_async")), full)
         res["async_was_pending"] = pending
+        res["load_state_restores"] = sc.equal(loaded, full)
     sc.write_result(OUT, "accelerator", res, rank)
 
     # 10. configure_model on the meta device: shards materialised and initialised
