@@ -148,7 +148,7 @@ class RichProgressBar(ProgressBar):
         if t is None:
             return
         total = t.num_training_batches
-        done = t._batches_done if not final else (total if total != float("inf") else t._batches_done)
+        done = t._batches_done   # at epoch end too: an epoch stopped early (max_steps, should_stop) shows where
         el = time.monotonic() - self._t0
         rate = (done - self._start_batch) / max(el, 1e-9)
         eta = (total - done) / rate if rate > 0 and total != float("inf") else float("nan")
