@@ -197,6 +197,13 @@ def test_progress_bar_prints_plain_lines_without_a_terminal(make_trainer, data, 
     assert bar._thread is None                      # the timer thread ended with the fit
 
 
+def test_progress_bar_epoch_line_counts_the_batches_run(make_trainer, data, capsys):
+    trainer = make_trainer(max_steps=3, enable_progress_bar=True, callbacks=[RichProgressBar(plain_interval=60)])
+    trainer.fit(LinearModule(), data(n=64, batch_size=8))        # stops after 3 of 8 batches
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("Epoch ")]
+    assert lines and lines[-1].startswith("Epoch 0: 3/8 batches, step 3,")
+
+
 def test_progress_bar_disabled(make_trainer):
     trainer = make_trainer(enable_progress_bar=False)
     assert not any(isinstance(c, RichProgressBar) for c in trainer.callbacks)
