@@ -225,7 +225,8 @@ class FitLoop:
                     if t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"):
                         t._before_optimizer_step(opt)
                     if clip is not None and not owns_step:
-                        strategy.clip_gradients(model, opt, clip, t.gradient_clip_algorithm)
+                        for o in (t.optimizers if multi_opt else (opt,)):
+                            strategy.clip_gradients(model, o, clip, t.gradient_clip_algorithm)
                     if multi_opt:
                         for o in t.optimizers:
                             opt_step(o, model)
