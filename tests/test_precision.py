@@ -196,3 +196,33 @@ def test_no_clipping_by_default(make_trainer, data):
     make_trainer(max_steps=2, callbacks=[probe]).fit(BigGrad(), data(n=32, batch_size=8))
     for raw, update in zip(probe.raw, probe.updates):
         torch.testing.assert_close(update, raw, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_clipping_covers_every_optimizer(make_trainer, data):
+    class TwoOpts(BigGrad):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+            self.head = torch.nn.Linear(1, 1)
+
+        def forward(self, x):
+            return self.head(self.net(x))
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net.parameters(), lr=1.0), torch.optim.SGD(self.head.parameters(), lr=1.0)]
+
+    updates = []
+
+    class PerOptimizer(Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self._before = [flat(module.net), flat(module.head)]
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            updates.append([(b - flat(m)).norm().item() for b, m in zip(self._before, (module.net, module.head))])
+
+    trainer = make_trainer(max_steps=2, gradient_clip_val=0.5, callbacks=[PerOptimizer()])
+    trainer.fit(TwoOpts(), data(n=32, batch_size=8))
+    assert len(trainer.optimizers) == 2 and len(updates) == 2
+    for net_update, head_update in updates:          # each optimizer's gradients clipped to norm 0.5
+        assert net_update == pytest.approx(0.5, rel=1e-4)
+        assert head_update == pytest.approx(0.5, rel=1e-4)
