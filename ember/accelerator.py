@@ -327,6 +327,8 @@ class Accelerator:
         Accelerate), ``"mean"``, ``"max"``, ``"min"`` or ``"none"``; then multiply by ``scale``."""
         if reduction not in _REDUCTIONS:
             raise invalid_choice("reduction", reduction, _REDUCTIONS)
+        if isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
+            tensor = torch.tensor(tensor, device=self.device)
         if self.debug:
             self._check(f"reduce:{reduction}", tensor)
         out = tensor if reduction == "none" else _dist.reduce(tensor, reduction, strategy=self.strategy)

@@ -240,6 +240,7 @@ def test_single_process_collectives_and_helpers(capsys):
     t = torch.tensor([1.0, 2.0])
     assert torch.equal(acc.gather(t), t) and acc.gather(torch.tensor(3.0)).tolist() == [3.0]
     assert torch.equal(acc.reduce(t), t) and torch.equal(acc.reduce(t, "mean", scale=2.0), 2 * t)
+    assert acc.reduce(2.5).item() == 2.5
     assert torch.equal(acc.pad_across_processes(t), t) and acc.broadcast({"a": 1}) == {"a": 1}
     assert acc.gather_object(["x"]) == ["x"]
     with pytest.raises(MisconfigurationError, match="reduction"):
