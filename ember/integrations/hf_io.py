@@ -28,9 +28,12 @@ def not_found_error(what: str, name: str, err: BaseException | None, local_files
     if os.path.isdir(name):
         return MisconfigurationError(f"{what}={name!r}: the folder exists but could not be loaded "
                                      f"({type(err).__name__}: {err})")
-    how = ("pass local_files_only=False to download it from the Hugging Face Hub"
-           if local_files_only and not _offline() else "connect to the network (HF_HUB_OFFLINE is set)"
-           if _offline() else "check the name and your network connection")
+    if _offline():
+        how = "unset HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE and pass local_files_only=False to download it"
+    elif local_files_only:
+        how = "pass local_files_only=False to download it from the Hugging Face Hub"
+    else:
+        how = "check the name and your network connection"
     return MisconfigurationError(
         f"{what}={name!r} is not available locally: it is not a folder and not in the Hugging Face "
         f"cache. Pass the path of a local folder holding config.json and the weights (e.g. one written "

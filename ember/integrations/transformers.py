@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import warnings
 from typing import Any
 
 import functools
@@ -192,7 +193,7 @@ class TransformersModule(TrainModule):
             self._set_model(model)
         elif isinstance(model, (str, os.PathLike)):
             self.hparams["model"] = os.fspath(model)
-            if self.task != "sequence-classification" or num_labels is not None:
+            if self.task not in ("sequence-classification", "token-classification") or num_labels is not None:
                 self._set_model(self._load(os.fspath(model)))
         else:
             self._set_model(self._from_config(model_config))
@@ -530,10 +531,17 @@ class ExportBestPretrained(Callback):
         from ember import checkpoint_io as cio
         ckpt = trainer.checkpoint_callback
         path = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
+        strategy = trainer.strategy
         weights = None
+        if trainer.is_global_zero and path and os.path.exists(path):
+            weights, _, _ = cio.read_checkpoint(path, load_state=False)   # None for a sharded (DCP) checkpoint
+        if getattr(strategy, "is_sharded", False) and strategy.broadcast(weights is None):
+            # no full weights in the checkpoint: gather the current ones (a collective)
+            if trainer.is_global_zero and path:
+                warnings.warn(f"ExportBestPretrained: {path} holds sharded weights; exporting the current weights "
+                              "instead", UserWarning, stacklevel=2)
+            weights, path = strategy.module_state_dict(trainer.model), ""
         if trainer.is_global_zero:
-            if path and os.path.exists(path):
-                weights, _, _ = cio.read_checkpoint(path, load_state=False)
-            self.exported_from = path if weights is not None else "current weights"
+            self.exported_from = path if path and weights is not None else "current weights"
             module.save_pretrained(self.dirpath, tokenizer=self.tokenizer, state_dict=weights)
-        trainer.strategy.barrier("export_pretrained")
+        strategy.barrier("export_pretrained")
