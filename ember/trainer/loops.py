@@ -227,7 +227,16 @@ class FitLoop:
                     if clip is not None and not owns_step:
                         for o in (t.optimizers if multi_opt else (opt,)):
                             strategy.clip_gradients(model, o, clip, t.gradient_clip_algorithm)
-                    if multi_opt:
+                    if multi_opt and precision.scaler is not None and not owns_step:
+                        # one loss, one scale: unscale every optimizer, step each, update the scale
+                        # once (a per-optimizer update would unscale the later ones again)
+                        for o in t.optimizers:
+                            precision.unscale_gradients(o)
+                        for o in t.optimizers:
+                            precision.scaler.step(o)
+                            o.zero_grad(set_to_none=True)
+                        precision.scaler.update()
+                    elif multi_opt:
                         for o in t.optimizers:
                             opt_step(o, model)
                             o.zero_grad(set_to_none=True)
