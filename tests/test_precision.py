@@ -198,7 +198,8 @@ def test_no_clipping_by_default(make_trainer, data):
         torch.testing.assert_close(update, raw, rtol=1e-6, atol=1e-7)
 
 
-def test_gradient_clipping_covers_every_optimizer(make_trainer, data):
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_gradient_clipping_covers_every_optimizer(make_trainer, data, precision):
     class TwoOpts(BigGrad):
         def __init__(self):
             super().__init__()
@@ -220,9 +221,33 @@ def test_gradient_clipping_covers_every_optimizer(make_trainer, data):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             updates.append([(b - flat(m)).norm().item() for b, m in zip(self._before, (module.net, module.head))])
 
-    trainer = make_trainer(max_steps=2, gradient_clip_val=0.5, callbacks=[PerOptimizer()])
+    trainer = make_trainer(max_steps=2, gradient_clip_val=0.5, callbacks=[PerOptimizer()],
+                           precision=mixed16(4.0) if precision == "16-mixed" else precision)
     trainer.fit(TwoOpts(), data(n=32, batch_size=8))
     assert len(trainer.optimizers) == 2 and len(updates) == 2
     for net_update, head_update in updates:          # each optimizer's gradients clipped to norm 0.5
         assert net_update == pytest.approx(0.5, rel=1e-4)
         assert head_update == pytest.approx(0.5, rel=1e-4)
+
+
+def test_16_mixed_with_several_optimizers_unscales_each_once(make_trainer, data):
+    """One loss, two optimizers: both unscaled with the same scale, one scaler update per step."""
+    class TwoOpts(LinearModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(1, 1)
+
+        def forward(self, x):
+            return self.head(self.net(x))
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+
+    torch.manual_seed(0)
+    mixed, full = TwoOpts(), None
+    full = copy.deepcopy(mixed)
+    make_trainer(max_steps=3, precision=mixed16(64.0)).fit(mixed, data(n=32, batch_size=8))
+    make_trainer(max_steps=3).fit(full, data(n=32, batch_size=8))
+    # fp16 autocast changes the numbers a little, a wrong unscale by a factor of 64 a lot
+    assert (flat(mixed.head) - flat(full.head)).norm() < 0.02 * flat(full.head).norm()
+    assert (flat(mixed.net) - flat(full.net)).norm() < 0.02 * flat(full.net).norm()
