@@ -449,6 +449,9 @@ class Trainer:
         if not vals:
             return {}
         host = to_host(vals, self.strategy)
+        for e, _ in vals.values():
+            if e.metric is not None:
+                e.metric.reset()   # computed: start clean (the sanity check or another stage may reuse it)
         if log:
             self._publish(host, {n: vals[n][0] for n in vals})
         return host
