@@ -345,3 +345,29 @@ def test_metrics_logged_in_on_train_epoch_end(make_trainer, data):
     assert [s for s, _ in epoch_calls] == [4, 8]
     assert trainer.callback_metrics["train/mean_of_epoch"].item() == pytest.approx(epoch_calls[-1][1])
     assert "train/mean_of_epoch_step" not in trainer.logged_metrics
+
+
+def test_torchmetrics_state_does_not_leak_from_the_sanity_check_or_other_stages(make_trainer):
+    x, y = classification_data(100, seed=3)
+    val_x, val_y = classification_data(60, seed=4)
+
+    class Shared(Classifier):
+        def test_step(self, batch, batch_idx):
+            xb, yb = batch
+            self.val_acc(self(xb), yb)             # the same Metric object as validation
+            self.log("test/acc", self.val_acc)
+
+    module = Shared()
+    trainer = make_trainer(max_epochs=1, num_sanity_val_steps=1, log_every_n_steps=1)
+    val_loader = DataLoader(TensorDataset(val_x, val_y), batch_size=16)
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=32), val_loader)
+
+    def whole(inputs, targets):
+        with torch.no_grad():
+            return torchmetrics.functional.classification.multiclass_accuracy(
+                module(inputs), targets, num_classes=3, average="macro").item()
+
+    # the sanity check updated val_acc with one batch; the epoch value must not include it
+    assert trainer.callback_metrics["val/acc"].item() == pytest.approx(whole(val_x, val_y), rel=1e-6)
+    out = trainer.test(module, DataLoader(TensorDataset(x, y), batch_size=32))
+    assert out[0]["test/acc"] == pytest.approx(whole(x, y), rel=1e-6)
