@@ -492,9 +492,17 @@ class Accelerator:
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
         """Log scalar ``values`` (numbers or 0-d tensors, fetched in one transfer) to every
         tracker at ``step`` (default: the number of earlier ``log`` calls). Main process only."""
-        if self.trackers:
-            from ember.accelerator_state import log_values
-            log_values(self, values, step)
+        if not self.trackers:
+            return
+        if step is None:
+            step = self._log_step
+        self._log_step = step + 1
+        metrics = dict(values)
+        keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+        if keys:  # one device-to-host transfer for all tensors
+            metrics.update(zip(keys, torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()))
+        for tracker in self.trackers:
+            tracker.log_metrics(metrics, step=step)
 
     def get_tracker(self, name: str, unwrap: bool = False):
         """The tracker named ``"tensorboard"``, ``"csv"``, ``"wandb"`` (or a custom

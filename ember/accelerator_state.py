@@ -541,19 +541,6 @@ def check_log_with(log_with) -> list:
     return out
 
 
-def log_values(acc, values: dict, step: int | None) -> None:
-    if step is None:
-        step = acc._log_step
-    acc._log_step = step + 1
-    metrics = dict(values)
-    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
-    if keys:  # one device-to-host transfer for all tensors
-        vals = torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()
-        metrics.update(zip(keys, vals))
-    for tracker in acc.trackers:
-        tracker.log_metrics(metrics, step=step)
-
-
 def init_trackers(acc, project_name: str, config, init_kwargs) -> None:
     from ember.loggers import build_logger
     from ember.loggers.base import next_version
@@ -570,7 +557,11 @@ def init_trackers(acc, project_name: str, config, init_kwargs) -> None:
             if version is None:
                 version = kw.get("version", next_version(os.path.join(acc.project_dir, project_name)))
             kw.setdefault("version", version)
-        tracker = build_logger(spec, save_dir=acc.project_dir, name=project_name, **kw)
+        if key == "wandb" and isinstance(spec, str):   # kw may hold the run's own ``name``
+            from ember.loggers import WandbLogger
+            tracker = WandbLogger(project=kw.pop("project", project_name), save_dir=acc.project_dir, **kw)
+        else:
+            tracker = build_logger(spec, save_dir=acc.project_dir, name=project_name, **kw)
         if config is not None:
             tracker.log_hyperparams(config)
         acc.trackers.append(tracker)

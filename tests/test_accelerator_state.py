@@ -199,3 +199,27 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     for block in blocks:
         exec(compile(block, "docs/accelerator.md", "exec"), {"__name__": "__docs__"})
     assert "accuracy" in capsys.readouterr().out
+
+
+def test_wandb_tracker_offline(tmp_path, monkeypatch):
+    from test_loggers import _config, _history, wandb_records
+    for var, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_DATA_DIR", "data"),
+                     ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    acc = Accelerator(log_with="wandb", project_dir=tmp_path / "proj")
+    acc.init_trackers("acc-project", config={"lr": 0.1}, init_kwargs={"wandb": {"offline": True, "name": "r1"}})
+    acc.log({"loss": torch.tensor(0.5)}, step=1)
+    acc.log({"loss": 0.25})
+    assert acc.get_tracker("wandb", unwrap=True).project == "acc-project"
+    run_dir = acc.get_tracker("wandb").log_dir
+    acc.end_training()
+    import wandb
+    wandb.teardown()   # flush the offline transaction log
+    records = wandb_records(run_dir)
+    assert [{k: v for k, v in row.items() if k == "loss"} for row in _history(records)] == [
+        {"loss": 0.5}, {"loss": 0.25}]
+    assert _config(records) == {"lr": 0.1}
