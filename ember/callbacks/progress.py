@@ -155,4 +155,6 @@ class RichProgressBar(ProgressBar):
         tot = "?" if total == float("inf") else total
         line = (f"Epoch {t.current_epoch}: {done}/{tot} batches, step {t.global_step}, {rate:.1f} it/s, "
                 f"elapsed {el:.0f}s, eta {eta:.0f}s {self._metrics_text(t)}")
-        print(line.rstrip(), file=sys.stderr, flush=True)
+        err = sys.stderr
+        err.write(line.rstrip() + "\n")   # one write: the timer thread and the epoch end may print at once
+        err.flush()
