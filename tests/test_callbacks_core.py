@@ -193,7 +193,7 @@ def test_progress_bar_prints_plain_lines_without_a_terminal(make_trainer, data, 
     assert any(ln.startswith("Epoch 0: 5/5 batches, step 5,") for ln in lines)
     assert any(ln.startswith("Epoch 1: 5/5 batches, step 10,") for ln in lines)
     final = [ln for ln in lines if ln.startswith("Epoch 1: 5/5")][-1]
-    assert re.search(r"train/loss=[0-9.e+-]+$", final)
+    assert re.search(r" train/loss=[0-9]", final)
     assert bar._thread is None                      # the timer thread ended with the fit
 
 
