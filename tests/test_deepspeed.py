@@ -193,6 +193,18 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         s.resolve_config()
 
 
+@pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed")
+def test_fp16_on_cpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this CPU supports fp16 in DeepSpeed")
+    s = _strategy(accelerator="cpu")
+    s.precision = Precision.from_string("16-mixed")
+    with pytest.raises(MisconfigurationError, match="precision='16-mixed' under DeepSpeed needs fp16"):
+        s.setup_environment()
+
+
 def test_offload_and_launcher_environment(monkeypatch):
     from ember.strategies import DeepSpeedStrategy, build_strategy
     monkeypatch.setenv("EMBER_DEEPSPEED_ZERO_STAGE", "3")

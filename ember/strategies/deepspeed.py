@@ -284,7 +284,14 @@ class DeepSpeedStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         deepspeed = import_deepspeed()
-        self._precision_section()                       # unsupported precision: fail before any work
+        section = self._precision_section()             # unsupported precision: fail before any work
+        from deepspeed.accelerator import get_accelerator
+        supported = {"fp16": get_accelerator().is_fp16_supported, "bf16": get_accelerator().is_bf16_supported}
+        if section is not None and not supported[section]():
+            raise MisconfigurationError(
+                f"precision={self.precision.name!r} under DeepSpeed needs {section} support, which DeepSpeed's "
+                f"{get_accelerator().device_name()} accelerator lacks; use "
+                f"{'bf16-mixed' if section == 'fp16' else '16-mixed'!r} or '32-true'")
         self.cluster_environment.export()               # RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
         super().setup_environment()
         if self._single:

@@ -150,9 +150,9 @@ elif MODE == "w2":
     t.save_checkpoint(os.path.join(OUT, "w2_ckpt"))
     save_full(t, "w2_full.pt")
 
-    # 6. bf16-mixed and 16-mixed train (loss goes down); shards stay fp32
+    # 6. bf16-mixed, 16-mixed and bf16-true train (loss goes down)
     out = {}
-    for prec in ("bf16-mixed", "16-mixed"):
+    for prec in ("bf16-mixed", "16-mixed", "bf16-true"):
         losses = sc.Losses()
         t = trainer(fsdp(), max_steps=12, precision=prec, callbacks=[losses])
         net = sc.make_net(lr=0.02)
