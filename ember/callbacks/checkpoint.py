@@ -253,7 +253,15 @@ class ModelCheckpoint(Callback):
                 self._remove(trainer, p)
 
     def on_train_start(self, trainer, module):
-        self._remove_stale(trainer)   # left by a crash between a save and its clean-up
+        # left by a crash between a save and its clean-up
+        self._remove_stale(trainer)
+        if trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath):
+            for name in os.listdir(self.dirpath):
+                if name.startswith(self.CHECKPOINT_NAME_LAST) and name.endswith(".link.tmp"):
+                    try:
+                        os.remove(os.path.join(self.dirpath, name))
+                    except OSError:
+                        pass
 
     def save_last_now(self, trainer) -> str:
         """Save the current state as a full checkpoint ``last`` (used on preemption)."""

@@ -242,7 +242,10 @@ def precheck(path: str, need_state: bool) -> None:
         return
     meta_file = os.path.join(path, cio.META_NAME)
     if not os.path.isfile(meta_file):
-        if os.path.isfile(os.path.join(path, cio.INDEX_NAME)) and not need_state:
+        if os.path.isfile(os.path.join(path, cio.INDEX_NAME)):   # a sharded weights export
+            if need_state:
+                raise CheckpointError(f"{path} is a weights export (no trainer state), so fit cannot resume "
+                                      "from it; load it with Module.load_from_checkpoint and start a new fit")
             return
         cio.read_checkpoint(path, load_state=False)   # raises the detailed "incomplete" error
         raise CheckpointError(f"{path} is not a complete checkpoint (no {cio.META_NAME})")
