@@ -141,6 +141,17 @@ def test_ddp_slurm_environment(tmp_path, regression_reference):
     assert _max_diff(r0["acc2"], regression_reference[2]) < 1e-5
 
 
+def test_ddp_ember_launch(tmp_path, regression_reference):
+    """`python -m ember launch --num-processes 2 script.py`: torchrun's agent underneath."""
+    proc = subprocess.run([sys.executable, "-m", "ember", "launch", "--num-processes", "2",
+                           str(SCRIPTS / "ddp_train.py"), "equiv", str(tmp_path)],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    ok(proc)
+    r0, r1 = load(tmp_path, "equiv")
+    assert (r0["env"], r0["world"], r1["rank"]) == ("torchelastic", 2, 1)
+    assert _max_diff(r0["acc1"], regression_reference[1]) < 1e-5
+
+
 def test_metrics_exact_under_torchrun(tmp_path, ddp_train_module):
     """1001 evaluation samples over 2 ranks (one padded duplicate, uneven last batch):
     GatherMetrics and gather_for_metrics see exactly the 1001 samples, in order, and the
