@@ -113,6 +113,14 @@ class TestZeRO:
         assert r["offload_optimizer"] == "cpu"
         assert r["offload_param"] == ("cpu" if results.stage == 3 else None)
 
+    def test_zero3_configure_model_partitions_at_construction(self, results):
+        if results.stage != 3:
+            pytest.skip("deepspeed.zero.Init is used under ZeRO-3 only")
+        r = results("zero_init")
+        assert r["partitioned_at_build"] and not r["inp_partitioned_at_build"]   # __init__ layers: at setup
+        assert 0.1 < r["init_std"] < 0.2                # nn.Linear(16, 16)'s init, gathered intact
+        assert r["max_diff"] < 1e-5
+
     def test_accelerator_prepare_custom_loop(self, results):
         r = results("accelerator")
         assert r["stage"] == results.stage

@@ -141,3 +141,26 @@ if STAGE >= 2:
     sc.write_result(OUT, "offload", {"max_diff": sc.max_diff(t.strategy.module_state_dict(t.model), ref),
                                      "offload_optimizer": zero.get("offload_optimizer", {}).get("device"),
                                      "offload_param": zero.get("offload_param", {}).get("device")}, rank)
+
+# 9. ZeRO-3: configure_model runs in deepspeed.zero.Init (partitioned at construction) and trains
+#    like the single-process reference built in the same order
+if STAGE == 3:
+    probe = {}
+
+    class LateNet(sc.Net):
+        def configure_model(self):
+            super().configure_model()
+            probe["partitioned_at_build"] = all(hasattr(p, "ds_id") and p.numel() == 0
+                                                for p in self.blocks.parameters())
+            probe["inp_partitioned_at_build"] = hasattr(self.inp.weight, "ds_id")
+
+    torch.manual_seed(0)
+    snap = sc.Snapshot()
+    t = trainer(ds(), max_steps=4, accumulate_grad_batches=ACC, gradient_clip_val=CLIP, callbacks=[snap])
+    t.fit(LateNet(late_blocks=True), sc.loader())
+    plain = sc.Net(late_blocks=True)
+    plain.configure_model()
+    plain.load_state_dict(snap.weights)                  # the initial weights, gathered at fit start
+    ref = sc.reference(plain, 4, window=4 * 2 * ACC, clip=CLIP)
+    sc.write_result(OUT, "zero_init", dict(probe, max_diff=sc.max_diff(t.strategy.module_state_dict(t.model), ref),
+                                           init_std=float(snap.weights["blocks.0.lin.weight"].std())), rank)
