@@ -61,6 +61,7 @@ def test_minilm_fine_tunes_on_a_rotten_tomatoes_subset(tmp_path):
                             enable_model_summary=False, default_root_dir=tmp_path, seed=0, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
     acc = trainer.callback_metrics["val/acc"].item()
+    print(f"MiniLM on 1,280 reviews, 80 steps: val acc {acc:.3f} (majority class {majority:.3f})")
     assert acc >= majority + 0.12, (acc, majority)
     assert module.id2label == {0: "fresh", 1: "rotten"}
     # the exported folder predicts exactly like the module
