@@ -57,9 +57,10 @@ class LinearModule(ember.TrainModule):
 
 @pytest.fixture
 def quiet(tmp_path) -> dict:
-    """Trainer arguments without logger, checkpoints, progress bar or summary."""
+    """Trainer arguments without logger, checkpoints, progress bar or summary, on CPU
+    (the core tests compare against plain CPU loops, also on a machine with a GPU)."""
     return dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, default_root_dir=tmp_path)
+                enable_model_summary=False, default_root_dir=tmp_path, devices="cpu")
 
 
 @pytest.fixture
