@@ -60,6 +60,7 @@ class TestZeRO:
         r = results("reference")
         assert r["world"] == 2 and r["engine"] == "DeepSpeedEngine"
         assert r["max_diff"] < 1e-5                  # accumulation 2, clipping 0.5, per-step StepLR
+        assert r["val_loss"] == pytest.approx(r["val_expected"], rel=1e-5)    # validation after training
         assert r["lr"] == pytest.approx(0.05 * 0.7 ** 4)   # the scheduler stepped once per optimizer step
         assert r["config"] == {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
                                "train_batch_size": 16, "gradient_clipping": 0.5,

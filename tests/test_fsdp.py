@@ -99,6 +99,12 @@ def test_mixed_precision_trains(results):
         assert r["param_dtypes"] == (["torch.bfloat16"] if prec == "bf16-true" else ["torch.float32"]), prec
 
 
+def test_full_state_dict_type_checkpoint(results):
+    r = results("full_type")
+    assert r["files"] == ["meta.json", "model.safetensors", "trainer_state.pt"]
+    assert r["weights_equal"] and r["optim_equal"]
+
+
 def test_full_export_loads_into_plain_module(results):
     r = results("export")
     assert r["files"] == ["model.safetensors"]

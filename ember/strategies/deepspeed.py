@@ -305,23 +305,24 @@ class DeepSpeedStrategy(DDPStrategy):
                                    timeout=self.timeout)
         self.precision.scaler = None                     # DeepSpeed scales fp16 losses itself
 
+    @contextlib.contextmanager
     def module_init_context(self):
         """Under ZeRO-3, ``configure_model`` runs in ``deepspeed.zero.Init``: each parameter
         is partitioned as soon as its module is built (full-size only transiently)."""
-        base = super().module_init_context()
         if self.stage != 3:
-            return base
+            with super().module_init_context():
+                yield
+            return
         deepspeed = import_deepspeed()
         section = self._precision_section()
         # the parameter dtype follows the bf16/fp16 sections (an explicit dtype= is ignored by
         # DeepSpeed 0.19 on devices without fp16); no global F.linear replacement
         cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": self.resolve_config()["zero_optimization"],
                "bf16": {"enabled": section == "bf16"}, "fp16": {"enabled": section == "fp16"}}
-        stack = contextlib.ExitStack()
-        stack.enter_context(base)
-        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=cfg, mem_efficient_linear=False,
-                                                remote_device="cpu" if self.offload_parameters else None))
-        return stack
+        with super().module_init_context(), deepspeed.zero.Init(
+                config_dict_or_path=cfg, mem_efficient_linear=False,
+                remote_device="cpu" if self.offload_parameters else None):
+            yield
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move to the device; DeepSpeed converts and wraps the module in :meth:`setup_optimizers`."""

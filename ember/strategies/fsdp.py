@@ -199,15 +199,15 @@ class FSDPStrategy(DDPStrategy):
             return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 
+    @contextlib.contextmanager
     def module_init_context(self):
         """Meta device (plus the precision's default dtype) while ``configure_model`` runs."""
-        base = super().module_init_context()
-        if not self.init_on_meta:
-            return base
-        stack = contextlib.ExitStack()
-        stack.enter_context(base)
-        stack.enter_context(torch.device("meta"))
-        return stack
+        with super().module_init_context():
+            if not self.init_on_meta:
+                yield
+                return
+            with torch.device("meta"):
+                yield
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard

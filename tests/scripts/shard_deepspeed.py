@@ -37,11 +37,15 @@ def trainer(strategy, **kw):
 net = sc.make_net(sched=True)
 ref = sc.reference(net, STEPS, window=4 * 2 * ACC, clip=CLIP, sched=True)
 t = trainer(ds(), max_steps=STEPS, accumulate_grad_batches=ACC, gradient_clip_val=CLIP)
-t.fit(net, sc.loader())
+t.fit(net, sc.loader(), val_dataloaders=sc.loader(n=32))     # validation at the end of the one epoch
 rank = t.global_rank
 full = t.strategy.module_state_dict(t.model)
 cfg = t.strategy.config
+plain = sc.Net(sched=True)
+plain.load_state_dict(ref)
+x, y = sc.data(32).tensors
 sc.write_result(OUT, "reference", {
+    "val_loss": float(t.callback_metrics["val/loss"]), "val_expected": F.cross_entropy(plain(x), y).item(),
     "max_diff": sc.max_diff(full, ref), "world": t.world_size, "engine": type(t.model).__name__,
     "lr": t.optimizers[0].param_groups[0]["lr"],
     "config": {k: cfg[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

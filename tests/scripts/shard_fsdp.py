@@ -48,13 +48,13 @@ def save_full(t, name):
 def resume_and_compare(ckpt, full_file, world, steps_after=1):
     """Resume ``ckpt`` under FSDP; return whether the restored state equals ``full_file``."""
     snap = sc.Snapshot()
-    saved = torch.load(os.path.join(OUT, full_file), weights_only=True)
     net = sc.make_net(seed=123)            # different init: everything must come from the checkpoint
     start = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=True)["loop"]["global_step"]
     t = trainer(fsdp(), max_steps=start + steps_after, callbacks=[snap], accumulate_grad_batches=ACC)
     t.fit(net, sc.loader(), ckpt_path=ckpt)
     res = {"global_step": t.global_step, "world": t.world_size}
-    if t.is_global_zero:
+    if t.is_global_zero:                    # only rank 0 wrote (and reads) the full state
+        saved = torch.load(os.path.join(OUT, full_file), weights_only=True)
         res["weights_equal"] = sc.equal(snap.weights, saved["weights"])
         res["optim_equal"] = sc.optim_states_equal(snap.optim, saved["optim"])
         res["optim_step"] = [float(v["step"]) for v in snap.optim["state"].values()][:1]
@@ -240,6 +240,15 @@ elif MODE == "w2":
                    halves_differ=not torch.equal(lw[:8], lw[8:]), finite=bool(torch.isfinite(lw).all()),
                    inp_kept=sc.equal({"w": snap.weights["inp.weight"]}, {"w": sc.make_net(late_blocks=True).inp.weight.detach()}))
     sc.write_result(OUT, "meta_init", res, rank)
+
+    # 11. state_dict_type="full": model.safetensors + name-keyed optimizer state; resumes sharded
+    t = trainer(fsdp(state_dict_type="full"), max_steps=2)
+    t.fit(sc.make_net(seed=4), sc.loader())
+    t.save_checkpoint(os.path.join(OUT, "full_ckpt"))
+    save_full(t, "full_full.pt")
+    res, _ = resume_and_compare(os.path.join(OUT, "full_ckpt"), "full_full.pt", 2)
+    res["files"] = sorted(os.listdir(os.path.join(OUT, "full_ckpt")))
+    sc.write_result(OUT, "full_type", res, rank)
 
 elif MODE == "w1b":
     res, _ = resume_and_compare(os.path.join(OUT, "w2_ckpt"), "w2_full.pt", 1)
