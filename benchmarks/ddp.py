@@ -2,7 +2,10 @@
 
 Throughput: ember's Trainer against a hand-written torchrun + DistributedDataParallel
 loop, in the same processes (alternating rounds), on an MLP 512 -> 2048 -> 2048 -> 10
-with a global batch of 256 (128 per rank)::
+with a global batch of 256 (128 per rank). The table row holds the medians of the
+wall-clock rounds and the median of the per-round ratios (rounds alternate, so a
+ratio compares neighbours in time); the samples per CPU-second of rank 0 are
+printed too (less sensitive to other processes on a busy machine)::
 
     python benchmarks/ddp.py                # starts torchrun itself; prints a markdown row
     python benchmarks/ddp.py --rounds 5 --steps 40
@@ -47,7 +50,8 @@ def dataset(steps: int, world: int):
 # -- throughput worker (runs under torchrun) ---------------------------------------
 
 def raw_round(steps: int, warmup: int) -> float:
-    """The hand-written loop: DistributedSampler + DDP + SGD. Returns samples/s."""
+    """The hand-written loop: DistributedSampler + DDP + SGD. Returns samples per
+    second of wall-clock time and per second of this process's CPU time."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data.distributed import DistributedSampler
@@ -56,16 +60,16 @@ def raw_round(steps: int, warmup: int) -> float:
     loader = DataLoader(ds, batch_size=PER_RANK_BATCH, sampler=DistributedSampler(ds, shuffle=False))
     model = DistributedDataParallel(mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    t0 = None
+    t0 = c0 = None
     for i, (x, y) in enumerate(loader):
         if i == warmup:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-    elapsed = time.perf_counter() - t0
-    return steps * PER_RANK_BATCH * world / elapsed
+    n = steps * PER_RANK_BATCH * world
+    return n / (time.perf_counter() - t0), n / (time.process_time() - c0)
 
 
 def ember_round(steps: int, warmup: int) -> float:
@@ -87,14 +91,14 @@ def ember_round(steps: int, warmup: int) -> float:
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     class Clock(Callback):
-        t0 = t1 = None
+        t0 = t1 = c0 = c1 = None
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == warmup:
-                self.t0 = time.perf_counter()
+                self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            self.t1 = time.perf_counter()
+            self.t1, self.c1 = time.perf_counter(), time.process_time()
 
     clock = Clock()
     world = int(os.environ["WORLD_SIZE"])
@@ -102,7 +106,8 @@ def ember_round(steps: int, warmup: int) -> float:
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0)
     trainer.fit(MLP(), DataLoader(dataset(steps + warmup, world), batch_size=PER_RANK_BATCH))
-    return steps * PER_RANK_BATCH * world / (clock.t1 - clock.t0)
+    n = steps * PER_RANK_BATCH * world
+    return n / (clock.t1 - clock.t0), n / (clock.c1 - clock.c0)
 
 
 def throughput_worker(args) -> None:
@@ -110,9 +115,14 @@ def throughput_worker(args) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     raw, ember = [], []
-    for _ in range(args.rounds):   # alternate, so that drift of the machine hits both alike
-        raw.append(raw_round(args.steps, args.warmup))
-        ember.append(ember_round(args.steps, args.warmup))
+    raw_round(2, 1)   # warm up the process (allocator, gloo buffers) outside the measurements
+    for i in range(args.rounds):   # alternate (ABBA), so that drift of the machine hits both alike
+        if i % 2 == 0:
+            raw.append(raw_round(args.steps, args.warmup))
+            ember.append(ember_round(args.steps, args.warmup))
+        else:
+            ember.append(ember_round(args.steps, args.warmup))
+            raw.append(raw_round(args.steps, args.warmup))
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"raw": raw, "ember": ember}), flush=True)
 
@@ -127,12 +137,19 @@ def throughput(args) -> None:
     if out.returncode or not line:
         sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     res = json.loads(line[0][7:])
-    raw, ember = statistics.median(res["raw"]), statistics.median(res["ember"])
-    print(f"rounds: raw {[round(v) for v in res['raw']]}, ember {[round(v) for v in res['ember']]} samples/s")
-    print("| benchmark | hand-written torchrun + DDP (samples/s) | ember Trainer (samples/s) | ratio |")
+    for i, what in ((1, "per CPU-second of rank 0"), (0, "wall-clock")):
+        r, e = [v[i] for v in res["raw"]], [v[i] for v in res["ember"]]
+        pairs = [a / b for a, b in zip(e, r)]
+        print(f"{what}: raw {[round(v) for v in r]}, ember {[round(v) for v in e]} samples/s; per-round "
+              f"ratio {[round(v, 3) for v in pairs]} (median {statistics.median(pairs):.3f})")
+    raw = statistics.median(v[0] for v in res["raw"])
+    ember = statistics.median(v[0] for v in res["ember"])
+    ratio = statistics.median(e[0] / r[0] for e, r in zip(res["ember"], res["raw"]))
+    print("| benchmark | hand-written torchrun + DDP (samples/s) | ember Trainer (samples/s) | "
+          "ratio (median of per-round ratios) |")
     print("|---|---|---|---|")
     print(f"| DDP 2x gloo CPU, MLP 512-2048-2048-10, global batch 256 | {raw:.0f} | {ember:.0f} | "
-          f"{ember / raw:.3f} |")
+          f"{ratio:.3f} |")
 
 
 # -- clean exits ------------------------------------------------------------------------
