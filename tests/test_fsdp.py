@@ -128,6 +128,14 @@ def test_accelerator_prepare_remaps_optimizer_and_async_save(results):
     assert r["load_state_restores"]
 
 
+def test_world1_fsdp_and_missing_reset_parameters(results):
+    r = results("w1")
+    assert r["world"] == 1 and "world_size=1" in r["strategy"]   # FSDP on one process (a 1-rank group)
+    assert r["files"] == ["meta.json", "model", "trainer_state.pt"]
+    assert "reset_parameters()" in r["no_reset_error"] and "blocks.1 (Scale)" in r["no_reset_error"]
+    assert "init_on_meta=False" in r["no_reset_error"]
+
+
 def test_configure_model_on_meta_device(results):
     r = results("meta_init")
     assert r["meta_left"] == []

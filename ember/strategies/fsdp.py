@@ -216,7 +216,9 @@ class FSDPStrategy(DDPStrategy):
         module = self.precision.convert_module(module)
         tensors = list(chain(module.named_parameters(), module.named_buffers()))
         meta = {n for n, t in tensors if t.is_meta}
-        if not meta:
+        if meta:
+            self._check_resettable(module, meta)      # before any change to the module
+        else:
             module = module.to(self.root_device)
         for fqn, p in module.named_parameters():
             self._old_params[id(p)] = (module, fqn, p)
@@ -241,8 +243,8 @@ class FSDPStrategy(DDPStrategy):
         self._models.append(module)
         return module
 
-    def _materialize(self, module: nn.Module, meta: set[str]) -> None:
-        """Allocate the shards of meta tensors and initialise them with ``reset_parameters``."""
+    @staticmethod
+    def _check_resettable(module: nn.Module, meta: set[str]) -> None:
         missing = []
         for mod_name, m in module.named_modules():
             own = [f"{mod_name}.{n}" if mod_name else n
@@ -255,6 +257,9 @@ class FSDPStrategy(DDPStrategy):
                 f"reset_parameters() to initialise their shards: {', '.join(missing[:10])}. Define "
                 "reset_parameters() on them, build them in __init__ instead, or pass "
                 "FSDPStrategy(init_on_meta=False)")
+
+    def _materialize(self, module: nn.Module, meta: set[str]) -> None:
+        """Allocate the shards of meta tensors and initialise them with ``reset_parameters``."""
         keep = {n: _local(t).detach().clone() for n, t in chain(module.named_parameters(), module.named_buffers())
                 if n not in meta}
         module.to_empty(device=self.root_device)

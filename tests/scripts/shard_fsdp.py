@@ -77,7 +77,25 @@ if MODE == "w1":
     t.fit(sc.make_net(), sc.loader())
     t.save_checkpoint(os.path.join(OUT, "w1_ckpt"))
     save_full(t, "w1_full.pt")
-    sc.write_result(OUT, "w1", {"world": t.world_size, "strategy": repr(t.strategy),
+    # a layer built on the meta device without reset_parameters(): a clear error before training
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g = torch.nn.Parameter(torch.ones(sc.D))
+
+        def forward(self, x):
+            return x * self.g
+
+    class NoReset(sc.Net):
+        def configure_model(self):
+            self.blocks = torch.nn.Sequential(sc.Block(), Scale())
+
+    try:
+        trainer(fsdp(), max_steps=1).fit(NoReset(late_blocks=True), sc.loader())
+        error = None
+    except ember.errors.MisconfigurationError as e:
+        error = str(e)
+    sc.write_result(OUT, "w1", {"world": t.world_size, "strategy": repr(t.strategy), "no_reset_error": error,
                                 "files": sorted(os.listdir(os.path.join(OUT, "w1_ckpt")))}, 0)
 
 elif MODE == "w2":
