@@ -85,6 +85,11 @@ class TestZeRO:
         r = results("validate")
         assert r["val_loss"] == pytest.approx(r["expected"], rel=1e-5)
 
+    def test_full_weights_load_into_trained_engine(self, results):
+        r = results("load_weights")
+        assert r["val_loss"] == pytest.approx(r["expected"], rel=1e-5)
+        assert r["master_equal"]                     # the optimizer's fp32 copy was replaced too
+
     def test_full_export_loads_into_plain_module(self, results):
         r = results("export")
         assert r["files"] == ["model.safetensors"]

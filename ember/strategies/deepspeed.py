@@ -508,7 +508,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 raise CheckpointError(f"{path} holds optimizer states of the {meta.get('strategy')!r} strategy, "
                                       "which DeepSpeed cannot load; load its weights with "
                                       "Module.load_from_checkpoint and start a new fit")
-            cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
+            cio.check_compatible(_shapes_of(self.unwrap_module(module)), weights, path, strict=strict)
             self.load_module_state_dict(module, weights, strict=strict)
         state["meta"] = meta
         return state
@@ -533,6 +533,16 @@ class DeepSpeedStrategy(DDPStrategy):
     def __repr__(self) -> str:
         return (f"DeepSpeedStrategy(stage={self.stage}, world_size={self.world_size}, rank={self.global_rank}, "
                 f"offload_optimizer={self.offload_optimizer}, offload_parameters={self.offload_parameters})")
+
+
+def _shapes_of(module: nn.Module):
+    """An object whose ``state_dict()`` has the module's full shapes (ZeRO-3 parameters are
+    empty locally), for ``checkpoint_io.check_compatible``; named like the module's class."""
+    shapes = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        shape = tuple(getattr(v, "ds_shape", v.shape))
+        shapes[k] = torch.empty(shape, device="meta")
+    return type(type(module).__name__, (), {"state_dict": lambda self: shapes})()
 
 
 def _through_engine(engine, name: str):

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shard_common as sc  # noqa: E402
 
 import ember  # noqa: E402
+from ember import checkpoint_io as cio  # noqa: E402
 from ember import Accelerator, Trainer  # noqa: E402
 from ember.callbacks import ModelCheckpoint  # noqa: E402
 from ember.strategies import DeepSpeedStrategy  # noqa: E402
@@ -99,7 +100,7 @@ with torch.no_grad():
 res = {"files": sorted(os.listdir(path))}
 if rank == 0:
     plain = sc.Net()
-    plain.load_state_dict(ember.checkpoint_io.load_model_sharded(path))
+    plain.load_state_dict(cio.load_model_sharded(path))
     with torch.no_grad():
         res["max_out_diff"] = (plain(xb) - y_ds).abs().max().item()
 sc.write_result(OUT, "export", res, rank)
@@ -168,3 +169,19 @@ if STAGE == 3:
     ref = sc.reference(plain, 4, window=4 * 2 * ACC, clip=CLIP)
     sc.write_result(OUT, "zero_init", dict(probe, max_diff=sc.max_diff(t.strategy.module_state_dict(t.model), ref),
                                            init_std=float(snap.weights["blocks.0.lin.weight"].std())), rank)
+
+# 10. full weights (a .safetensors file) into a trained engine: parameters and fp32 master copy
+other = sc.make_net(seed=42)
+wfile = os.path.join(OUT, "other.safetensors")
+if rank == 0:
+    cio.save_weights_file(wfile, other.state_dict())
+net = sc.make_net()
+t = trainer(ds(), max_steps=2)
+t.fit(net, sc.loader())                       # (its collectives order rank 0's write before the reads)
+metrics = t.validate(net, sc.loader(n=32), ckpt_path=wfile)
+x, y = sc.data(32).tensors
+with torch.no_grad():
+    expected = F.cross_entropy(other(x), y).item()
+sc.write_result(OUT, "load_weights", {"val_loss": metrics[0]["val/loss"], "expected": expected,
+                                      "master_equal": sc.equal(t.strategy.module_state_dict(t.model),
+                                                               other.state_dict())}, rank)

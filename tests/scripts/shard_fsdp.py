@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shard_common as sc  # noqa: E402
 
 import ember  # noqa: E402
+from ember import checkpoint_io as cio  # noqa: E402
+from ember.errors import MisconfigurationError  # noqa: E402
 from ember import Accelerator, Trainer  # noqa: E402
 from ember.callbacks import ModelCheckpoint  # noqa: E402
 from ember.strategies import FSDPStrategy  # noqa: E402
@@ -93,7 +95,7 @@ if MODE == "w1":
     try:
         trainer(fsdp(), max_steps=1).fit(NoReset(late_blocks=True), sc.loader())
         error = None
-    except ember.errors.MisconfigurationError as e:
+    except MisconfigurationError as e:
         error = str(e)
     sc.write_result(OUT, "w1", {"world": t.world_size, "strategy": repr(t.strategy), "no_reset_error": error,
                                 "files": sorted(os.listdir(os.path.join(OUT, "w1_ckpt")))}, 0)
@@ -191,7 +193,7 @@ elif MODE == "w2":
     res = {"files": sorted(os.listdir(path))}
     if rank == 0:
         plain = sc.Net()
-        plain.load_state_dict(ember.checkpoint_io.load_model_sharded(path))
+        plain.load_state_dict(cio.load_model_sharded(path))
         with torch.no_grad():
             res["max_out_diff"] = (plain(x) - y_fsdp).abs().max().item()
     # save_weights_only checkpoints hold full weights (ModelCheckpoint uses module_state_dict)
@@ -199,7 +201,7 @@ elif MODE == "w2":
     t.save_checkpoint(wo, weights_only=True)
     if rank == 0:
         full = load_full_weights(wo)
-        res["weights_only_matches_export"] = sc.equal(full, ember.checkpoint_io.load_model_sharded(path))
+        res["weights_only_matches_export"] = sc.equal(full, cio.load_model_sharded(path))
     sc.write_result(OUT, "export", res, rank)
 
     # 8. memory: each rank holds about half of the parameter and optimizer-state bytes
