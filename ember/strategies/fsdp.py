@@ -25,6 +25,7 @@ import copy
 import inspect
 import os
 import warnings
+import weakref
 from datetime import timedelta
 from itertools import chain
 from typing import Any, Callable, Iterable
@@ -144,7 +145,7 @@ class FSDPStrategy(DDPStrategy):
         self.fsdp_kwargs = kwargs
         self._mesh = None
         self._models: list[nn.Module] = []
-        self._old_params: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}
+        self._old_params: dict[int, tuple[nn.Module, str, weakref.ref]] = {}
         self._pending_save = None
         self._async_pg = None
 
@@ -168,11 +169,9 @@ class FSDPStrategy(DDPStrategy):
 
     # -- lifecycle -------------------------------------------------------------------
     def setup_environment(self) -> None:
-        if self._single:
-            super().setup_environment()                 # device + precision, no launcher
+        super().setup_environment()
+        if self._single:       # one process: FSDP and DCP still need a (one-rank) process group
             init_single_process_group("nccl" if self._use_cuda and self._backend == "nccl" else "gloo")
-        else:
-            super().setup_environment()
         self._setup_precision()
 
     def _setup_precision(self) -> None:
@@ -220,8 +219,8 @@ class FSDPStrategy(DDPStrategy):
             self._check_resettable(module, meta)      # before any change to the module
         else:
             module = module.to(self.root_device)
-        for fqn, p in module.named_parameters():
-            self._old_params[id(p)] = (module, fqn, p)
+        for fqn, p in module.named_parameters():      # weak: an optimizer may still hold them
+            self._old_params[id(p)] = (module, fqn, weakref.ref(p))
         if self._ac_check is not None:
             from torch.distributed._composable import checkpoint
             for m in [m for m in module.modules() if m is not module and self._ac_check(m)]:
@@ -281,7 +280,7 @@ class FSDPStrategy(DDPStrategy):
                 new = []
                 for p in group["params"]:
                     rec = self._old_params.get(id(p))
-                    if rec is not None and rec[2] is p:
+                    if rec is not None and rec[2]() is p:
                         if opt.state.get(p):
                             raise MisconfigurationError(
                                 "an optimizer that already stepped was passed with a model that FSDP "
