@@ -207,16 +207,34 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         s.resolve_config()
 
 
-@pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed")
-def test_fp16_on_cpu_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    from deepspeed.accelerator import get_accelerator
-    if get_accelerator().is_fp16_supported():
-        pytest.skip("this CPU supports fp16 in DeepSpeed")
-    s = _strategy(accelerator="cpu")
+FP16_CHECK = """
+import os
+os.environ["DS_ACCELERATOR"] = "cpu"
+from deepspeed.accelerator import get_accelerator
+if get_accelerator().is_fp16_supported():
+    print("SKIP")
+else:
+    from ember.errors import MisconfigurationError
+    from ember.precision import Precision
+    from ember.strategies import DeepSpeedStrategy
+    s = DeepSpeedStrategy(accelerator="cpu")
     s.precision = Precision.from_string("16-mixed")
-    with pytest.raises(MisconfigurationError, match="precision='16-mixed' under DeepSpeed needs fp16"):
+    try:
         s.setup_environment()
+    except MisconfigurationError as e:
+        print("ERROR", e)
+"""
+
+
+@pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed")
+def test_fp16_on_cpu_is_a_clear_error():
+    # in a subprocess: importing deepspeed here would leave its state in the test process
+    r = subprocess.run([sys.executable, "-c", FP16_CHECK], env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    if r.stdout.strip() == "SKIP":
+        pytest.skip("this CPU supports fp16 in DeepSpeed")
+    assert "precision='16-mixed' under DeepSpeed needs fp16" in r.stdout
+    assert "use 'bf16-mixed' or '32-true'" in r.stdout
 
 
 def test_offload_and_launcher_environment(monkeypatch):
