@@ -48,7 +48,10 @@ def main(argv=None) -> dict:
     p.add_argument("--precision", default=None, help="e.g. 32-true (default), bf16-mixed, 16-mixed")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process (default 1: this model is too small to gain from more)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     acc = Accelerator(precision=args.precision, seed=args.seed)
     with acc.main_process_first():   # e.g. a download would happen once, on the main process
