@@ -5,9 +5,6 @@ trackers writing real files, and the GAN example."""
 from __future__ import annotations
 
 import copy
-import csv
-import glob
-import json
 import os
 import subprocess
 import sys
@@ -17,12 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from ember import Accelerator
-from ember import checkpoint_io as cio
 from ember.accelerator import AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard
-from ember.errors import CheckpointError, MisconfigurationError
+from ember.errors import MisconfigurationError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
