@@ -214,7 +214,7 @@ class Accelerator:
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` through the strategy and precision (loss scaling under
         16-mixed); divides by ``gradient_accumulation_steps`` first."""
-        if self.gradient_accumulation_steps > 1 and not self.strategy.owns_optimizer_step:
+        if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
 
@@ -268,9 +268,10 @@ class Accelerator:
         """Clip the total gradient norm of ``parameters`` (unscaling them first under
         16-mixed); returns the norm before clipping. On a micro-batch where the
         optimizer will not step (``sync_gradients`` False) it does nothing and
-        returns None; under DeepSpeed the engine clips (set it in its config)."""
-        if not self.sync_gradients or self.strategy.owns_optimizer_step:
+        returns None. Under DeepSpeed the engine clips (``gradient_clipping`` in its config)."""
+        if not self.sync_gradients:
             return None
+        self._no_deepspeed_clip()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._unscale_for(params)
         return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm,
@@ -279,18 +280,24 @@ class Accelerator:
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (unscaled first; as
         :meth:`clip_grad_norm_`, only when the optimizer will step)."""
-        if not self.sync_gradients or self.strategy.owns_optimizer_step:
+        if not self.sync_gradients:
             return None
+        self._no_deepspeed_clip()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._unscale_for(params)
         torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
+
+    def _no_deepspeed_clip(self) -> None:
+        if self.strategy.owns_optimizer_step:
+            raise MisconfigurationError(f"under the {self.strategy.name} strategy the engine clips gradients: set "
+                                        "'gradient_clipping' in its config instead of calling clip_grad_norm_/value_")
 
     def autocast(self):
         """The precision's autocast context (prepared models already run in it)."""
         return self.strategy.precision.forward_context()
 
     # -- collectives ----------------------------------------------------------------------
-    def _check(self, op: str, data: Any, free_dim: int | None = None) -> None:
+    def _check(self, op: str, data: Any, free_dim: int | None = None) -> None:   # debug mode only
         if self.strategy.world_size > 1:
             check_collective(self.strategy, op, data, free_dim)
 
@@ -415,8 +422,7 @@ class Accelerator:
             unwrap_forward(module)
         return module
 
-    def get_state_dict(self, model, unwrap: bool = True) -> dict:
-        """The full (unsharded) state dict of a prepared model."""
+    def get_state_dict(self, model, unwrap: bool = True) -> dict:   # the full (unsharded) state dict
         return self.strategy.module_state_dict(model)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> list:
