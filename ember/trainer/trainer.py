@@ -307,6 +307,11 @@ class Trainer:
         if stage == "fit":
             cfg = configure_optimizers(module)
             self.optimizers, self.lr_scheduler_configs = cfg
+            if hasattr(self.strategy, "configure_from_trainer"):   # DeepSpeed fills its "auto" config values
+                self.strategy.configure_from_trainer(
+                    accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
+                    micro_batch_size=getattr(self._train_loader, "batch_size", None),
+                    gradient_clip_algorithm=self.gradient_clip_algorithm)
             self.model, self.optimizers = self._acc.setup_optimizers(self.model, self.optimizers)
             self._step_schedulers_list = [c for c in self.lr_scheduler_configs if c["interval"] == "step"]
             self._manual_optimizers = [ManualOptimizer(o, self) for o in self.optimizers]
