@@ -6,7 +6,8 @@ side by side when it can run here (it needs the ``accelerate`` package).
 
 Same settings for both: 11,752 training / 1,000 test reviews (fixed seed split),
 AdamW (weight decay 0.01, none on biases and LayerNorm), linear schedule with 6%
-warmup, max length 128 with dynamic padding, fp32. Reports test accuracy and the
+warmup, gradient norm clipped at 1.0 (transformers' Trainer default), max length
+128 with dynamic padding, fp32. Reports test accuracy and the
 seconds per optimizer step of the training loop (tokenisation and model loading
 excluded, measured separately).
 """
@@ -46,7 +47,8 @@ def run_ember(args, data: TextClassificationData) -> dict:
                                 weight_decay=args.weight_decay, warmup_ratio=args.warmup, scheduler="linear")
     trainer = ember.Trainer(max_steps=args.steps, seed=args.seed, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                            default_root_dir=tempfile.mkdtemp(prefix="ember_bench_"), precision=args.precision)
+                            default_root_dir=tempfile.mkdtemp(prefix="ember_bench_"), precision=args.precision,
+                            gradient_clip_val=args.clip or None)
     trainer.fit(module, datamodule=data)
     acc = trainer.test(module, datamodule=data)[0]["test/acc"]
     return {"test_acc": acc, "s_per_step": clock.seconds / clock.steps, "steps": clock.steps,
@@ -70,7 +72,7 @@ def run_hf_trainer(args, data: TextClassificationData) -> dict:
     targs = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf_bench_"), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size * 2, learning_rate=args.lr, weight_decay=args.weight_decay,
-        lr_scheduler_type="linear", seed=args.seed, report_to="none", save_strategy="no", logging_steps=50,
+        lr_scheduler_type="linear", seed=args.seed, max_grad_norm=args.clip, report_to="none", save_strategy="no", logging_steps=50,
         disable_tqdm=True, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
         bf16=args.precision.startswith("bf16"), fp16=args.precision.startswith("16"), **warm)
     trainer = Trainer(model=model, args=targs, train_dataset=rows("train"),
@@ -83,6 +85,53 @@ def run_hf_trainer(args, data: TextClassificationData) -> dict:
             "total_s": time.perf_counter() - t0}
 
 
+def run_plain_loop(args, data: TextClassificationData) -> dict:
+    """The same fine-tuning as a hand-written PyTorch loop (a reference for the numbers
+    when transformers' Trainer cannot run): transformers' own warmup schedule, the same
+    token ids, batches padded per batch, eval mode for the test."""
+    import math
+
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
+
+    from ember.integrations.transformers import PadCollator
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
+    ids = {id(p) for p in no_decay}
+    decay = [p for p in model.parameters() if id(p) not in ids]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    sched = get_linear_schedule_with_warmup(opt, math.ceil(args.warmup * args.steps), args.steps)
+    collate = PadCollator(data.tokenizer.pad_token_id)
+    loader = DataLoader(data.datasets["train"], batch_size=args.batch_size, shuffle=True, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(args.seed))
+    model.train()
+    step, start = 0, time.perf_counter()
+    while step < args.steps:
+        for batch in loader:
+            loss = model(**batch).loss
+            loss.backward()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step == args.steps:
+                break
+    secs = time.perf_counter() - start
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for batch in DataLoader(data.datasets["test"], batch_size=args.batch_size * 2, collate_fn=collate):
+            labels = batch.pop("labels")
+            correct += int((model(**batch).logits.argmax(-1) == labels).sum())
+            total += len(labels)
+    return {"test_acc": correct / total, "s_per_step": secs / step, "steps": step, "total_s": time.perf_counter() - t0}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
@@ -91,10 +140,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=float, default=0.06)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (transformers' default 1.0; 0: off)")
     p.add_argument("--precision", default="32-true", help="ember precision string (the HF run follows it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers' Trainer")
+    p.add_argument("--plain", action="store_true",
+                   help="also run the same fine-tuning as a hand-written PyTorch loop (a reference)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     if args.threads:
@@ -125,6 +177,9 @@ def main(argv=None) -> int:
         print(f"transformers.Trainer: test acc {hf['test_acc']:.4f}   {hf['s_per_step']:.3f} s/step")
     else:
         print(f"transformers.Trainer: {hf}")
+    if args.plain:
+        results["plain PyTorch loop"] = plain = run_plain_loop(args, data)
+        print(f"plain PyTorch loop:  test acc {plain['test_acc']:.4f}   {plain['s_per_step']:.3f} s/step")
     results["settings"] = vars(args)
     if args.json:
         with open(args.json, "w") as f:
