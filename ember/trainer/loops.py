@@ -178,6 +178,7 @@ class FitLoop:
         training_step = module.training_step
         owns_step = strategy.owns_optimizer_step
         last_window_start = (limit // acc_n) * acc_n
+        before_step = bool(t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"))
         # non-finite loss: checked (one host sync) only before steps that are log points, or
         # every step under detect_anomaly; a GradScaler (16-mixed) skips such steps by itself
         check_loss = None if (precision.scaler is not None or owns_step) else check_finite_loss
@@ -222,7 +223,7 @@ class FitLoop:
                 # optimizer step on the last micro-batch of the window
                 if boundary and (loss is not None or t._grads_pending):
                     t._grads_pending = False
-                    if t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"):
+                    if before_step:
                         t._before_optimizer_step(opt)
                     if clip is not None and not owns_step:
                         for o in (t.optimizers if multi_opt else (opt,)):
