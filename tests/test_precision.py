@@ -73,6 +73,20 @@ def test_precision_aliases_and_instances():
     assert Precision.from_string(p) is p and p.param_dtype is torch.bfloat16
 
 
+def test_trainer_precision_defaults_to_the_launcher_environment(make_trainer, data, monkeypatch):
+    """`ember launch --mixed-precision bf16` exports EMBER_PRECISION; a Trainer left at its
+    default precision honours it, an explicit argument wins over it."""
+    monkeypatch.setenv("EMBER_PRECISION", "bf16-mixed")
+    module = PrecisionProbe()
+    trainer = make_trainer(max_steps=2)
+    assert trainer.precision == "bf16-mixed"
+    trainer.fit(module, data())
+    assert module.seen == {(torch.float32, torch.bfloat16, True)}
+    assert make_trainer(precision="32-true").precision == "32-true"
+    monkeypatch.delenv("EMBER_PRECISION")
+    assert make_trainer().precision == "32-true"
+
+
 def test_true_precision_builds_configure_model_layers_in_its_dtype(make_trainer, data):
     class Late(LinearModule):
         def __init__(self):

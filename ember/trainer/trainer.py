@@ -54,7 +54,7 @@ class Trainer:
     """
 
     def __init__(self, *, max_epochs: int | None = None, max_steps: int = -1, max_time=None,
-                 devices="auto", strategy="auto", num_nodes: int = 1, precision="32-true",
+                 devices="auto", strategy="auto", num_nodes: int = 1, precision=None,
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
                  gradient_clip_algorithm: str = "norm", val_check_interval: float | int = 1.0,
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
