@@ -165,6 +165,27 @@ def test_cpu_any_number_of_processes(clean_env):
     assert s.world_size == 5 and s.global_rank == 0 and s.root_device == torch.device("cpu")
 
 
+@pytest.mark.parametrize("cls", ["DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy"])
+def test_trainer_devices_configure_a_strategy_instance(clean_env, cls):
+    """Trainer(strategy=FSDPStrategy(), devices=2) runs two processes, as in Lightning."""
+    import importlib
+    if cls == "DeepSpeedStrategy" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed")
+    from ember import strategies
+    strategy = getattr(strategies, cls)(accelerator="cpu")
+    trainer = Trainer(strategy=strategy, devices=2, logger=False)
+    assert trainer.strategy is strategy and strategy.world_size == 2 and strategy.num_processes == 2
+    with pytest.raises(MisconfigurationError, match=f"devices=3 conflicts with {cls}\\(devices=2\\)"):
+        Trainer(strategy=strategy, devices=3, logger=False)
+    assert Trainer(strategy=strategy, logger=False).strategy.world_size == 2   # "auto" keeps the instance's
+
+
+def test_single_device_strategy_instance_refuses_several_devices(clean_env):
+    from ember.strategies import SingleDeviceStrategy
+    with pytest.raises(MisconfigurationError, match="runs one process, but devices=2"):
+        Trainer(strategy=SingleDeviceStrategy(torch.device("cpu")), devices=2, logger=False)
+
+
 def test_launch_refused_inside_pytest(clean_env):
     s = DDPStrategy(devices=2, accelerator="cpu")
     with pytest.raises(MisconfigurationError, match="cannot start its ranks from inside pytest"):

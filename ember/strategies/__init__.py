@@ -81,6 +81,13 @@ def build_strategy(strategy="auto", devices="auto", num_nodes: int = 1) -> Strat
         raise MisconfigurationError(f"num_nodes={num_nodes!r} is not valid; use a positive int")
     dtype, n, indices = parse_devices(devices)
     if isinstance(strategy, Strategy):
+        apply = getattr(strategy, "apply_trainer_devices", None)
+        if apply is not None:
+            apply(indices if indices else (n if n > 1 or devices not in ("auto", "cpu", "cuda", "mps") else "auto"),
+                  num_nodes)
+        elif n > 1 or num_nodes > 1:
+            raise MisconfigurationError(f"strategy={type(strategy).__name__} runs one process, but devices={devices!r}"
+                                        f", num_nodes={num_nodes}; use strategy='ddp' (or a DDPStrategy) for several")
         return strategy
     if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
         raise invalid_choice("strategy", strategy, STRATEGIES + ("a Strategy instance",))

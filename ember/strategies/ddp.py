@@ -123,20 +123,45 @@ class DDPStrategy(Strategy):
         if self._use_cuda and not torch.cuda.is_available():
             raise MisconfigurationError("accelerator='cuda' but CUDA is not available; use accelerator='cpu'")
         self._backend = process_group_backend or ("nccl" if self._use_cuda else "gloo")
+        self._user_environment = cluster_environment
+        self._launcher: launchers.SubprocessLauncher | None = None
+        self._ops: ProcessGroupOps | None = None
+        self._configure_topology(devices)
+        if self._single and not self.cluster_environment.creates_processes_externally and self._devices_explicit:
+            warnings.warn(f"strategy='ddp' with devices={devices!r} means one process: running it without "
+                          "DistributedDataParallel (pass devices=N for N processes)", UserWarning, stacklevel=3)
+
+    def _configure_topology(self, devices) -> None:
         self._gpu_ids = self._parse_devices(devices)
         per_node = len(self._gpu_ids) if self._gpu_ids is not None else self._devices_count
-        self.cluster_environment = cluster_environment or self._detect(per_node)
+        self.cluster_environment = self._user_environment or self._detect(per_node)
         self._single = self.cluster_environment.world_size == 1
         if self._single and (dist.is_available() and dist.is_initialized()):
             self._single = dist.get_world_size() == 1
-        if self._single and not self.cluster_environment.creates_processes_externally:
-            warnings.warn(f"strategy='ddp' with devices={devices!r} means one process: running it without "
-                          "DistributedDataParallel (pass devices=N for N processes)", UserWarning, stacklevel=3)
         self.num_processes = self.cluster_environment.world_size
-        self._launcher: launchers.SubprocessLauncher | None = None
-        self._ops: ProcessGroupOps | None = None
 
-    # -- configuration ------------------------------------------------------------
+    def apply_trainer_devices(self, devices, num_nodes: int) -> None:
+        """``Trainer(strategy=DDPStrategy(...), devices=2, num_nodes=...)``: the Trainer's
+        ``devices``/``num_nodes`` fill what the instance left unset (as in Lightning); a
+        conflict with what the instance was given is an error."""
+        if num_nodes != 1 and self.num_nodes not in (1, num_nodes):
+            raise MisconfigurationError(f"num_nodes={num_nodes} conflicts with {type(self).__name__}"
+                                        f"(num_nodes={self.num_nodes}); pass it in one place")
+        mine = (self._gpu_ids if self._gpu_ids is not None else self._devices_count) if self._devices_explicit else None
+        if devices in (None, "auto", -1, "-1"):
+            devices = mine
+        elif mine is not None and mine != (list(devices) if isinstance(devices, (list, tuple)) else int(devices)):
+            raise MisconfigurationError(f"devices={devices!r} conflicts with {type(self).__name__}"
+                                        f"(devices={mine!r}); pass devices in one place")
+        if devices != mine or num_nodes not in (1, self.num_nodes):
+            self.num_nodes = max(num_nodes, self.num_nodes)
+            self._configure_topology(devices)
+        elif self._devices_explicit:
+            return   # __init__ warned already
+        if self._single and not self.cluster_environment.creates_processes_externally:
+            warnings.warn(f"{type(self).__name__} with devices={devices!r} means one process (pass devices=N "
+                          "for N processes)", UserWarning, stacklevel=4)
+
     def _parse_devices(self, devices):
         """Sets ``self._devices_count`` (None: decided by the environment); returns GPU ids or None."""
         self._devices_explicit = devices not in (None, "auto", -1, "-1")
