@@ -17,13 +17,9 @@ import torch
 
 from ember import checkpoint_io as cio
 from ember import data as edata
-from ember.errors import CheckpointError, EmberError, MisconfigurationError, invalid_choice
+from ember.errors import CheckpointError, DistributedOperationError, MisconfigurationError, invalid_choice
 
 _END = object()
-
-
-class DistributedOperationError(EmberError, RuntimeError):
-    """Debug mode: the processes called different collectives, or one with tensors that do not fit."""
 
 
 # -- optimizer / scheduler ------------------------------------------------------------------

@@ -14,6 +14,14 @@ class CheckpointError(EmberError, RuntimeError):
     """A checkpoint that is missing, truncated, unsafe or incompatible."""
 
 
+class NonFiniteLossError(EmberError, FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+class DistributedOperationError(EmberError, RuntimeError):
+    """Debug mode: the processes called different collectives, or one with tensors that do not fit."""
+
+
 def invalid_choice(arg: str, value, choices) -> MisconfigurationError:
     """The standard message for a value outside a fixed set of choices."""
     opts = ", ".join(repr(c) for c in choices)

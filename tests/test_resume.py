@@ -279,14 +279,14 @@ class NanAt(Callback):
 
 
 def test_non_finite_loss_raises_naming_the_step(tmp_path):
-    from ember.trainer.state import NonFiniteLossError
+    from ember.errors import NonFiniteLossError
     with pytest.raises(NonFiniteLossError, match=r"nan at global step 5 .*log_every_n_steps=1"):
         fit(tmp_path, precision="32-true", log_every_n_steps=1, accumulate_grad_batches=1,
             callbacks=[NanAt(4)], checkpoint=ModelCheckpoint())
 
 
 def test_non_finite_loss_checked_every_step_under_detect_anomaly(tmp_path):
-    from ember.trainer.state import NonFiniteLossError
+    from ember.errors import NonFiniteLossError
     try:
         with pytest.raises(NonFiniteLossError, match=r"nan at global step 4 .*optimizer step was not taken"):
             fit(tmp_path, precision="32-true", log_every_n_steps=50, accumulate_grad_batches=1,

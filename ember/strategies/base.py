@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn

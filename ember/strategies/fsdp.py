@@ -28,7 +28,7 @@ import warnings
 import weakref
 from datetime import timedelta
 from itertools import chain
-from typing import Any, Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 
 from ember.strategies.environments import LAUNCH_MARKER, ClusterEnvironment
 

@@ -25,16 +25,12 @@ import warnings
 
 import torch
 
-from ember.errors import CheckpointError, EmberError, MisconfigurationError
+from ember.errors import CheckpointError, MisconfigurationError, NonFiniteLossError
 
 STATE_VERSION = 1
 #: set EMBER_PREEMPTION_EXIT=0 to make ``fit`` return after a preemption save instead
 #: of ending the process with ``SystemExit(0)``
 _EXIT_ENV = "EMBER_PREEMPTION_EXIT"
-
-
-class NonFiniteLossError(EmberError, FloatingPointError):
-    """The training loss became NaN or infinite."""
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -205,7 +201,6 @@ def _best_from_last(t) -> str | None:
 def resolve_ckpt_path(t, ckpt_path, stage: str = "fit") -> str:
     """Turn ``ckpt_path`` (a path, "last" or "best") into a path and check it before any
     work: missing, incomplete and truncated checkpoints raise CheckpointError here."""
-    from ember import checkpoint_io as cio
     if ckpt_path == "best":
         cb = t.checkpoint_callback
         path = getattr(cb, "best_model_path", "") if cb is not None else ""

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ember import Accelerator
-from ember.accelerator import DistributedOperationError
+from ember.errors import DistributedOperationError
 
 
 def main():
