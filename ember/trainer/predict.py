@@ -25,6 +25,7 @@ def run_predict(t) -> list:
     with torch.no_grad():
         for dl_idx, loader in enumerate(t._eval_loaders):
             t.current_dataloader = loader
+            t._current_pass_complete = True
             kwargs = {"dataloader_idx": dl_idx} if multi else {}
             outs = []
             for batch_idx, batch in enumerate(loader):

@@ -7,7 +7,6 @@ import datetime as _dt
 import os
 import re
 import time
-from typing import Any
 
 import torch
 
@@ -149,6 +148,7 @@ class Trainer:
         self._train_loader = None
         self._val_loaders: list = []
         self.current_dataloader = None
+        self._current_pass_complete = True
         self.stage = None
         self.sanity_checking = False
         self.interrupted = False
@@ -439,7 +439,10 @@ class Trainer:
 
     def _current_padding(self) -> int:
         from ember.data import num_padded
-        return num_padded(self.current_dataloader) if self.current_dataloader is not None else 0
+        # a partial pass (limit_val_batches, the sanity check) never reaches the padding at the end
+        if self.current_dataloader is None or not self._current_pass_complete:
+            return 0
+        return num_padded(self.current_dataloader)
 
     # ------------------------------------------------------------------ metrics
     def _emit_step(self, results: Results) -> None:

@@ -104,7 +104,12 @@ class Classifier(TrainModule):
 
     def on_validation_epoch_end(self):
         if not self._parts or len(self._parts) != len(self.trainer.current_dataloader):
-            return  # the sanity check sees only a few batches
+            if self.trainer.sanity_checking or not self._parts:
+                return  # the sanity check sees only a few batches
+            # a pass cut short by limit_val_batches: no sampler padding to drop
+            g = self.gather_for_metrics({"ids": torch.cat([p[2] for p in self._parts])})
+            self.partial = {"n": int(g["ids"].numel()), "ids": g["ids"].tolist()}
+            return
         p, t, i = (torch.cat(x) for x in zip(*self._parts))
         g = self.gather_for_metrics({"preds": p, "target": t, "ids": i})
         self.by_hand = {"acc": accuracy(g["preds"], g["target"]).item(), "n": int(g["preds"].numel()),
@@ -123,11 +128,11 @@ class Classifier(TrainModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def eval_trainer(devices, root, callbacks=None):
+def eval_trainer(devices, root, callbacks=None, **kw):
     return Trainer(devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=1, seed=5,
                    limit_train_batches=2, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                   callbacks=callbacks if callbacks is not None else make_gather_metrics())
+                   callbacks=callbacks if callbacks is not None else make_gather_metrics(), **kw)
 
 
 def run_metrics(devices, root, batch_size=16):
@@ -149,6 +154,10 @@ def run_metrics(devices, root, batch_size=16):
     res["predict_ids"] = torch.cat([b["ids"] for b in preds]).tolist()
     res["predict_preds"] = torch.cat([b["preds"] for b in preds]).tolist()
     res["callback_predict_ids"] = callbacks[2].predictions[0]["ids"].tolist()
+    # limit_val_batches=3: 3 batches of 16 per rank, none of them padding
+    partial = eval_trainer(devices, root, limit_val_batches=3)
+    res["partial_gather_metrics_n"] = float(partial.validate(module, loader)[0]["n"])
+    res["partial"] = module.partial
     res["world_size"] = trainer.world_size
     res["env"] = getattr(getattr(trainer.strategy, "cluster_environment", None), "name", "single")
     return trainer, res
