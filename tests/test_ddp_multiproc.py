@@ -170,6 +170,7 @@ def test_metrics_exact_under_torchrun(tmp_path, ddp_train_module):
         assert d["fit_val"]["acc"] == single["fit_val"]["acc"] and d["fit_val"]["n"] == n
         assert d["validate"]["rank"] == 0.5 and d["fit_val"]["rank"] == 0.5   # sync_dist mean of 0 and 1
         assert d["predict_ids"] == list(range(n)) == d["callback_predict_ids"]
+        assert d["predict_names"] == [f"sample-{k}" for k in range(n)]   # lists of strings gather too
         # a partial pass (limit_val_batches=3): 3 x 16 samples per rank, nothing dropped as padding
         assert d["partial"]["ids"] == list(range(2 * 3 * 16)) and d["partial_gather_metrics_n"] == 96
         assert d["predict_preds"] == single["predict_preds"]

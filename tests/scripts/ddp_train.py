@@ -122,7 +122,7 @@ class Classifier(TrainModule):
 
     def predict_step(self, batch, batch_idx):
         x, y, i = batch
-        return {"ids": i, "preds": self(x).argmax(1)}
+        return {"ids": i, "preds": self(x).argmax(1), "names": [f"sample-{int(k)}" for k in i]}
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -153,6 +153,7 @@ def run_metrics(devices, root, batch_size=16):
     preds = trainer.predict(module, loader)
     res["predict_ids"] = torch.cat([b["ids"] for b in preds]).tolist()
     res["predict_preds"] = torch.cat([b["preds"] for b in preds]).tolist()
+    res["predict_names"] = [name for b in preds for name in b["names"]]
     res["callback_predict_ids"] = callbacks[2].predictions[0]["ids"].tolist()
     # limit_val_batches=3: 3 batches of 16 per rank, none of them padding
     partial = eval_trainer(devices, root, limit_val_batches=3)
