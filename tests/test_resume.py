@@ -287,12 +287,11 @@ def test_non_finite_loss_raises_naming_the_step(tmp_path):
 
 def test_non_finite_loss_checked_every_step_under_detect_anomaly(tmp_path):
     from ember.errors import NonFiniteLossError
-    try:
-        with pytest.raises(NonFiniteLossError, match=r"nan at global step 4 .*optimizer step was not taken"):
-            fit(tmp_path, precision="32-true", log_every_n_steps=50, accumulate_grad_batches=1,
-                callbacks=[NanAt(3)], checkpoint=ModelCheckpoint(), detect_anomaly=True)
-    finally:
-        torch.autograd.set_detect_anomaly(False)   # the Trainer leaves it switched on
+    assert not torch.is_anomaly_enabled()
+    with pytest.raises(NonFiniteLossError, match=r"nan at global step 4 .*optimizer step was not taken"):
+        fit(tmp_path, precision="32-true", log_every_n_steps=50, accumulate_grad_batches=1,
+            callbacks=[NanAt(3)], checkpoint=ModelCheckpoint(), detect_anomaly=True)
+    assert not torch.is_anomaly_enabled()   # switched on for the run only
 
 
 def test_non_finite_loss_under_16_mixed_is_skipped_by_the_scaler(tmp_path):

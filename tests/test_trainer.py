@@ -187,6 +187,40 @@ def test_fast_dev_run(make_trainer, data, n):
     assert trainer.current_epoch == 1
 
 
+def test_fast_dev_run_keeps_checkpoint_and_early_stopping_callbacks_but_they_do_nothing(make_trainer, data, tmp_path):
+    """As in Lightning: a smoke test with the production callbacks writes no checkpoint and
+    never stops early (EarlyStopping would not even find its metric here)."""
+    from ember.callbacks import EarlyStopping, ModelCheckpoint
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), monitor="val/loss")
+    stop = EarlyStopping(monitor="never_logged", patience=0)
+    trainer = make_trainer(fast_dev_run=2, enable_checkpointing=True, callbacks=[ckpt, stop])
+    trainer.fit(SanityModule(), data(n=64, batch_size=8), data(n=64, batch_size=8))
+    assert trainer.global_step == 2 and not trainer.should_stop
+    assert trainer.checkpoint_callback is ckpt and not (tmp_path / "ckpts").exists()
+    assert ckpt.best_model_path == ""
+
+
+def test_fit_after_a_failed_fit_restarts_the_broken_epoch(make_trainer, data):
+    class FailOnce(LinearModule):
+        fail_at, seen = 3, []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.trainer.current_epoch, batch_idx))
+            if batch_idx == self.fail_at:
+                self.fail_at = None
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    module = FailOnce()
+    trainer = make_trainer(max_epochs=1, accumulate_grad_batches=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(module, data(n=64, batch_size=8))
+    assert trainer.global_step == 1 and all(p.grad is None for p in module.parameters())
+    module.seen.clear()
+    trainer.fit(module, data(n=64, batch_size=8))
+    assert module.seen == [(0, i) for i in range(8)] and trainer.global_step == 1 + 4
+
+
 def test_training_step_none_skips_the_batch(make_trainer, data):
     class Skip(LinearModule):
         def training_step(self, batch, batch_idx):

@@ -105,7 +105,7 @@ class Trainer:
             n = self.fast_dev_run
             self.limit_train_batches = self.limit_val_batches = n
             self.max_steps, self.max_epochs, self.num_sanity_val_steps = n, 1, 0
-            self.val_check_interval, logger, enable_checkpointing = 1.0, False, False
+            self.val_check_interval, logger = 1.0, False   # checkpoint callbacks stay but write nothing
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
         self.deterministic, self.seed, self._compile = deterministic, seed, compile
         self.detect_anomaly = detect_anomaly
@@ -242,6 +242,9 @@ class Trainer:
             ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)   # errors before any work
         self.stage = stage
         self.should_stop = self._stop_now = self.interrupted = self._resumed = False
+        anomaly = torch.is_anomaly_enabled()
+        if self.detect_anomaly:
+            torch.autograd.set_detect_anomaly(True)   # for this run only; restored below
         try:
             self._setup(module, datamodule, stage, loaders)
             if ckpt_path is not None:
@@ -253,6 +256,10 @@ class Trainer:
             return self._evaluate(stage)
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
+            if stage == "fit":   # a later fit() restarts the broken epoch from its first batch
+                self._batches_done, self._epoch_finished, self._grads_pending = 0, False, False
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
             for h in self._hooks["on_exception"]:
                 h(self, module, exc)
             for lg in self.loggers if self.is_global_zero else []:
@@ -260,6 +267,7 @@ class Trainer:
             self.strategy.on_exception(exc) if hasattr(self.strategy, "on_exception") else None
             raise
         finally:
+            torch.autograd.set_detect_anomaly(anomaly)
             _state.uninstall_signal_handlers(self)
             self._call_hook("teardown", stage)
             if self.datamodule is not None:
@@ -296,8 +304,6 @@ class Trainer:
         if first or self.model is None:
             with self.strategy.module_init_context():
                 module.configure_model()
-            if self.detect_anomaly:
-                torch.autograd.set_detect_anomaly(True)
             self.model = self._acc.setup_module(module)
             if self._compile:
                 opts = self._compile if isinstance(self._compile, dict) else {}
