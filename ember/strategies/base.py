@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.errors import MisconfigurationError
 from ember.precision import Precision
 
 _NULL = contextlib.nullcontext()
@@ -137,7 +138,8 @@ class Strategy:
         if algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, clip_val)
             return None
-        return torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm   # DTensor (FSDP): reduced over ranks
 
     # -- collectives (identity on one process) ---------------------------------
     def barrier(self, name: str | None = None) -> None:
@@ -185,6 +187,28 @@ class Strategy:
             state = dict(trainer_state, optimizers=opt_states) if not weights_only else None
             cio.write_checkpoint(path, weights, state, meta)
         self.barrier("save_checkpoint")
+
+    def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
+        """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one
+        file; anything else a directory (``model.safetensors``, or shards + index).
+        Collective (sharded strategies gather the weights); rank 0 writes. Returns ``path``."""
+        from ember import checkpoint_io as cio
+        module = module if module is not None else self._last_module()
+        if module is None:
+            raise MisconfigurationError("export_full() needs a module: no module was set up by this strategy")
+        weights = self.module_state_dict(module)
+        path = os.fspath(path)
+        if self.is_global_zero:
+            if path.endswith(".safetensors"):
+                cio.save_weights_file(path, weights)
+            else:
+                cio.save_model_sharded(weights, path, max_shard_size)
+        self.barrier("export_full")
+        return path
+
+    def _last_module(self) -> nn.Module | None:
+        """The module ``export_full`` writes when none is given."""
+        return None
 
     def load_checkpoint(self, path: str, module: nn.Module, optimizers: list,
                         strict: bool = True, weights_only: bool = False) -> dict:

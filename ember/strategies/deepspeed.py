@@ -513,22 +513,8 @@ class DeepSpeedStrategy(DDPStrategy):
         state["meta"] = meta
         return state
 
-    def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
-        """Write full fp32 weights as safetensors (a ``.safetensors`` file or a directory).
-        Collective; rank 0 writes."""
-        from ember import checkpoint_io as cio
-        module = module if module is not None else (self._engine or self._module)
-        if module is None:
-            raise MisconfigurationError("export_full() needs a module: none was set up by this strategy")
-        weights = self.module_state_dict(module)
-        path = os.fspath(path)
-        if self.is_global_zero:
-            if path.endswith(".safetensors"):
-                cio.save_weights_file(path, weights)
-            else:
-                cio.save_model_sharded(weights, path, max_shard_size)
-        self.barrier("export_full")
-        return path
+    def _last_module(self) -> nn.Module | None:
+        return self._engine or self._module
 
     def __repr__(self) -> str:
         return (f"DeepSpeedStrategy(stage={self.stage}, world_size={self.world_size}, rank={self.global_rank}, "

@@ -309,17 +309,6 @@ class FSDPStrategy(DDPStrategy):
             return _NULL
         return _no_gradient_sync(module)
 
-    def clip_gradients(self, module: nn.Module, optimizer, clip_val: float,
-                       algorithm: str = "norm") -> torch.Tensor | None:
-        """Clip over the whole (sharded) model: the norm is reduced across ranks."""
-        self.precision.unscale_gradients(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, clip_val)
-            return None
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
     # -- state dicts ---------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full weights on CPU, gathered on global rank 0 (an empty dict on the others).
@@ -516,23 +505,8 @@ class FSDPStrategy(DDPStrategy):
         else:
             set_model_state_dict(module, sd[_DCP_KEY_MODEL], options=opts)
 
-    def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
-        """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one
-        file; anything else a directory (``model.safetensors``, or shards + index).
-        Collective; rank 0 writes. Returns ``path``."""
-        from ember import checkpoint_io as cio
-        module = module if module is not None else (self._models[-1] if self._models else None)
-        if module is None:
-            raise MisconfigurationError("export_full() needs a module: no module was set up by this strategy")
-        weights = self.module_state_dict(module)
-        path = os.fspath(path)
-        if self.is_global_zero:
-            if path.endswith(".safetensors"):
-                cio.save_weights_file(path, weights)
-            else:
-                cio.save_model_sharded(weights, path, max_shard_size)
-        self.barrier("export_full")
-        return path
+    def _last_module(self) -> nn.Module | None:
+        return self._models[-1] if self._models else None
 
     def __repr__(self) -> str:
         return (f"FSDPStrategy(world_size={self.world_size}, rank={self.global_rank}, "
