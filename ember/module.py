@@ -181,7 +181,8 @@ class TrainModule(nn.Module):
     @classmethod
     def load_from_checkpoint(cls, path: str, map_location="cpu", strict: bool = True, **overrides):
         """Rebuild the module from the hparams saved in ``path`` (updated by
-        ``overrides``) and load its weights. No trainer state is unpickled."""
+        ``overrides``) and load its weights. No trainer state is unpickled. Sharded
+        checkpoints (FSDP, DeepSpeed) are consolidated in this one process."""
         from ember import checkpoint_io as cio
         weights, _, meta = cio.read_checkpoint(str(path), load_state=False)
         hparams = dict(meta.get("hparams") or {})
@@ -192,8 +193,12 @@ class TrainModule(nn.Module):
             raise CheckpointError(f"cannot rebuild {cls.__name__} from the checkpoint's hparams "
                                   f"{sorted(hparams)}: {e}. Pass the missing arguments as keywords.") from e
         module.configure_model()
-        if weights is None:
-            raise CheckpointError(f"{path} holds sharded weights; load it with trainer.fit/validate(ckpt_path=...)")
+        if weights is None:   # sharded (FSDP / DeepSpeed): consolidate in this process, no process group
+            if meta.get("strategy") == "deepspeed":
+                from ember.strategies.deepspeed import load_full_weights
+            else:
+                from ember.strategies.fsdp import load_full_weights
+            weights = load_full_weights(str(path))
         cio.check_compatible(module, weights, str(path)) if strict else None
         module.load_state_dict(weights, strict=strict)
         return module.to(map_location)

@@ -84,6 +84,7 @@ class TestZeRO:
     def test_validate_from_checkpoint_without_fit(self, results):
         r = results("validate")
         assert r["val_loss"] == pytest.approx(r["expected"], rel=1e-5)
+        assert r["load_from_checkpoint_equal"] and r["load_from_checkpoint_lr"] == 0.5   # Net.load_from_checkpoint
 
     def test_full_weights_load_into_trained_engine(self, results):
         r = results("load_weights")

@@ -73,6 +73,23 @@ def test_resume_from_sharded_checkpoint_is_bit_identical(results):
                          "sharded": True, "state_dict_type": "sharded"}
 
 
+def test_load_from_checkpoint_consolidates_a_sharded_checkpoint(results):
+    """Module.load_from_checkpoint on an FSDP (DCP) checkpoint, in this process: the
+    hparams rebuild the module and the weights equal the ones the ranks saved."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import shard_common as sc
+        from ember.strategies.fsdp import load_full_weights
+    finally:
+        sys.path.pop(0)
+    mid = os.path.join(results.dir, "resume_ckpts", "step=3")
+    module = sc.Net.load_from_checkpoint(mid, lr=0.5)
+    assert module.hparams.lr == 0.5 and module.hparams.opt == "adamw"
+    saved = load_full_weights(mid)
+    state = module.state_dict()
+    assert set(state) == set(saved) and all(torch.equal(state[k], saved[k]) for k in saved)
+
+
 def test_world1_checkpoint_resumes_at_world2(results):
     r = results("from_world1")
     assert r["world"] == 2 and r["weights_equal"] and r["optim_equal"]

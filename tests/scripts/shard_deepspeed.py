@@ -87,7 +87,10 @@ plain.load_state_dict(load_full_weights(mid))
 x, y = sc.data(32).tensors
 with torch.no_grad():
     expected = F.cross_entropy(plain(x), y).item()
-sc.write_result(OUT, "validate", {"val_loss": metrics[0]["val/loss"], "expected": expected}, rank)
+rebuilt = sc.Net.load_from_checkpoint(mid)   # hparams + consolidated ZeRO weights, no engine
+sc.write_result(OUT, "validate", {"val_loss": metrics[0]["val/loss"], "expected": expected,
+                                  "load_from_checkpoint_equal": sc.equal(rebuilt.state_dict(), plain.state_dict()),
+                                  "load_from_checkpoint_lr": rebuilt.hparams.lr}, rank)
 
 # 4. full export loads into a plain module and gives the same outputs
 net = sc.make_net(seed=5)
