@@ -7,9 +7,12 @@ Tiny MLP 32->64->10, batch 64, in-memory tensors, the same DataLoader for every
 variant, torch.set_num_threads(1). Each variant runs in its own process;
 repetitions are interleaved; steady-state steps/s is measured between step
 ``--warmup`` and the last step by timestamps taken in the DataLoader's
-collate_fn (identical code in every variant). Also counts Python function calls
-per step under cProfile (deterministic, unlike timings): "steady state" is the
-difference between a run of 2N and of N steps divided by N, so one-time setup
+collate_fn (identical code in every variant). Timings on a shared 2-core machine
+vary by +-20% between runs of the same code, so use many repetitions (--reps 15)
+and read the per-repetition ratio beside the ratio of medians. Also counts Python
+function calls per step under cProfile, and with --callgrind machine instructions
+per step under valgrind (both deterministic, unlike timings): "steady state" is
+the difference between a run of 2N and of N steps divided by N, so one-time setup
 cancels; "incl. setup" divides a whole N-step run by N.
 
 Variants: raw (hand-written loop), trainer (ember Trainer with DEFAULT settings:
@@ -126,6 +129,9 @@ def main():
     p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--callgrind", action="store_true",
+                   help="also count machine instructions per step under valgrind (slow: minutes per variant)")
+    p.add_argument("--callgrind-steps", type=int, default=300)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -157,15 +163,59 @@ def main():
                                        env=env).stdout.strip().splitlines()[-1])["calls_per_step"] * 2 * args.steps
         calls[v] = (c2 - c1) / args.steps
         calls_total[v] = c1 / args.steps
+    instr = callgrind_instructions(variants, args, env) if args.callgrind else {}
     raw = statistics.median(rates["raw"]) if "raw" in rates else None
     print(f"\ntiny MLP 32-64-10, batch 64, {args.steps} steps, torch.set_num_threads(1), "
           f"{args.reps} interleaved reps, median steady-state steps/s after step {args.warmup}\n")
-    print("| variant | steps/s (median) | ratio vs raw | Python calls/step, steady state | incl. setup |")
-    print("|---|---|---|---|---|")
+    print("ratio vs raw: of the medians | median of the per-repetition ratios (each variant against the raw run "
+          "of its own repetition, which cancels slow drifts of the machine) | of the best repetitions\n")
+    print("| variant | steps/s (median) | ratio vs raw | per-rep ratio (median) | best vs best "
+          "| Python calls/step, steady state | incl. setup |" + (" instructions/step (callgrind) |" if instr else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if instr else ""))
     for v in variants:
         med = statistics.median(rates[v])
-        ratio = f"{med / raw:.3f}" if raw else "-"
-        print(f"| {v} | {med:.0f} | {ratio} | {calls[v]:.0f} | {calls_total[v]:.0f} |")
+        ratio = pair = best = "-"
+        if raw:
+            ratio = f"{med / raw:.3f}"
+            pair = f"{statistics.median(a / b for a, b in zip(rates[v], rates['raw'])):.3f}"
+            best = f"{max(rates[v]) / max(rates['raw']):.3f}"
+        extra = ""
+        if instr:
+            extra = f" {instr[v] / 1e6:.3f} M" + (f" ({instr[v] / instr['raw']:.3f}x)" if "raw" in instr else "") + " |"
+        print(f"| {v} | {med:.0f} | {ratio} | {pair} | {best} | {calls[v]:.0f} | {calls_total[v]:.0f} |{extra}")
+
+
+def callgrind_instructions(variants, args, env) -> dict:
+    """Machine instructions per training step under valgrind's callgrind: a run of N and
+    of 2N steps, difference / N. Deterministic, unlike timings (OPENBLAS_NUM_THREADS=1:
+    numpy's idle OpenBLAS worker otherwise spins a varying number of instructions)."""
+    import re
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+    if shutil.which("valgrind") is None:
+        print("callgrind: valgrind not found, skipped", file=sys.stderr)
+        return {}
+    n = args.callgrind_steps
+    env = dict(env, OPENBLAS_NUM_THREADS="1")
+
+    def count(job):
+        v, steps = job
+        with tempfile.TemporaryDirectory() as tmp:
+            res = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
+                                  sys.executable, __file__, "--child", v, "--steps", str(steps),
+                                  "--warmup", "0"], capture_output=True, text=True, env=env)
+        m = re.search(r"Collected : (\d+)", res.stderr)
+        if res.returncode or not m:
+            sys.exit(f"callgrind run of {v} failed:\n{res.stderr[-2000:]}")
+        return int(m.group(1))
+
+    jobs = [(v, steps) for v in variants for steps in (n, 2 * n)]
+    with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        totals = dict(zip(jobs, pool.map(count, jobs)))
+    out = {v: (totals[(v, 2 * n)] - totals[(v, n)]) / n for v in variants}
+    for v in variants:
+        print(f"callgrind {v}: {out[v] / 1e6:.3f} M instructions/step", file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":
