@@ -229,6 +229,7 @@ def test_no_weight_decay_on_biases_and_norms_and_freeze_base():
     assert "bert.encoder.layer.0.attention.self.query.weight" in decayed
     assert "bert.embeddings.LayerNorm.weight" in plain and "classifier.bias" in plain
     assert not any(n.endswith("bias") or "LayerNorm" in n for n in decayed)
+    assert opt.defaults["fused"] is True   # one fused AdamW kernel per step, as transformers' Trainer
     frozen = TransformersModule(hf_tiny.tiny_bert(), freeze_base=True)
     params = [p for g in frozen.configure_optimizers()["optimizer"].param_groups for p in g["params"]]
     assert {id(p) for p in params} == {id(p) for p in frozen.model.classifier.parameters()}
