@@ -238,12 +238,22 @@ def skip_batches(dl: Any, num_batches: int) -> bool:
     return True
 
 
-def num_padded(dl: Any) -> int:
-    """How many samples the distributed sampler duplicated to even the shards."""
+def num_padded(dl: Any, batches: int | float | None = None) -> int:
+    """How many samples the distributed sampler duplicated to even the shards. With
+    ``batches``: how many of them a pass of that many batches reached. The padding is
+    the last sample of some ranks, so a full pass has all of it and a shorter one
+    (``limit_val_batches``, the sanity check) none."""
     s = getattr(dl, "sampler", None)
     if s is None and isinstance(getattr(dl, "batch_sampler", None), _SkipBatchSampler):
         s = getattr(dl.batch_sampler.batch_sampler, "sampler", None)
-    return int(getattr(s, "padding", 0) or 0)
+    pad = int(getattr(s, "padding", 0) or 0)
+    if pad and batches is not None:
+        try:
+            if batches < len(dl):
+                return 0
+        except TypeError:
+            return 0
+    return pad
 
 
 def dataset_length(dl: Any) -> int | None:

@@ -165,13 +165,19 @@ def _gather_padded(ops, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return ops.all_gather(tensor), sizes
 
 
+def is_sample_list(data: Any) -> bool:
+    """A list/tuple of plain values (strings, numbers): one value per sample, gathered
+    as a whole rather than element by element."""
+    return isinstance(data, (list, tuple)) and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in data)
+
+
 def _map(data: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] | None = None) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, dict):
         return type(data)((k, _map(v, fn, leaf)) for k, v in data.items())
     if isinstance(data, (list, tuple)):
-        if leaf is not None and data and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in data):
+        if leaf is not None and data and is_sample_list(data):
             return leaf(data)
         out = [_map(v, fn, leaf) for v in data]
         return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)

@@ -86,9 +86,8 @@ class GatherMetrics(Callback):
         #: predict stage: gathered outputs in dataset order, one entry per dataloader
         self.predictions: list = []
         self._buf: dict[int, list] = {}
-        self._padding: dict[int, int] = {}
+        self._loaders: dict[int, Any] = {}
         self._batches: dict[int, int] = {}
-        self._expected: dict[int, int | None] = {}
         self._in_validation = False
         inactive = set()
         for stage, hook in (("validate", "validation"), ("test", "test"), ("predict", "predict")):
@@ -99,7 +98,7 @@ class GatherMetrics(Callback):
 
     # -- collection ----------------------------------------------------------------
     def _reset(self) -> None:
-        self._buf, self._padding, self._batches, self._expected = {}, {}, {}, {}
+        self._buf, self._loaders, self._batches = {}, {}, {}
 
     def _collect(self, trainer, outputs, stage: str, dataloader_idx: int) -> None:
         if stage == "predict":
@@ -113,24 +112,18 @@ class GatherMetrics(Callback):
                     f"it returned {have}")
             value = tuple(_detach(outputs[k]) for k in self.keys)
         if dataloader_idx not in self._buf:
-            from ember.data import num_padded
-            loader = getattr(trainer, "current_dataloader", None)
             self._buf[dataloader_idx] = []
-            self._padding[dataloader_idx] = num_padded(loader) if loader is not None else 0
-            try:
-                self._expected[dataloader_idx] = len(loader) if loader is not None else None
-            except TypeError:
-                self._expected[dataloader_idx] = None
+            self._loaders[dataloader_idx] = getattr(trainer, "current_dataloader", None)
             self._batches[dataloader_idx] = 0
         self._buf[dataloader_idx].append(value)
         self._batches[dataloader_idx] += 1
 
     def _gathered(self, trainer, idx: int) -> Any:
+        from ember.data import num_padded
         from ember.distributed import gather_for_metrics
         parts = self._buf.get(idx, [])
-        # the sampler's padding sits at the end of the epoch: drop it only after a full pass
-        complete = self._expected.get(idx) is not None and self._batches.get(idx) == self._expected[idx]
-        padding = self._padding.get(idx, 0) if complete else 0
+        loader = self._loaders.get(idx)
+        padding = num_padded(loader, self._batches.get(idx, 0)) if loader is not None else 0   # full passes only
         strategy = getattr(trainer, "strategy", None)
         local = _cat(parts) if parts else None
         counts = strategy.all_gather_object(local is None) if strategy is not None else [local is None]

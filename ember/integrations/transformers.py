@@ -463,10 +463,11 @@ class TransformersModule(TrainModule):
         """AdamW's fused kernel (transformers' Trainer default, ``adamw_torch_fused``):
         one kernel per step instead of a Python loop over parameters (a sixth of a step's
         time on CPU for MiniLM). Only for plain floating tensors on a device that has the
-        kernel, and not under DeepSpeed, which steps its own flat partitions."""
+        kernel, and not where the strategy steps the optimizer itself (DeepSpeed steps its
+        own flat partitions)."""
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
         t = self._trainer
-        if t is not None and getattr(t.strategy, "name", "") == "deepspeed":
+        if t is not None and t.strategy.owns_optimizer_step:
             return False
         ok = set(_get_fused_kernels_supported_devices())
         return bool(params) and all(type(p) is nn.Parameter and p.is_floating_point() and p.device.type in ok

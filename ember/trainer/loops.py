@@ -314,7 +314,7 @@ class EvalLoop:
             for dl_idx, loader in enumerate(loaders):
                 t.current_dataloader = loader
                 n = t._limit_batches(loader, limit)
-                t._current_pass_complete = _covers(loader, n)   # the sampler's padding comes last
+                t._current_pass_batches = n   # a shorter pass never reaches the sampler's padding
                 kwargs = {"dataloader_idx": dl_idx} if (accepts_idx and len(loaders) > 1) else {}
                 results.dataloader_idx = dl_idx if len(loaders) > 1 else None
                 count = 0
@@ -345,14 +345,6 @@ class EvalLoop:
             # one dict per dataloader: its own "/dataloader_idx_N" values plus the shared ones
             return [{k: v for k, v in metrics.items() if _loader_of(k) in (None, i)} for i in range(len(per_loader))]
         return [metrics]
-
-
-def _covers(loader, n) -> bool:
-    """Does a pass of ``n`` batches reach the loader's end?"""
-    try:
-        return n >= len(loader)
-    except TypeError:
-        return True
 
 
 def _loader_of(name: str):

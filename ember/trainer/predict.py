@@ -7,6 +7,7 @@ import inspect
 
 import torch
 
+from ember.distributed import is_sample_list
 from ember.errors import MisconfigurationError
 
 
@@ -25,7 +26,7 @@ def run_predict(t) -> list:
     with torch.no_grad():
         for dl_idx, loader in enumerate(t._eval_loaders):
             t.current_dataloader = loader
-            t._current_pass_complete = True
+            t._current_pass_batches = None   # predict always runs the whole loader
             kwargs = {"dataloader_idx": dl_idx} if multi else {}
             outs = []
             for batch_idx, batch in enumerate(loader):
@@ -61,18 +62,13 @@ def _gather_outputs(t, outs: list, loader) -> list:
     return _split(full, bs)
 
 
-def _samples(o) -> bool:
-    """A list/tuple of plain values (strings, numbers): one value per sample."""
-    return isinstance(o, (list, tuple)) and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in o)
-
-
 def _concat(outs):
     o = outs[0]
     if isinstance(o, torch.Tensor):
         return torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in outs])
     if isinstance(o, dict):
         return {k: _concat([x[k] for x in outs]) for k in o}
-    if _samples(o):
+    if is_sample_list(o):
         return [v for x in outs for v in x]
     return type(o)(_concat([x[i] for x in outs]) for i in range(len(o)))
 
@@ -82,7 +78,7 @@ def _first_len(o):
         return o.shape[0]
     if isinstance(o, dict):
         return _first_len(next(iter(o.values())))
-    if _samples(o):
+    if is_sample_list(o):
         return len(o)
     return _first_len(o[0])
 
@@ -97,6 +93,6 @@ def _slice(data, a, b):
         return data[a:b]
     if isinstance(data, dict):
         return {k: _slice(v, a, b) for k, v in data.items()}
-    if _samples(data):
+    if is_sample_list(data):
         return data[a:b]
     return type(data)(_slice(v, a, b) for v in data)

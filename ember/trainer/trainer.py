@@ -148,7 +148,7 @@ class Trainer:
         self._train_loader = None
         self._val_loaders: list = []
         self.current_dataloader = None
-        self._current_pass_complete = True
+        self._current_pass_batches = None
         self.stage = None
         self.sanity_checking = False
         self.interrupted = False
@@ -445,10 +445,9 @@ class Trainer:
 
     def _current_padding(self) -> int:
         from ember.data import num_padded
-        # a partial pass (limit_val_batches, the sanity check) never reaches the padding at the end
-        if self.current_dataloader is None or not self._current_pass_complete:
+        if self.current_dataloader is None:
             return 0
-        return num_padded(self.current_dataloader)
+        return num_padded(self.current_dataloader, self._current_pass_batches)
 
     # ------------------------------------------------------------------ metrics
     def _emit_step(self, results: Results) -> None:
