@@ -3,8 +3,9 @@ side by side when it can run here (it needs the ``accelerate`` package).
 
     python benchmarks/finetune.py                 # 300 steps, batch 32, lr 1e-4, 6% warmup
     python benchmarks/finetune.py --steps 20      # a quick look
+    python benchmarks/finetune.py --threads 2 --seeds 0 1 2 3 4   # five splits, means (docs/benchmarks.md)
 
-Same settings for both: 11,752 training / 1,000 test reviews (fixed seed split),
+Same settings for both: 11,752 training / 1,000 test reviews (split fixed by the seed),
 AdamW (weight decay 0.01, none on biases and LayerNorm), linear schedule with 6%
 warmup, gradient norm clipped at 1.0 (transformers' Trainer default), max length
 128 with dynamic padding, fp32. Reports test accuracy and the
@@ -132,6 +133,72 @@ def run_plain_loop(args, data: TextClassificationData) -> dict:
     return {"test_acc": correct / total, "s_per_step": secs / step, "steps": step, "total_s": time.perf_counter() - t0}
 
 
+def run_seed(args, hf_first: bool) -> dict:
+    """One split + training seed: ember and transformers' Trainer (and the plain loop) on the same token ids."""
+    t0 = time.perf_counter()
+    train, test = load_rotten_tomatoes(test_size=1000, seed=args.seed)
+    data = TextClassificationData(minilm_path(), train=train, test=test, max_length=args.max_length,
+                                  batch_size=args.batch_size, eval_batch_size=args.batch_size * 2, label_names=LABELS)
+    data.setup("fit")
+    prep = time.perf_counter() - t0
+    majority = max(sum(lab == c for _, lab in test) for c in LABELS) / len(test)
+    print(f"seed {args.seed}: {len(data.datasets['train'])} train / {len(data.datasets['test'])} test reviews, "
+          f"read + tokenised in {prep:.1f}s; majority class = {majority:.3f} of test; "
+          f"{torch.get_num_threads()} threads, device {'cuda' if torch.cuda.is_available() else 'cpu'}", flush=True)
+    out = {"seed": args.seed, "hf_first": hf_first, "majority": majority}
+
+    def ember_run():
+        out["ember"] = run_ember(args, data)
+        print(f"  ember:                test acc {out['ember']['test_acc']:.4f}   "
+              f"{out['ember']['s_per_step']:.3f} s/step", flush=True)
+
+    def hf_run():
+        if args.skip_hf:
+            out["transformers.Trainer"] = "skipped (--skip-hf)"
+        elif importlib.util.find_spec("accelerate") is None:
+            out["transformers.Trainer"] = "skipped: transformers' Trainer needs the accelerate package, not installed"
+        else:
+            out["transformers.Trainer"] = run_hf_trainer(args, data)
+        hf = out["transformers.Trainer"]
+        if isinstance(hf, dict):
+            print(f"  transformers.Trainer: test acc {hf['test_acc']:.4f}   {hf['s_per_step']:.3f} s/step", flush=True)
+        else:
+            print(f"  transformers.Trainer: {hf}", flush=True)
+
+    for run in ((hf_run, ember_run) if hf_first else (ember_run, hf_run)):
+        run()
+    if args.plain:
+        out["plain PyTorch loop"] = plain = run_plain_loop(args, data)
+        print(f"  plain PyTorch loop:   test acc {plain['test_acc']:.4f}   {plain['s_per_step']:.3f} s/step", flush=True)
+    return out
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Mean and sample standard deviation over seeds of each framework's accuracy and
+    s/step, and the per-seed (paired) time ratio ember / Trainer."""
+    import statistics
+
+    summary = {}
+    for name in ("ember", "transformers.Trainer", "plain PyTorch loop"):
+        rows = [r[name] for r in runs if isinstance(r.get(name), dict)]
+        if len(rows) < 2:
+            continue
+        acc = [r["test_acc"] for r in rows]
+        sps = [r["s_per_step"] for r in rows]
+        summary[name] = {"acc_mean": statistics.mean(acc), "acc_sd": statistics.stdev(acc),
+                         "s_per_step_mean": statistics.mean(sps)}
+        print(f"{name:22s} over {len(rows)} seeds: test acc {statistics.mean(acc):.4f} +- {statistics.stdev(acc):.4f} "
+              f"(min {min(acc):.3f}, max {max(acc):.3f}); {statistics.mean(sps):.3f} s/step", flush=True)
+    pairs = [(r["ember"], r["transformers.Trainer"]) for r in runs if isinstance(r.get("transformers.Trainer"), dict)]
+    if pairs:
+        ratios = sorted(e["s_per_step"] / h["s_per_step"] for e, h in pairs)
+        summary["time_ratio_median"] = statistics.median(ratios)
+        summary["acc_diff_mean"] = statistics.mean(e["test_acc"] - h["test_acc"] for e, h in pairs)
+        print(f"ember / Trainer time per step, median of per-seed ratios: {summary['time_ratio_median']:.3f}; "
+              f"accuracy ember - Trainer, mean of per-seed differences: {summary['acc_diff_mean']:+.4f}", flush=True)
+    return summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
@@ -142,7 +209,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (transformers' default 1.0; 0: off)")
     p.add_argument("--precision", default="32-true", help="ember precision string (the HF run follows it)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="split and training seed")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="several seeds (each its own split and training seed), both frameworks on each, "
+                        "alternating which runs first; prints means over seeds")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers' Trainer")
     p.add_argument("--hf-first", action="store_true",
@@ -154,42 +224,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    t0 = time.perf_counter()
-    train, test = load_rotten_tomatoes(test_size=1000, seed=args.seed)
-    data = TextClassificationData(minilm_path(), train=train, test=test, max_length=args.max_length,
-                                  batch_size=args.batch_size, eval_batch_size=args.batch_size * 2, label_names=LABELS)
-    data.setup("fit")
-    prep = time.perf_counter() - t0
-    majority = max(sum(lab == c for _, lab in test) for c in LABELS) / len(test)
-    print(f"data: {len(data.datasets['train'])} train / {len(data.datasets['test'])} test reviews, "
-          f"read + tokenised in {prep:.1f}s; majority class = {majority:.3f} of test; "
-          f"{torch.get_num_threads()} threads, device {'cuda' if torch.cuda.is_available() else 'cpu'}", flush=True)
-
-    results = {}
-
-    def ember_run():
-        results["ember"] = run_ember(args, data)
-        print(f"ember:               test acc {results['ember']['test_acc']:.4f}   "
-              f"{results['ember']['s_per_step']:.3f} s/step", flush=True)
-
-    def hf_run():
-        if args.skip_hf:
-            results["transformers.Trainer"] = "skipped (--skip-hf)"
-        elif importlib.util.find_spec("accelerate") is None:
-            results["transformers.Trainer"] = "skipped: transformers' Trainer needs the accelerate package, not installed"
-        else:
-            results["transformers.Trainer"] = run_hf_trainer(args, data)
-        hf = results["transformers.Trainer"]
-        if isinstance(hf, dict):
-            print(f"transformers.Trainer: test acc {hf['test_acc']:.4f}   {hf['s_per_step']:.3f} s/step", flush=True)
-        else:
-            print(f"transformers.Trainer: {hf}", flush=True)
-
-    for run in ((hf_run, ember_run) if args.hf_first else (ember_run, hf_run)):
-        run()
-    if args.plain:
-        results["plain PyTorch loop"] = plain = run_plain_loop(args, data)
-        print(f"plain PyTorch loop:  test acc {plain['test_acc']:.4f}   {plain['s_per_step']:.3f} s/step")
+    seeds = args.seeds if args.seeds else [args.seed]
+    results = {"runs": []}
+    for k, seed in enumerate(seeds):
+        args.seed = seed
+        # several seeds: alternate which framework goes first, so drifts of the machine cancel
+        hf_first = args.hf_first if len(seeds) == 1 else (k % 2 == 1)
+        results["runs"].append(run_seed(args, hf_first))
+    if len(seeds) > 1:
+        results["summary"] = summarise(results["runs"])
     results["settings"] = vars(args)
     if args.json:
         with open(args.json, "w") as f:
