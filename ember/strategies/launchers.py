@@ -15,8 +15,10 @@ variables ``torchrun`` would set, then returns so rank 0 joins the job.
 
 :func:`install_exit_handlers` (every rank, every launch method) makes the end
 of a distributed run deterministic. On a normal exit (atexit) all ranks meet at
-a barrier and destroy the process group while the interpreter is fully alive:
-left to interpreter finalisation, torch's gloo backend aborts a few percent of
+a barrier and destroy the process group while the interpreter is fully alive,
+and the process ends at C ``exit()`` without running C++ static destructors
+(:func:`_skip_native_teardown`, same exit status): left to them, gloo threads
+that torch keeps alive past ``destroy_process_group()`` abort a few percent of
 processes (``terminate called without an active exception``). After an
 unhandled exception the rank runs the atexit handlers itself and leaves with
 ``os._exit``, so that a broken process group cannot abort or hang the exit. A
@@ -304,6 +306,30 @@ def _exit_handler() -> None:
         if code:
             _flush_stdio()
             os._exit(code)
+    _skip_native_teardown()
+
+
+def _skip_native_teardown() -> None:
+    """End the process at C ``exit(status)`` with that status, skipping C++ static destructors.
+
+    ``destroy_process_group()`` does not free a gloo group that a DDP wrapper was built
+    on (torch keeps it alive from C++), so gloo's sockets and loop threads outlive
+    Python. Tearing them down in the C++ static destructors, while the other rank
+    is exiting too, aborts a few percent of processes (``terminate called without an
+    active exception``, SIGABRT). glibc's ``on_exit`` calls ``_exit(status, arg)``
+    after Python has finalised (atexit handlers, flushed files, finalizers), so the
+    exit status is exactly the one Python chose and only native teardown is skipped.
+    C stdio buffers are flushed first. No-op where ``on_exit`` does not exist."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        on_exit, _exit = getattr(libc, "on_exit", None), getattr(libc, "_exit", None)
+        if on_exit is None or _exit is None:
+            return
+        libc.fflush(None)
+        on_exit(_exit, None)
+    except Exception:  # no libc to speak to: the ordinary exit
+        pass
 
 
 def shutdown_process_group(barrier: bool = True) -> None:
