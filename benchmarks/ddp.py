@@ -12,9 +12,12 @@ printed too (less sensitive to other processes on a busy machine)::
 
 Clean exits: N two-process runs of a small ember fit (launched from a plain
 ``python script.py``) and, for comparison, N runs of a bare torch script that
-destroys its process group without ember's exit handling; counts the exit codes::
+destroys its process group without ember's exit handling (``raw``), and of the
+same bare script ending only as ember does, through ``on_exit(_exit)``
+(``raw-onexit``); counts the exit codes::
 
     python benchmarks/ddp.py exit-loop --runs 40
+    python benchmarks/ddp.py exit-loop --runs 60 --kinds raw,raw-onexit
 """
 from __future__ import annotations
 
@@ -182,6 +185,9 @@ def exit_worker_raw(args) -> None:
     for _ in range(3):
         model(torch.randn(2, 4)).pow(2).mean().backward()
     dist.destroy_process_group()
+    if args.mode == "exit-worker-raw-onexit":   # only ember's last exit step: end at C exit() via on_exit(_exit)
+        from ember.strategies.launchers import _skip_native_teardown
+        _skip_native_teardown()
 
 
 def exit_loop(args) -> None:
@@ -196,7 +202,8 @@ def exit_loop(args) -> None:
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
             else:
                 port = str(find_free_port())
-                procs = [subprocess.Popen([sys.executable, HERE, "exit-worker-raw"], env=dict(
+                worker = "exit-worker-raw-onexit" if kind == "raw-onexit" else "exit-worker-raw"
+                procs = [subprocess.Popen([sys.executable, HERE, worker], env=dict(
                     env, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                     for r in range(2)]
@@ -211,15 +218,19 @@ def exit_loop(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", nargs="?", default="throughput",
-                    choices=["throughput", "throughput-worker", "exit-loop", "exit-worker-ember", "exit-worker-raw"])
+                    choices=["throughput", "throughput-worker", "exit-loop", "exit-worker-ember", "exit-worker-raw",
+                             "exit-worker-raw-onexit"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--runs", type=int, default=40)
-    ap.add_argument("--kinds", default="ember,raw", help="exit-loop: comma-separated subset of ember,raw")
+    ap.add_argument("--kinds", default="ember,raw",
+                    help="exit-loop: comma-separated subset of ember,raw,raw-onexit "
+                         "(raw-onexit: the raw script plus only ember's on_exit(_exit) ending)")
     args = ap.parse_args()
     {"throughput": throughput, "throughput-worker": throughput_worker, "exit-loop": exit_loop,
-     "exit-worker-ember": exit_worker_ember, "exit-worker-raw": exit_worker_raw}[args.mode](args)
+     "exit-worker-ember": exit_worker_ember, "exit-worker-raw": exit_worker_raw,
+     "exit-worker-raw-onexit": exit_worker_raw}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ variables ``torchrun`` would set, then returns so rank 0 joins the job.
 
 :func:`install_exit_handlers` (every rank, every launch method) makes the end
 of a distributed run deterministic. On a normal exit (atexit) all ranks meet at
-a barrier and destroy the process group while the interpreter is fully alive,
-and the process ends at C ``exit()`` without running C++ static destructors
-(:func:`_skip_native_teardown`, same exit status): left to them, gloo threads
-that torch keeps alive past ``destroy_process_group()`` abort a few percent of
-processes (``terminate called without an active exception``). After an
+a barrier, let the backend's worker threads drop their finished works (which
+may take the GIL: see :func:`shutdown_process_group`) and destroy the process
+group while the interpreter is fully alive; the process then ends at C
+``exit()`` with Python's exit status, without native teardown
+(:func:`_skip_native_teardown`). Either step missing, a few to twenty percent of
+processes abort (``terminate called without an active exception``). After an
 unhandled exception the rank runs the atexit handlers itself and leaves with
 ``os._exit``, so that a broken process group cannot abort or hang the exit. A
 communication error that only reports that *another* rank went away is
@@ -310,16 +311,17 @@ def _exit_handler() -> None:
 
 
 def _skip_native_teardown() -> None:
-    """End the process at C ``exit(status)`` with that status, skipping C++ static destructors.
+    """End the process at C ``exit(status)`` with that status, skipping native teardown.
 
     ``destroy_process_group()`` does not free a gloo group that a DDP wrapper was built
-    on (torch keeps it alive from C++), so gloo's sockets and loop threads outlive
-    Python. Tearing them down in the C++ static destructors, while the other rank
-    is exiting too, aborts a few percent of processes (``terminate called without an
-    active exception``, SIGABRT). glibc's ``on_exit`` calls ``_exit(status, arg)``
-    after Python has finalised (atexit handlers, flushed files, finalizers), so the
-    exit status is exactly the one Python chose and only native teardown is skipped.
-    C stdio buffers are flushed first. No-op where ``on_exit`` does not exist."""
+    on (torch keeps it alive from C++), so gloo's sockets and threads outlive Python,
+    and processes abort in C ``exit()`` (``terminate called without an active
+    exception``, SIGABRT: a fifth of a raw DDP script's processes in
+    ``benchmarks/ddp.py exit-loop``, none with this step). glibc's ``on_exit`` calls
+    ``_exit(status, arg)`` after Python has finalised (atexit handlers, flushed files,
+    finalizers), so the exit status is exactly the one Python chose and only the
+    native exit handlers and static destructors are skipped. C stdio buffers are
+    flushed first. No-op where ``on_exit`` does not exist."""
     try:
         import ctypes
         libc = ctypes.CDLL(None)
@@ -332,14 +334,27 @@ def _skip_native_teardown() -> None:
         pass
 
 
+#: seconds the main thread lets go of the GIL after the exit barrier (see shutdown_process_group)
+_DRAIN_S = 0.1
+
+
 def shutdown_process_group(barrier: bool = True) -> None:
-    """Barrier (optional), then destroy the default process group. Idempotent."""
+    """Barrier (optional), then destroy the default process group. Idempotent.
+
+    A gloo barrier waits for every earlier collective of the group to complete.
+    Each completed work is then dropped by the gloo worker thread that ran it, and
+    when it holds the last reference to a tensor that Python owned, dropping it
+    takes the GIL. Once the interpreter is finalising, taking the GIL ends that
+    thread inside a noexcept destructor: ``std::terminate``, SIGABRT. So after the
+    barrier the main thread sleeps briefly with the GIL released and the worker
+    threads drop their works while the interpreter is fully alive."""
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         return
     try:
         if barrier and dist.get_world_size() > 1:
             dist.barrier()
+            time.sleep(_DRAIN_S)
     finally:
         dist.destroy_process_group()
 
