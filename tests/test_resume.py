@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -219,10 +220,26 @@ class _Zygote:
             self.p.kill()
 
 
+def _newest_step(ckpt_dir) -> int:
+    steps = [int(m.group(1)) for c in cio.list_checkpoints(ckpt_dir)
+             for m in [re.search(r"step=(\d+)", os.path.basename(c))] if m]
+    return max(steps, default=0)
+
+
+def _wait_for_progress(ckpt_dir, past_step: int, total_steps: int, timeout: float = 60.0) -> None:
+    """Until the running fit has written a checkpoint beyond ``past_step`` (or has none left to write)."""
+    end = time.monotonic() + timeout
+    while past_step < total_steps and _newest_step(ckpt_dir) <= past_step:
+        assert time.monotonic() < end, f"no checkpoint past step {past_step} within {timeout}s"
+        time.sleep(0.001)
+
+
 def test_stress_random_sigkills_then_resume_is_bit_exact(tmp_path):
     """Ten SIGKILLs at random moments of a fit that checkpoints every step (so many land
     inside a save); every run resumes from 'last', never from a half-written '*.tmp', and
-    the final parameters equal the uninterrupted run's."""
+    the final parameters equal the uninterrupted run's. Each kill comes at a random moment
+    within about four steps after the run's first new checkpoint, so every run makes
+    progress however fast the machine is (a whole fit takes ~0.2 s here)."""
     env = dict(os.environ, EMBER_CHECKPOINT_FSYNC="0")
     z = _Zygote(env)
     try:
@@ -240,6 +257,7 @@ def test_stress_random_sigkills_then_resume_is_bit_exact(tmp_path):
             pid = z.run(root, bool(cio.list_checkpoints(root / "checkpoints")))
             start = z.expect("start").split()
             resumed_from.append((int(start[1]), start[2]))
+            _wait_for_progress(root / "checkpoints", int(start[1]), 20 * STEPS_PER_EPOCH)   # _Zygote.run's 20 epochs
             time.sleep(rng.uniform(0.0, duration / 15))
             os.kill(pid, signal.SIGKILL)
             code = z.wait(pid)
