@@ -187,12 +187,12 @@ def summarise(runs: list[dict]) -> dict:
         sps = [r["s_per_step"] for r in rows]
         summary[name] = {"acc_mean": statistics.mean(acc), "acc_sd": statistics.stdev(acc),
                          "s_per_step_mean": statistics.mean(sps)}
-        print(f"{name:22s} over {len(rows)} seeds: test acc {statistics.mean(acc):.4f} +- {statistics.stdev(acc):.4f} "
-              f"(min {min(acc):.3f}, max {max(acc):.3f}); {statistics.mean(sps):.3f} s/step", flush=True)
+        print(f"{name:22s} over {len(rows)} seeds: test acc {statistics.mean(acc):.4f} "
+              f"+- {statistics.stdev(acc):.4f} (min {min(acc):.3f}, max {max(acc):.3f}); "
+              f"{statistics.mean(sps):.3f} s/step", flush=True)
     pairs = [(r["ember"], r["transformers.Trainer"]) for r in runs if isinstance(r.get("transformers.Trainer"), dict)]
     if pairs:
-        ratios = sorted(e["s_per_step"] / h["s_per_step"] for e, h in pairs)
-        summary["time_ratio_median"] = statistics.median(ratios)
+        summary["time_ratio_median"] = statistics.median(e["s_per_step"] / h["s_per_step"] for e, h in pairs)
         summary["acc_diff_mean"] = statistics.mean(e["test_acc"] - h["test_acc"] for e, h in pairs)
         print(f"ember / Trainer time per step, median of per-seed ratios: {summary['time_ratio_median']:.3f}; "
               f"accuracy ember - Trainer, mean of per-seed differences: {summary['acc_diff_mean']:+.4f}", flush=True)

@@ -207,7 +207,8 @@ def test_clean_exit_skips_native_teardown_and_keeps_the_exit_status(tmp_path):
     """After a DDP run each rank ends at C exit() with Python's exit status, before
     native (C++) teardown runs: gloo threads that outlive destroy_process_group()
     abort a few percent of processes there. An exit-time handler that aborts
-    (registered as C++ static destructors are) stands in for them. Python's own finalisation (buffered output) still happens."""
+    (registered as C++ static destructors are) stands in for them. Python's own
+    finalisation (buffered output) still happens."""
     proc = run_plain("exit_status.py", "native-abort", tmp_path, cwd=tmp_path)
     ok(proc)
     assert "rank 0 finished" in proc.stdout and "rank 1 finished" in proc.stdout, proc.stdout

@@ -179,6 +179,8 @@ def test_resume_after_sigkill_in_fresh_process(tmp_path, tmp_path_factory):
 class _Zygote:
     """Drives tests/scripts/resume_zygote.py (forks one child per run)."""
 
+    RUN_EPOCHS = 20   # of each run
+
     def __init__(self, env):
         self.p = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "resume_zygote.py")], env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -204,7 +206,7 @@ class _Zygote:
             if line.startswith(prefix):
                 return line
 
-    def run(self, root, resume, out="-", epochs=20, every=1) -> int:
+    def run(self, root, resume, out="-", epochs=RUN_EPOCHS, every=1) -> int:
         self.send(f"run {root} {int(resume)} {out} {epochs} {every}")
         return int(self.expect("pid").split()[1])
 
@@ -257,7 +259,7 @@ def test_stress_random_sigkills_then_resume_is_bit_exact(tmp_path):
             pid = z.run(root, bool(cio.list_checkpoints(root / "checkpoints")))
             start = z.expect("start").split()
             resumed_from.append((int(start[1]), start[2]))
-            _wait_for_progress(root / "checkpoints", int(start[1]), 20 * STEPS_PER_EPOCH)   # _Zygote.run's 20 epochs
+            _wait_for_progress(root / "checkpoints", int(start[1]), _Zygote.RUN_EPOCHS * STEPS_PER_EPOCH)
             time.sleep(rng.uniform(0.0, duration / 15))
             os.kill(pid, signal.SIGKILL)
             code = z.wait(pid)

@@ -2,14 +2,14 @@
 
     python exit_status.py MODE OUT_DIR
 
-MODE ``native-abort``: an exit-time handler (``__cxa_atexit``, as C++ static destructors) that calls ``abort()`` stands in for a
-native (C++) destructor that aborts at process exit, as gloo's threads sometimes
-do after ``destroy_process_group()``; ember must end the process before it runs.
+MODE ``native-abort``: an exit-time handler that calls ``abort()``, registered with
+``__cxa_atexit`` as C++ static destructors are, stands in for native teardown that
+aborts at process exit (as gloo's sometimes does after ``destroy_process_group()``);
+ember must end the process before it runs.
 MODE ``exit3``: ``sys.exit(3)``; the exit status must stay 3 on every rank.
 Each rank prints (without flushing) a last line that must not be lost.
 """
 import ctypes
-import os
 import sys
 
 import torch
