@@ -49,29 +49,36 @@ def _reduce_op(op: Any):
 
 
 class ProcessGroupOps:
-    """Collectives over the default process group (identity on one process).
+    """Collectives over a process group (default: the whole world; identity on one process).
 
     ``device`` is where tensors travel for NCCL (the rank's GPU); with gloo they
-    travel on the CPU and come back to the device they came from.
+    travel on the CPU and come back to the device they came from. ``group``
+    restricts them to a sub-group (e.g. the data-parallel dimension of a
+    DeviceMesh); ranks and sizes are then those inside the group.
     """
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, group=None):
         self.device = device
+        self.group = group
 
     @property
     def active(self) -> bool:
-        return is_initialized() and dist.get_world_size() > 1
+        return is_initialized() and dist.get_world_size(self.group) > 1
 
     @property
     def world_size(self) -> int:
-        return get_world_size()
+        return dist.get_world_size(self.group) if is_initialized() else 1
 
     @property
     def global_rank(self) -> int:
-        return get_rank()
+        return dist.get_rank(self.group) if is_initialized() else 0
+
+    def _src(self, src: int) -> int:
+        """``src`` is a rank inside the group; the collectives take global ranks."""
+        return src if self.group is None else dist.get_global_rank(self.group, src)
 
     def _comm_device(self, t: torch.Tensor) -> torch.device:
-        backend = dist.get_backend()
+        backend = dist.get_backend(self.group)
         if "nccl" in backend:
             if self.device is not None and self.device.type == "cuda":
                 return self.device
@@ -81,10 +88,10 @@ class ProcessGroupOps:
     def barrier(self, name: str | None = None) -> None:
         if not self.active:
             return
-        if "nccl" in dist.get_backend() and torch.cuda.is_available():
-            dist.barrier(device_ids=[self._comm_device(torch.empty(0)).index])
+        if "nccl" in dist.get_backend(self.group) and torch.cuda.is_available():
+            dist.barrier(group=self.group, device_ids=[self._comm_device(torch.empty(0)).index])
         else:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Tensors (the same shape on every rank) via ``dist.broadcast``; any other
@@ -93,10 +100,10 @@ class ProcessGroupOps:
             return obj
         if isinstance(obj, torch.Tensor):
             t = obj.detach().to(self._comm_device(obj)).clone().contiguous()
-            dist.broadcast(t, src)
+            dist.broadcast(t, self._src(src), group=self.group)
             return t.to(obj.device)
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        dist.broadcast_object_list(box, self._src(src), group=self.group)
         return box[0]
 
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
@@ -105,10 +112,10 @@ class ProcessGroupOps:
             return tensor.unsqueeze(0)
         if sync_grads:
             from torch.distributed.nn.functional import all_gather as _ag
-            return torch.stack(_ag(tensor.contiguous()))
+            return torch.stack(_ag(tensor.contiguous(), group=self.group or dist.group.WORLD))
         t = tensor.detach().to(self._comm_device(tensor)).contiguous()
-        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, t)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t, group=self.group)
         return torch.stack(out).to(tensor.device)
 
     def all_gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -121,8 +128,8 @@ class ProcessGroupOps:
     def all_gather_object(self, obj: Any) -> list:
         if not self.active:
             return [obj]
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -135,9 +142,9 @@ class ProcessGroupOps:
         t = tensor.detach().to(self._comm_device(tensor)).clone()
         if mean and not t.is_floating_point():
             t = t.float()
-        dist.all_reduce(t, op=red)
+        dist.all_reduce(t, op=red, group=self.group)
         if mean:
-            t = t / dist.get_world_size()
+            t = t / self.world_size
         return t.to(tensor.device)
 
 
@@ -146,6 +153,16 @@ _DEFAULT = ProcessGroupOps()
 
 def _ops(strategy):
     return strategy if strategy is not None else _DEFAULT
+
+
+def _data_ops(strategy):
+    """The collectives that gather or reduce *data* (samples, predictions, metrics): over
+    the data-parallel ranks only. Under tensor parallelism the ranks of one data-parallel
+    group hold the same samples, so a strategy with a DeviceMesh exposes the data-parallel
+    sub-group as ``strategy.data_parallel_ops``; for every other strategy it is the world."""
+    if strategy is None:
+        return _DEFAULT
+    return getattr(strategy, "data_parallel_ops", None) or strategy
 
 
 def _world(ops) -> int:
@@ -201,18 +218,18 @@ def broadcast(obj: Any, src: int = 0, strategy=None) -> Any:
 
 def all_gather(data: Any, strategy=None) -> Any:
     """Stack every tensor over ranks: each leaf becomes ``[world, *shape]`` (shapes must match)."""
-    ops = _ops(strategy)
+    ops = _data_ops(strategy)
     return _map(data, ops.all_gather)
 
 
 def all_gather_object(obj: Any, strategy=None) -> list:
-    return _ops(strategy).all_gather_object(obj)
+    return _data_ops(strategy).all_gather_object(obj)
 
 
 def gather(data: Any, strategy=None) -> Any:
     """Concatenate every tensor over ranks along dim 0, in rank order (first
     dimensions may differ; 0-d tensors become ``[world]``)."""
-    ops = _ops(strategy)
+    ops = _data_ops(strategy)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if _world(ops) == 1:
@@ -226,7 +243,7 @@ def gather(data: Any, strategy=None) -> Any:
 def reduce(data: Any, op: str = "mean", strategy=None) -> Any:
     """Reduce every tensor over ranks with ``op`` in sum | mean | max | min."""
     _reduce_op(op)  # validate even on one process
-    ops = _ops(strategy)
+    ops = _data_ops(strategy)
     return _map(data, lambda t: ops.reduce(t, op))
 
 
@@ -234,7 +251,7 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
                          strategy=None) -> Any:
     """Pad every tensor along ``dim`` to the largest size over ranks (with
     ``pad_index``; at the start when ``pad_first``), so that they can be gathered."""
-    ops = _ops(strategy)
+    ops = _data_ops(strategy)
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if _world(ops) == 1 or t.dim() == 0:
@@ -287,7 +304,7 @@ def gather_for_metrics(data: Any, *, num_padded: int, strategy=None) -> Any:
     on the epoch's concatenated outputs the result equals a single-process pass
     over the dataset.
     """
-    ops = _ops(strategy)
+    ops = _data_ops(strategy)
     num_padded = int(num_padded or 0)
     if num_padded < 0:
         raise ValueError(f"num_padded={num_padded} must be >= 0")

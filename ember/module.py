@@ -84,6 +84,15 @@ class TrainModule(nn.Module):
         return p.device if p is not None else torch.device("cpu")
 
     @property
+    def device_mesh(self):
+        """The strategy's ``torch.distributed.DeviceMesh`` (``ModelParallelStrategy``: dims
+        ``("data_parallel", "tensor_parallel")``; ``FSDPStrategy``: its sharding mesh), for
+        ``configure_model`` to apply tensor-parallel plans and ``fully_shard``; None for
+        strategies without one."""
+        strategy = getattr(self._trainer, "strategy", None)
+        return getattr(strategy, "device_mesh", None)
+
+    @property
     def global_step(self) -> int:
         return self._trainer.global_step if self._trainer is not None else 0
 

@@ -173,7 +173,14 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(MisconfigurationError, match="auto_wrap_policy"):
         FSDPStrategy(auto_wrap_policy={int})
     with pytest.raises(MisconfigurationError, match="activation_checkpointing=True"):
-        FSDPStrategy(activation_checkpointing=True)
+        FSDPStrategy(auto_wrap_policy=False, activation_checkpointing=True)
+    FSDPStrategy(activation_checkpointing=True)      # with the default "auto": the detected blocks
+    with pytest.raises(MisconfigurationError, match="not both"):
+        FSDPStrategy(hsdp=(2, 1), device_mesh=(2, 1))
+    with pytest.raises(MisconfigurationError, match="hsdp=\\(2, 4\\)"):
+        FSDPStrategy(hsdp=(2, 0))
+    with pytest.raises(MisconfigurationError, match="auto_wrap_policy"):
+        FSDPStrategy(auto_wrap_policy="blocks")
     with pytest.raises(MisconfigurationError, match="fully_shard"):
         FSDPStrategy(no_such_option=1)
     with pytest.raises(MisconfigurationError, match="MixedPrecisionPolicy"):

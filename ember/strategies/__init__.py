@@ -10,15 +10,17 @@ import torch
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.strategies.base import SingleDeviceStrategy, Strategy, auto_device
 
-STRATEGIES = ("auto", "single", "ddp", "fsdp", "deepspeed")
+STRATEGIES = ("auto", "single", "ddp", "fsdp", "deepspeed", "model_parallel")
 _DEVICE_TYPES = ("auto", "cpu", "cuda", "mps")
 
 __all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy",
+           "ModelParallelStrategy",
            "build_strategy", "parse_devices"]
 
 
 def __getattr__(name):
-    mod = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "DeepSpeedStrategy": "deepspeed"}.get(name)
+    mod = {"DDPStrategy": "ddp", "FSDPStrategy": "fsdp", "DeepSpeedStrategy": "deepspeed",
+           "ModelParallelStrategy": "model_parallel"}.get(name)
     if mod is None:
         raise AttributeError(f"module 'ember.strategies' has no attribute {name!r}")
     import importlib
@@ -111,7 +113,8 @@ def build_strategy(strategy="auto", devices="auto", num_nodes: int = 1) -> Strat
         else:
             device = torch.device(dtype)
         return SingleDeviceStrategy(device)
-    cls = __getattr__({"ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "deepspeed": "DeepSpeedStrategy"}[name])
+    cls = __getattr__({"ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "deepspeed": "DeepSpeedStrategy",
+                       "model_parallel": "ModelParallelStrategy"}[name])
     kwargs = {"devices": indices if indices else (n if n > 1 or dtype == "cuda" else None), "num_nodes": num_nodes}
     if dtype == "cpu":
         kwargs["accelerator"] = "cpu"

@@ -36,6 +36,7 @@ from torch import nn
 
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.strategies.base import _NULL
+from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
 from ember.strategies.ddp import DDPStrategy
 
 _STATE_DICT_TYPES = ("sharded", "full")
@@ -77,8 +78,13 @@ class FSDPStrategy(DDPStrategy):
         devices, num_nodes, process_group_backend, timeout, accelerator, start_method,
             cluster_environment: as for :class:`~ember.strategies.ddp.DDPStrategy`.
         auto_wrap_policy: which submodules become their own FSDP unit (all-gathered
-            and freed on their own): a set/list of layer classes, or a callable
-            ``fn(module) -> bool``. Default: only the root (one unit).
+            and freed on their own, so the all-gather of the next block overlaps the
+            compute of this one): a set/list of layer classes, or a callable
+            ``fn(module) -> bool``. Default ``"auto"``: the transformer blocks, found
+            as the classes named in transformers' ``_no_split_modules``, else the
+            children of every ``nn.ModuleList`` / ``nn.Sequential`` of two or more
+            modules of one class (see :func:`find_blocks`). ``False``: only the root
+            (one unit, one whole-model all-gather).
         reshard_after_forward: free the gathered parameters after forward (and gather
             again in backward). Default True (``$EMBER_FSDP_RESHARD_AFTER_FORWARD``).
         cpu_offload: keep shards, gradients and optimizer states on the CPU
@@ -94,17 +100,23 @@ class FSDPStrategy(DDPStrategy):
             directory appears once the write finishes (at the latest at the next
             save or at teardown).
         init_on_meta: build ``configure_model`` layers on the meta device (default True).
+        device_mesh: the mesh to shard over: a ``DeviceMesh``, or its sizes, ``(replicate,
+            shard)`` for HSDP (a 2-D mesh named ``("replicate", "shard")``: parameters are
+            sharded inside each group of ``shard`` ranks and replicated across the
+            ``replicate`` groups, e.g. one group per node). Default: one dimension over
+            every rank (plain FSDP).
+        hsdp: ``(replicate, shard)`` sizes; the same as ``device_mesh=(replicate, shard)``.
         **kwargs: passed to ``fully_shard`` (e.g. ``shard_placement_fn``).
     """
 
     name = "fsdp"
     is_sharded = True
 
-    def __init__(self, devices=None, num_nodes: int = 1, auto_wrap_policy=None,
+    def __init__(self, devices=None, num_nodes: int = 1, auto_wrap_policy="auto",
                  reshard_after_forward: bool | None = None, cpu_offload: bool | None = None,
                  activation_checkpointing=None, mixed_precision=None, state_dict_type: str = "sharded",
-                 async_save: bool = False, init_on_meta: bool = True,
-                 process_group_backend: str | None = None,
+                 async_save: bool = False, init_on_meta: bool = True, device_mesh=None,
+                 hsdp: "tuple[int, int] | None" = None, process_group_backend: str | None = None,
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
                  start_method: str = "popen", cluster_environment=None, **kwargs):
         with warnings.catch_warnings():
@@ -115,15 +127,27 @@ class FSDPStrategy(DDPStrategy):
         self.ddp_kwargs = {}
         if state_dict_type not in _STATE_DICT_TYPES:
             raise invalid_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
-        self._wrap_check = self._parse_policy("auto_wrap_policy", auto_wrap_policy)
-        if activation_checkpointing is True:
-            if auto_wrap_policy is None or callable(auto_wrap_policy) and not isinstance(auto_wrap_policy, type):
+        self._auto_wrap = isinstance(auto_wrap_policy, str) and auto_wrap_policy == "auto"
+        if isinstance(auto_wrap_policy, str) and not self._auto_wrap:
+            raise invalid_choice("auto_wrap_policy", auto_wrap_policy, ["auto", "False", "a set of classes",
+                                                                         "a callable"])
+        self._wrap_check = None if (self._auto_wrap or auto_wrap_policy is False) else \
+            self._parse_policy("auto_wrap_policy", auto_wrap_policy)
+        if hsdp is not None:
+            if device_mesh is not None:
+                raise MisconfigurationError("pass either hsdp=(replicate, shard) or device_mesh, not both")
+            device_mesh = hsdp
+        self._mesh_request = self._parse_mesh(device_mesh)
+        if activation_checkpointing is True and not self._auto_wrap:
+            if auto_wrap_policy in (None, False) or callable(auto_wrap_policy) \
+                    and not isinstance(auto_wrap_policy, type):
                 raise MisconfigurationError(
                     "activation_checkpointing=True means 'the auto_wrap_policy layer classes', but "
                     f"auto_wrap_policy={auto_wrap_policy!r} is not a set of classes; pass the classes "
                     "(activation_checkpointing={MyBlock})")
             activation_checkpointing = auto_wrap_policy
-        self._ac_check = self._parse_policy("activation_checkpointing", activation_checkpointing or None)
+        # True (with the default auto_wrap_policy): the blocks find_blocks() detects
+        self._ac_policy = check_block_policy("activation_checkpointing", activation_checkpointing or None)
         self.reshard_after_forward = (_env_flag("EMBER_FSDP_RESHARD_AFTER_FORWARD", True)
                                       if reshard_after_forward is None else bool(reshard_after_forward))
         self.cpu_offload = _env_flag("EMBER_FSDP_CPU_OFFLOAD", False) if cpu_offload is None else bool(cpu_offload)
@@ -148,6 +172,35 @@ class FSDPStrategy(DDPStrategy):
         self._old_params: dict[int, tuple[nn.Module, str, weakref.ref]] = {}
         self._pending_save = None
         self._async_pg = None
+
+    @staticmethod
+    def _parse_mesh(mesh):
+        if mesh is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+        if isinstance(mesh, DeviceMesh):
+            return mesh
+        if isinstance(mesh, int) and not isinstance(mesh, bool):
+            mesh = (mesh,)
+        if isinstance(mesh, (tuple, list)) and 1 <= len(mesh) <= 2 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh):
+            return tuple(mesh)
+        raise MisconfigurationError(f"device_mesh/hsdp={mesh!r} is not valid; pass a DeviceMesh, or sizes "
+                                    "(replicate, shard) for HSDP, e.g. hsdp=(2, 4) for 2 nodes of 4 GPUs")
+
+    def _build_mesh(self):
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        req, world = self._mesh_request, dist.get_world_size()
+        if isinstance(req, DeviceMesh):
+            return req
+        if req is None or len(req) == 1:
+            if req is not None and req[0] != world:
+                raise MisconfigurationError(f"device_mesh=({req[0]},) does not match the {world} processes")
+            return init_device_mesh(self.root_device.type, (world,))
+        if req[0] * req[1] != world:
+            raise MisconfigurationError(f"hsdp/device_mesh=(replicate={req[0]}, shard={req[1]}) needs "
+                                        f"{req[0] * req[1]} processes, but {world} are running")
+        return init_device_mesh(self.root_device.type, tuple(req), mesh_dim_names=("replicate", "shard"))
 
     @staticmethod
     def _parse_policy(arg: str, policy) -> Callable[[nn.Module], bool] | None:
@@ -182,10 +235,15 @@ class FSDPStrategy(DDPStrategy):
 
     @property
     def mesh(self):
+        """The mesh ``fully_shard`` shards over (1-D, or 2-D ``("replicate", "shard")`` for HSDP)."""
         if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-            self._mesh = init_device_mesh(self.root_device.type, (dist.get_world_size(),))
+            self._mesh = self._build_mesh()
         return self._mesh
+
+    @property
+    def device_mesh(self):
+        """The strategy's DeviceMesh (``TrainModule.device_mesh`` in ``configure_model``)."""
+        return self.mesh
 
     def _mp_policy(self):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -221,16 +279,18 @@ class FSDPStrategy(DDPStrategy):
             module = module.to(self.root_device)
         for fqn, p in module.named_parameters():      # weak: an optimizer may still hold them
             self._old_params[id(p)] = (module, fqn, weakref.ref(p))
-        if self._ac_check is not None:
-            from torch.distributed._composable import checkpoint
-            for m in [m for m in module.modules() if m is not module and self._ac_check(m)]:
-                checkpoint(m)
+        apply_activation_checkpointing(module, self._ac_policy)   # before sharding, as torchtitan
         kw = dict(mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self._mp_policy(),
                   offload_policy=(CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
                                   if self.cpu_offload else OffloadPolicy()), **self.fsdp_kwargs)
         if self._wrap_check is not None:
-            # bottom-up: inner matches first, then the layers that contain them
-            for m in reversed([m for m in module.modules() if m is not module and self._wrap_check(m)]):
+            units = [m for m in module.modules() if m is not module and self._wrap_check(m)]
+        else:
+            units = find_blocks(module) if self._auto_wrap else []
+        # bottom-up: inner matches first, then the layers that contain them; a module the
+        # user already sharded in configure_model (fully_shard) is left as it is
+        for m in reversed(units):
+            if not isinstance(m, FSDPModule):
                 fully_shard(m, **kw)
         fully_shard(module, **kw)
         if meta:

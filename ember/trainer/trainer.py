@@ -61,7 +61,8 @@ class Trainer:
                  callbacks: list | Callback | None = None, logger=True, enable_checkpointing: bool = True,
                  enable_progress_bar: bool = True, enable_model_summary: bool = True,
                  default_root_dir: str | None = None, deterministic: bool = False, seed: int | None = None,
-                 compile: bool | dict = False, fast_dev_run: bool | int = False, detect_anomaly: bool = False):
+                 compile: bool | dict = False, fast_dev_run: bool | int = False, detect_anomaly: bool = False,
+                 activation_checkpointing=None):
         from ember.precision import Precision
         from ember.strategies import build_strategy
         if precision in ("auto", None):
@@ -108,6 +109,8 @@ class Trainer:
             self.val_check_interval, logger = 1.0, False   # checkpoint callbacks stay but write nothing
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
         self.deterministic, self.seed, self._compile = deterministic, seed, compile
+        from ember.strategies.blocks import check_block_policy
+        self._ac_policy = check_block_policy("activation_checkpointing", activation_checkpointing)
         self.detect_anomaly = detect_anomaly
         if seed is not None:
             from ember import seed_everything
@@ -304,11 +307,12 @@ class Trainer:
         if first or self.model is None:
             with self.strategy.module_init_context():
                 module.configure_model()
-            self.model = self._acc.setup_module(module)
+            # per block, before the strategy wraps (DDP) or shards (FSDP) the model
+            from ember.strategies.blocks import apply_activation_checkpointing, compile_blocks
+            apply_activation_checkpointing(module, self._ac_policy)
             if self._compile:
-                opts = self._compile if isinstance(self._compile, dict) else {}
-                for child in module.children():
-                    child.compile(**opts)
+                compile_blocks(module, self._compile if isinstance(self._compile, dict) else None)
+            self.model = self._acc.setup_module(module)
         self._setup_data(stage, loaders)   # before optimizers: schedules may use estimated_stepping_batches
         if stage == "fit":
             cfg = configure_optimizers(module)

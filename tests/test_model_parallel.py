@@ -1,0 +1,174 @@
+"""N-D parallelism on CPU with gloo: ModelParallelStrategy on a 2x2 (data x tensor)
+mesh, resharded resume (2x2 -> 4x1 and -> 1 process), HSDP, per-block FSDP
+wrapping, and the per-block helpers (activation checkpointing, compile).
+
+One module-scoped fixture runs tests/scripts/mesh_train.py five times (a one-process
+reference, 4 processes on 2x2 with checkpoints, 4 processes on 4x1 resuming the
+2x2 epoch-0 checkpoint, 1 process resuming it, 2 processes for HSDP/FSDP)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ember
+from ember.errors import MisconfigurationError
+from ember.strategies.blocks import apply_activation_checkpointing, compile_blocks, find_blocks
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "mesh_train.py")
+TOL = 1e-5
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                    "MASTER_", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return env
+
+
+def _run(out, run, nproc):
+    args = [sys.executable, SCRIPT, out, run] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         SCRIPT, out, run]
+    r = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"{run} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mesh"))
+    for run, nproc in (("ref", 1), ("2x2", 4), ("4x1", 4), ("1x1", 1), ("hsdp", 2)):
+        _run(out, run, nproc)
+
+    def get(name):
+        with open(os.path.join(out, f"{name}.json")) as f:
+            r = json.load(f)
+        r["weights"] = {k: torch.tensor(v) for k, v in r["weights"].items()}
+        return r
+    return get
+
+
+def _max_diff(a, b) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.multiproc
+def test_2x2_mesh_equals_one_process_on_the_global_batch(runs):
+    ref, mp = runs("ref"), runs("2x2")
+    assert mp["world"] == 4 and mp["mesh"] == [2, 2] and mp["mesh_dims"] == ["data_parallel", "tensor_parallel"]
+    assert len(mp["losses"]) == len(ref["losses"]) == 6
+    assert max(abs(a - b) for a, b in zip(mp["losses"], ref["losses"])) < TOL
+    assert _max_diff(mp["weights"], ref["weights"]) < TOL
+    # sharded twice: each rank stores about a quarter of parameters + AdamW states
+    assert all(n < ref["local_numel"] / 3 for n in mp["local_numel_per_rank"])
+    # the strategy sharded the blocks and the root over the data-parallel dimension
+    assert mp["fsdp_units"] == ["<root>", "blocks.0", "blocks.1"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run, mesh", [("4x1", [4, 1]), ("1x1", [1, 1])])
+def test_2x2_checkpoint_resumes_on_another_mesh(runs, run, mesh):
+    ref, r = runs("ref"), runs(run)
+    assert r["mesh"] == mesh and r["global_step"] == 6
+    assert len(r["losses"]) == 3        # resumed after epoch 0 (step 3)
+    assert max(abs(a - b) for a, b in zip(r["losses"], ref["losses"][3:])) < TOL
+    assert _max_diff(r["weights"], ref["weights"]) < TOL
+
+
+@pytest.mark.multiproc
+def test_hsdp_and_fsdp_equal_one_process_and_fsdp_halves_the_state(runs):
+    ref, hsdp, fsdp = runs("ref"), runs("hsdp_2x1"), runs("fsdp_1x2")
+    assert hsdp["mesh_dims"] == ["replicate", "shard"] and hsdp["mesh"] == [2, 1] and fsdp["mesh"] == [1, 2]
+    for r in (hsdp, fsdp):
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])) < TOL
+        assert _max_diff(r["weights"], ref["weights"]) < TOL
+    assert hsdp["local_numel_per_rank"] == [ref["local_numel"]] * 2       # replicated
+    assert fsdp["local_numel_per_rank"] == [ref["local_numel"] // 2] * 2  # 2 shards: half each
+    assert fsdp["fsdp_units"] == ["<root>", "blocks.0", "blocks.1"]       # per-block wrapping by default
+
+
+# -- per-block helpers (one process) -----------------------------------------------------
+class _Block(nn.Module):
+    calls = 0
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        _Block.calls += 1
+        return x + torch.tanh(self.lin(x))
+
+
+class _Stack(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.layers = nn.ModuleList([_Block(), _Block(), _Block()])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_find_blocks_uses_no_split_modules_then_repeated_children():
+    m = _Stack()
+    assert find_blocks(m) == list(m.layers)
+    m._no_split_modules = ["Linear"]      # transformers' marker wins
+    assert len(find_blocks(m)) == 4
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
+def test_trainer_activation_checkpointing_recomputes_blocks_and_keeps_results(quiet, tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    weights = []
+    calls = []
+    for ac in (None, True):
+        torch.manual_seed(0)
+        module = _Stack()
+        _Block.calls = 0
+        ember.Trainer(max_steps=2, activation_checkpointing=ac, **quiet).fit(module, loader)
+        calls.append(_Block.calls)
+        weights.append(module.state_dict())
+    assert calls == [6, 12]               # 3 blocks x 2 steps, recomputed in backward
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    with pytest.raises(MisconfigurationError, match="activation_checkpointing"):
+        ember.Trainer(activation_checkpointing="yes")
+    with pytest.raises(MisconfigurationError, match="matched no submodule"):
+        apply_activation_checkpointing(nn.Linear(2, 2), (nn.Conv2d,))
+
+
+def test_compile_blocks_compiles_each_block_before_wrapping():
+    import torchmetrics
+    m = _Stack()
+    m.metric = torchmetrics.MeanMetric()
+    assert compile_blocks(m, {"backend": "eager"}) == 3
+    assert all(b._compiled_call_impl is not None for b in m.layers)
+    assert m.inp._compiled_call_impl is None and getattr(m.metric, "_compiled_call_impl", None) is None
+
+
+def test_model_parallel_sizes_must_fit_the_world():
+    from ember.strategies import ModelParallelStrategy
+    with pytest.raises(MisconfigurationError, match="tensor_parallel_size"):
+        ModelParallelStrategy(tensor_parallel_size=0)
+    s = ModelParallelStrategy(tensor_parallel_size=2, devices=1)
+    with pytest.raises(MisconfigurationError, match="does not fit the 1 running processes"):
+        s.setup_environment()
+    assert ember.Trainer(strategy="model_parallel", devices="cpu", logger=False).strategy.name == "model_parallel"
+    import torch.distributed as dist
+    assert not dist.is_initialized()     # refused before any process group was created
