@@ -100,6 +100,7 @@ class Accelerator:
         self._dataloaders: list = []
         self._custom_objects: list = []
         self._active_loader = None
+        self._finished_pass = None   # the prepared dataloader whose last pass ran to its end
         self._unscaled: set = set()
         self._trigger = False
         self._log_step = 0
@@ -318,13 +319,24 @@ class Accelerator:
         return got
 
     def gather_for_metrics(self, data, use_gather_object: bool = False):
-        """Gather predictions/targets of the current batch from every process in dataset
-        order; on the last batch of a prepared dataloader the samples the distributed
-        sampler duplicated are dropped, so over an epoch exactly the dataset comes back."""
+        """Gather predictions/targets from every process in dataset order, dropping the
+        samples the distributed sampler duplicated, so that exactly the dataset comes back:
+
+        - called per batch inside the loop over a prepared dataloader (as with Accelerate),
+          the duplicates are dropped from the last batch of the pass only;
+        - called once after a full pass on the concatenation of this process's outputs
+          (as many rows as the process had samples), they are dropped from the end.
+
+        Anything else (outside a pass, or after it on other data) is gathered whole."""
         if self.debug:
             self._check("gather_for_metrics", data, 0)
         loader = self._active_loader
-        padded = edata.num_padded(loader.base) if loader is not None and loader.end_of_dataloader else 0
+        if loader is not None:
+            padded = edata.num_padded(loader.base) if loader.end_of_dataloader else 0
+        else:
+            done = self._finished_pass
+            padded = edata.num_padded(done.base) if done is not None and \
+                _first_rows(data) == edata.samples_per_rank(done.base) else 0
         if use_gather_object and not isinstance(data, list):
             data = [data]
         return _dist.gather_for_metrics(data, num_padded=padded, strategy=self.strategy)
@@ -477,7 +489,7 @@ class Accelerator:
         for held in (self._models, self._optimizers, self._schedulers, self._dataloaders,
                      self._custom_objects, self._unscaled):
             held.clear()
-        self._active_loader = None
+        self._active_loader = self._finished_pass = None
         self._step = 0
         self.sync_gradients = True
         gc.collect()
@@ -528,6 +540,20 @@ class Accelerator:
         return (f"Accelerator(strategy={self.strategy.name!r}, num_processes={self.num_processes}, "
                 f"process_index={self.process_index}, device={self.device}, precision={self.precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+def _first_rows(data) -> int | None:
+    """Rows (dim 0) of the first tensor in ``data``, or the length of a per-sample list."""
+    if isinstance(data, torch.Tensor):
+        return data.shape[0] if data.dim() else 1
+    if _dist.is_sample_list(data):
+        return len(data)
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, (list, tuple)) else ()
+    for v in values:
+        n = _first_rows(v)
+        if n is not None:
+            return n
+    return None
 
 
 def _only(acc, function, attr: str, index: int):

@@ -188,6 +188,7 @@ class DataLoaderShard:
         to_device = strategy.batch_to_device if strategy.root_device.type != "cpu" else None
         prev = acc._active_loader
         acc._active_loader = self
+        acc._finished_pass = None
         try:
             it = iter(base)
             for _ in range(drop):
@@ -202,6 +203,7 @@ class DataLoaderShard:
                 yield cur if to_device is None else to_device(cur)
             self.epoch += 1
             self.batches_done = 0
+            acc._finished_pass = self   # an epoch-end gather_for_metrics drops this pass's padding
         finally:
             acc._active_loader = prev
 

@@ -256,6 +256,39 @@ def num_padded(dl: Any, batches: int | float | None = None) -> int:
     return pad
 
 
+def samples_per_rank(dl: Any) -> int | None:
+    """How many samples one full pass of a prepared loader gives this rank (the
+    sharding sampler's length, duplicates included), or None when unknown."""
+    s = getattr(dl, "sampler", None)
+    if s is None or not hasattr(s, "padding"):
+        s = getattr(getattr(getattr(dl, "batch_sampler", None), "batch_sampler", None), "sampler", None)
+    try:
+        return len(s) if s is not None and hasattr(s, "padding") else None
+    except TypeError:
+        return None
+
+
+def batch_padding(dl: Any, batch_idx: int | None, batches: int | float | None = None) -> int:
+    """How many samples a ``gather_for_metrics`` call must drop.
+
+    ``batch_idx`` is the index of the evaluation batch being processed (a per-batch
+    call, as Accelerate users write it) or None (the call is made once, after the
+    pass, on the concatenation of its outputs). ``batches`` is the length of the pass
+    (``limit_val_batches``; None: the whole loader). The sampler's duplicates are the
+    last sample of some ranks, so only the last batch of a full pass holds them: a
+    per-batch call drops them there and nowhere else, the epoch-end call drops them
+    from the end of the whole pass, and a shorter pass drops nothing.
+    """
+    pad = num_padded(dl, batches)
+    if pad and batch_idx is not None:
+        try:
+            if batch_idx + 1 < len(dl):
+                return 0
+        except TypeError:
+            return 0
+    return pad
+
+
 def dataset_length(dl: Any) -> int | None:
     try:
         return len(dl.dataset)

@@ -149,7 +149,13 @@ class TrainModule(nn.Module):
         return apply(data)
 
     def gather_for_metrics(self, data):
-        """Gather from every rank, dropping sampler padding: exactly the dataset."""
+        """Gather ``data`` (tensors, dicts/lists/tuples of them, lists of strings; dim 0 =
+        samples) from every rank in dataset order, dropping the distributed sampler's
+        duplicates so that exactly the dataset comes back. Called per batch in an
+        evaluation step, the duplicates are dropped from the last batch of a full pass
+        only (as Accelerate); called after the steps (``on_validation_epoch_end``) on the
+        concatenation of the pass's outputs, from its end. A shorter pass
+        (``limit_val_batches``) drops nothing. Every rank must make the same calls."""
         from ember import distributed
         t = self.trainer
         return distributed.gather_for_metrics(data, num_padded=t._current_padding(), strategy=t.strategy)

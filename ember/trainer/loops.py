@@ -323,12 +323,14 @@ class EvalLoop:
                         break
                     batch = t._prepare_batch(batch)
                     results.batch, results._batch_size = batch, None
+                    t._eval_batch_idx = batch_idx   # a per-batch gather_for_metrics drops padding on the last only
                     _call(hs, t, module, batch, batch_idx, dl_idx)
                     fwd = t.strategy.precision.forward_context()
                     with fwd:
                         out = step_fn(batch, batch_idx, **kwargs)
                     _call(he, t, module, out, batch, batch_idx, dl_idx)
                     count += 1
+                t._eval_batch_idx = None
                 if count == 0 and n != 0 and stage != "sanity":
                     raise MisconfigurationError(f"the {stage} dataloader #{dl_idx} yielded no batches")
                 per_loader.append(count)

@@ -31,6 +31,7 @@ def run_predict(t) -> list:
             outs = []
             for batch_idx, batch in enumerate(loader):
                 batch = t._prepare_batch(batch)
+                t._eval_batch_idx = batch_idx
                 for h in hs:
                     h(t, module, batch, batch_idx, dl_idx)
                 with t.strategy.precision.forward_context():
@@ -38,6 +39,7 @@ def run_predict(t) -> list:
                 for h in he:
                     h(t, module, out, batch, batch_idx, dl_idx)
                 outs.append(out)
+            t._eval_batch_idx = None
             if t.world_size > 1:
                 outs = _gather_outputs(t, outs, loader)
             all_outputs.append(outs)

@@ -152,6 +152,7 @@ class Trainer:
         self._val_loaders: list = []
         self.current_dataloader = None
         self._current_pass_batches = None
+        self._eval_batch_idx = None   # the evaluation batch in progress (per-batch gather_for_metrics)
         self.stage = None
         self.sanity_checking = False
         self.interrupted = False
@@ -448,10 +449,13 @@ class Trainer:
         step_schedulers(self, interval)
 
     def _current_padding(self) -> int:
-        from ember.data import num_padded
+        """Samples ``gather_for_metrics`` drops now: inside an evaluation step, the sampler's
+        padding on the last batch of a full pass only; after the steps (epoch-end hooks),
+        all of it from the end of the concatenated pass (see ``ember.data.batch_padding``)."""
+        from ember.data import batch_padding
         if self.current_dataloader is None:
             return 0
-        return num_padded(self.current_dataloader, self._current_pass_batches)
+        return batch_padding(self.current_dataloader, self._eval_batch_idx, self._current_pass_batches)
 
     # ------------------------------------------------------------------ metrics
     def _emit_step(self, results: Results) -> None:

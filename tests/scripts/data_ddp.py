@@ -1,0 +1,125 @@
+"""Data scenarios under two processes (gloo, CPU), run by tests/test_data_multiproc.py:
+
+    python -m torch.distributed.run --nproc_per_node 2 data_ddp.py SCENARIO OUT_DIR
+
+Every rank writes OUT_DIR/<scenario>_rank<R>.json. The single-process references
+come from the functions of this file, imported by the tests.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from ember import Accelerator, Trainer, TrainModule
+from ember.callbacks import GatherMetrics
+from ember.strategies import DDPStrategy
+
+TIMEOUT_S = 45      # process-group timeout: a hang fails in seconds
+GATHER_COMBOS = [(1001, 10), (7, 3), (5, 4), (8, 4), (1, 4)]   # (size, batch): uneven and even
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def strategy(devices):
+    return DDPStrategy(timeout=TIMEOUT_S) if devices > 1 else "auto"
+
+
+def eval_set(size):
+    g = torch.Generator().manual_seed(11)
+    return TensorDataset(torch.randn(size, 3, generator=g), torch.arange(size))
+
+
+def values(size):
+    """The single-process values, in dataset order: the module's output per sample."""
+    with torch.no_grad():
+        return GatherModule().net(eval_set(size).tensors[0]).squeeze(-1)
+
+
+class GatherModule(TrainModule):
+    """gather_for_metrics per batch in validation_step (as Accelerate users write it) and
+    once at epoch end on the concatenation; also returns preds/target for GatherMetrics."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1)
+
+    def on_validation_epoch_start(self):
+        self.per_batch, self.local = [], []
+
+    def validation_step(self, batch, batch_idx):
+        x, i = batch
+        v = self.net(x).squeeze(-1)
+        self.per_batch.append(self.gather_for_metrics({"ids": i, "v": v}))
+        self.local.append((i, v))
+        return {"preds": v, "target": i}
+
+    def on_validation_epoch_end(self):
+        ids, v = (torch.cat(t) for t in zip(*self.local))
+        self.epoch_end = self.gather_for_metrics({"ids": ids, "v": v})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _lists(g):
+    return {"ids": g["ids"].tolist(), "v": g["v"].tolist()}
+
+
+def run_gather(devices, root):
+    res = {}
+    for size, batch in GATHER_COMBOS:
+        seen = {}
+
+        def keep(p, t):
+            seen.update(ids=t.tolist(), v=p.tolist())
+            return float(t.numel())
+
+        trainer = Trainer(devices=devices, strategy=strategy(devices), callbacks=[GatherMetrics({"n": keep})],
+                          default_root_dir=root, **QUIET)
+        module = GatherModule()
+        trainer.validate(module, DataLoader(eval_set(size), batch_size=batch))
+        per_batch = {k: torch.cat([g[k] for g in module.per_batch]) for k in ("ids", "v")}
+        res[f"{size}_{batch}"] = {"per_batch": _lists(per_batch), "epoch_end": _lists(module.epoch_end),
+                                  "callback": seen}
+    # a pass cut short (limit_val_batches=2) never reaches the padding: nothing dropped
+    trainer = Trainer(devices=devices, strategy=strategy(devices), limit_val_batches=2, default_root_dir=root,
+                      **QUIET)
+    module = GatherModule()
+    trainer.validate(module, DataLoader(eval_set(1001), batch_size=10))
+    res["partial"] = {"per_batch": torch.cat([g["ids"] for g in module.per_batch]).tolist(),
+                      "epoch_end": module.epoch_end["ids"].tolist()}
+    # the Accelerator, per batch and once after the pass
+    acc = Accelerator(strategy=strategy(devices), seed=0)
+    for size, batch in GATHER_COMBOS:
+        loader = acc.prepare(DataLoader(eval_set(size), batch_size=batch))
+        net, per_batch, local = GatherModule().net, [], []
+        for x, i in loader:
+            with torch.no_grad():
+                v = net(x).squeeze(-1)
+            per_batch.append(acc.gather_for_metrics({"ids": i, "v": v}))
+            local.append((i, v))
+        ids, v = (torch.cat(t) for t in zip(*local))
+        res[f"acc_{size}_{batch}"] = {
+            "per_batch": _lists({k: torch.cat([g[k] for g in per_batch]) for k in ("ids", "v")}),
+            "epoch_end": _lists(acc.gather_for_metrics({"ids": ids, "v": v})),
+            "other_after_pass": acc.gather_for_metrics(ids[:1]).tolist()}   # not the pass: gathered whole
+    return trainer, res
+
+
+def main():
+    scenario, out = sys.argv[1], sys.argv[2]
+    devices = int(os.environ.get("EMBER_TEST_DEVICES", "2"))
+    if scenario == "gather":
+        trainer, res = run_gather(devices, out)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    res["rank"], res["world"] = trainer.global_rank, trainer.world_size
+    with open(os.path.join(out, f"{scenario}_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Exact data handling with two real processes (gloo, CPU, torchrun): per-batch and
+epoch-end gather_for_metrics, IterableDataset sharding with accumulation, worker
+seeds. The scripts live in tests/scripts/data_ddp.py and write JSON per rank."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.strategies.environments import find_free_port
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TIMEOUT = 150   # the scripts set a 45 s process-group timeout; this guards the whole run
+
+
+@pytest.fixture(scope="module")
+def script():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import data_ddp
+        yield data_ddp
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def torchrun(scenario, out):
+    from test_ddp_multiproc import clean_env
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(find_free_port()), str(SCRIPTS / "data_ddp.py"), scenario, str(out)]
+    proc = subprocess.run(cmd, cwd=out, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads((Path(out) / f"{scenario}_rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_gather_for_metrics_per_batch_and_per_epoch_is_exactly_the_dataset(tmp_path, script):
+    """1001 samples, batch 10, 2 ranks gathered 951 per batch (the padding dropped from
+    every batch); now every form returns the dataset's samples in order, with the values
+    one process computes, for even and uneven (size, batch) combinations."""
+    for d in torchrun("gather", tmp_path):
+        assert d["world"] == 2
+        for size, batch in script.GATHER_COMBOS:
+            ref = script.values(size)
+            for key in (f"{size}_{batch}", f"acc_{size}_{batch}"):
+                forms = ("per_batch", "epoch_end") + (("callback",) if not key.startswith("acc") else ())
+                for form in forms:
+                    got = d[key][form]
+                    assert got["ids"] == list(range(size)), (key, form, len(got["ids"]))
+                    torch.testing.assert_close(torch.tensor(got["v"]), ref, rtol=0, atol=1e-6)
+            # after the pass, one row per rank is not the pass's output (unless the pass was one row)
+            assert d[f"acc_{size}_{batch}"]["other_after_pass"] == ([0, 1] if size > 2 else list(range(size)))
+        assert d["partial"]["per_batch"] == d["partial"]["epoch_end"] == list(range(2 * 2 * 10))
