@@ -55,3 +55,22 @@ def test_a_partial_pass_drops_nothing(size, batch, world):
         assert edata.batch_padding(dl, None, n) == 0
         assert all(edata.batch_padding(dl, k, n) == 0 for k in range(n))
 
+
+def test_deepspeed_version_check_names_the_minimum():
+    """DeepSpeed before 0.19.4 ignores managed_gradient_accumulation (steps every acc_n**2
+    micro-batches), 0.19.4 refuses it with offload: setup refuses them, naming 0.19.5."""
+    from importlib import metadata
+
+    from ember.errors import MisconfigurationError
+    from ember.strategies.deepspeed import MIN_VERSION, check_version
+    assert MIN_VERSION == (0, 19, 5)
+    for old in ("0.14.0", "0.18.9", "0.19.4", "0.19.4+cu121"):
+        with pytest.raises(MisconfigurationError, match=r"deepspeed>=0\.19\.5 \(found .*managed_gradient_accumulation"):
+            check_version(old)
+    for ok in ("0.19.5", "0.19.8", "0.20.0rc1", "1.0"):
+        check_version(ok)
+    try:
+        installed = metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return
+    check_version(installed)   # the version the project installs passes

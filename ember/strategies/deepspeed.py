@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import os
 import sys
@@ -62,6 +63,28 @@ def import_deepspeed():
             "strategy='deepspeed' needs the deepspeed package: pip install 'ember[deepspeed]' "
             "(it compiles against the installed torch: add --no-build-isolation)") from err
     return deepspeed
+
+
+# DeepSpeed 0.19.4 added ``managed_gradient_accumulation`` (an older engine ignores the key and
+# steps on its own micro-batch counter: every acc_n**2 micro-batches); 0.19.5 made it work with
+# ZeRO offload, which this strategy offers.
+MIN_VERSION = (0, 19, 5)
+
+
+def check_version(version: str) -> None:
+    """Raise a MisconfigurationError when DeepSpeed ``version`` is older than
+    :data:`MIN_VERSION` (ember relies on ``managed_gradient_accumulation: false``)."""
+    parts = []
+    for piece in str(version).split("+")[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts + [0] * (3 - len(parts))) < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        raise MisconfigurationError(
+            f"strategy='deepspeed' needs deepspeed>={need} (found {version}): ember decides the gradient "
+            f"accumulation boundaries with the config key managed_gradient_accumulation=false, which older "
+            f"versions ignore (they would step every accumulate_grad_batches**2 micro-batches). Upgrade: "
+            f"pip install -U 'deepspeed>={need}' --no-build-isolation")
 
 
 def prebuild_ops(verbose: bool = True) -> bool:
@@ -284,6 +307,7 @@ class DeepSpeedStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         deepspeed = import_deepspeed()
+        check_version(deepspeed.__version__)            # too old for managed_gradient_accumulation: fail first
         section = self._precision_section()             # unsupported precision: fail before any work
         from deepspeed.accelerator import get_accelerator
         supported = {"fp16": get_accelerator().is_fp16_supported, "bf16": get_accelerator().is_bf16_supported}
