@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test install dev bench clean
+.PHONY: demo test install dev bench clean report-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,22 @@ install: $(VENV)/.installed
 dev: $(VENV)/.dev
 
 demo: $(VENV)/.installed
-	$(PIP) install scikit-learn
+	$(PIP) install scikit-learn "matplotlib>=3.5"
 	$(BIN)/python examples/digits.py
+
+# Render a short digits run's report in headless Chromium (Debian: apt-get install chromium)
+# and screenshot it, to look at the page as a browser shows it.
+CHROMIUM ?= chromium
+REPORT_DIR := runs/report-check
+report-check: $(VENV)/.installed
+	@command -v $(CHROMIUM) >/dev/null || { echo "report-check needs Chromium: apt-get install -y chromium"; exit 1; }
+	$(PIP) install scikit-learn "matplotlib>=3.5"
+	rm -rf $(REPORT_DIR)
+	$(BIN)/python examples/digits.py --epochs 3 --root $(REPORT_DIR)
+	$(BIN)/python -m ember report $(REPORT_DIR) --out $(REPORT_DIR)/report.html
+	$(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1400,1800 \
+		--screenshot=$(REPORT_DIR)/report.png file://$(CURDIR)/$(REPORT_DIR)/report.html 2>/dev/null
+	@test -s $(REPORT_DIR)/report.png && echo "screenshot: $(REPORT_DIR)/report.png"
 
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -87,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="YAML config; repeat to merge several (later files win)")
         sp.add_argument("--print_config", "--print-config", action="store_true",
                         help="print the fully resolved config (defaults filled in) and exit")
+        if name == "predict":
+            sp.add_argument("--output", "-o", default=None, metavar="FILE",
+                            help="where to save the predictions (torch.save; default: "
+                                 "predictions.pt in trainer.default_root_dir)")
     _launch.add_subcommands(sub, fmt)
+    from ember.report import add_subcommand as _add_report
+    _add_report(sub, fmt)
     return p
 
 
@@ -461,6 +467,7 @@ def _add_import_paths(files: Sequence[str]) -> None:
 class _CLI:
     def __init__(self, model_class=None, datamodule_class=None):
         self.model_class, self.datamodule_class = model_class, datamodule_class
+        self.output = None   # `ember predict --output`
 
     def resolve(self, cfg: dict) -> dict:
         from ember import DataModule, Trainer, TrainModule
@@ -509,6 +516,12 @@ class _CLI:
         out = getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
         if command in ("validate", "test") and trainer.is_global_zero:
             _print_results(command, out or [])
+        if command == "predict" and trainer.is_global_zero:   # every rank holds all predictions
+            import torch
+            path = self.output or os.path.join(trainer.default_root_dir, "predictions.pt")
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save(out, path)
+            print(f"predictions: {path}")
         return 0
 
 
@@ -560,6 +573,7 @@ def run_command(args: argparse.Namespace, overrides, cli: _CLI) -> int:
     if args.print_config:
         sys.stdout.write(yaml.safe_dump(to_yaml_safe(resolved), sort_keys=False))
         return 0
+    cli.output = getattr(args, "output", None)
     return cli.run(args.command, resolved)
 
 
@@ -579,7 +593,7 @@ def main(argv: Sequence[str] | None = None, *, model_class=None, datamodule_clas
             rest, overrides = split_overrides(argv[1:])
             argv = [argv[0], *rest]
         parser = build_parser()
-        parser.hint = f"ember {argv[0]}" if argv and argv[0] in (*RUN_COMMANDS, "launch", "config", "env") else ""
+        parser.hint = f"ember {argv[0]}" if argv and argv[0] in (*RUN_COMMANDS, "launch", "config", "env", "report") else ""
         args = parser.parse_args(argv)
         if args.command in RUN_COMMANDS:
             return run_command(args, overrides, _CLI(model_class, datamodule_class))
@@ -588,6 +602,9 @@ def main(argv: Sequence[str] | None = None, *, model_class=None, datamodule_clas
             return _launch.launch(args)
         if args.command == "config":
             return _launch.config_command(args)
+        if args.command == "report":
+            from ember.report import report_command
+            return report_command(args)
         return _launch.env_command(args)
     except UsageError as err:
         msg = " ".join(str(err).split("\n"))

@@ -62,7 +62,7 @@ class Trainer:
                  enable_progress_bar: bool = True, enable_model_summary: bool = True,
                  default_root_dir: str | None = None, deterministic: bool = False, seed: int | None = None,
                  compile: bool | dict = False, fast_dev_run: bool | int = False, detect_anomaly: bool = False,
-                 activation_checkpointing=None):
+                 activation_checkpointing=None, profiler=None, report: bool = False):
         from ember.precision import Precision
         from ember.strategies import build_strategy
         if precision in ("auto", None):
@@ -121,6 +121,11 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         self.callbacks = _state.default_callbacks(
             callbacks, enable_checkpointing, enable_progress_bar, enable_model_summary)
+        from ember.profiler import build_profiler
+        from ember.callbacks.run_record import RunRecord
+        self.profiler = build_profiler(profiler, self)   # None: nothing is wrapped, no cost
+        self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
+        self.report_path: str | None = None
         self._logger_arg = logger
         self.loggers = []
         # state

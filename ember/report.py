@@ -1,0 +1,355 @@
+"""The run report: one self-contained HTML page per run (or several runs overlaid).
+
+    ember report LOG_DIR [--out report.html]      # one run
+    ember report RUN_A RUN_B ... --out cmp.html   # several runs on the same charts
+    Trainer(report=True)                          # written at the end of fit
+
+It reads what the run wrote: the CSV logger's ``metrics.csv`` or TensorBoard event
+files (through TensorBoard's own ``EventAccumulator``), ``hparams.yaml``,
+``config.yaml`` (the CLI's resolved config), ``run.json`` (start/end time, stop
+reason, best checkpoint; written by every ``fit``) and the simple profiler's table.
+Every scalar becomes a curve over the global step; names that differ only by a
+split prefix (``train/loss`` and ``val/loss``, ``train_acc`` and ``val_acc``) share
+one chart; dotted lines mark epoch ends. Charts are drawn with matplotlib (the
+``report`` extra: ``pip install 'ember[report]'``), embedded as base64 PNG (the
+page needs no network) and also written as PNG files next to the page.
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import glob
+import html
+import io
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from ember.errors import MisconfigurationError
+
+_SPLITS = ("train", "training", "val", "valid", "validation", "test")
+_SKIP = {"step", "epoch"}
+_EVENTS = "events.out.tfevents.*"
+
+
+@dataclass
+class RunData:
+    """What one run's folder holds."""
+    path: str
+    name: str
+    source: str = ""
+    scalars: dict = field(default_factory=dict)   # name -> ([steps], [values])
+    hparams: dict = field(default_factory=dict)
+    config: str = ""
+    info: dict = field(default_factory=dict)
+    profile: str = ""
+
+    def epoch_ends(self) -> list[int]:
+        """Steps at which an epoch ended (from ``run.json`` or the logged ``epoch`` values)."""
+        if self.info.get("epoch_end_steps"):
+            return [int(s) for s in self.info["epoch_end_steps"]]
+        steps, vals = self.scalars.get("epoch", ([], []))
+        ends, prev = [], None
+        for s, v in sorted(zip(steps, vals)):
+            if prev is not None and v > prev[1]:
+                ends.append(prev[0])
+            prev = (s, v)
+        return ends
+
+
+def _has_logs(d: str) -> bool:
+    return os.path.isfile(os.path.join(d, "metrics.csv")) or bool(glob.glob(os.path.join(d, _EVENTS)))
+
+
+def find_run_dir(path: str) -> str:
+    """``path`` itself when it holds logs, else its newest sub-folder that does."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    if not os.path.isdir(path):
+        raise MisconfigurationError(f"ember report: {path!r} is not a folder")
+    if _has_logs(path):
+        return path
+    found = [d for d, _, _ in os.walk(path) if _has_logs(d) and "plugins" not in d.split(os.sep)]
+    if not found:
+        raise MisconfigurationError(f"ember report: no metrics.csv or TensorBoard event files under {path!r}; "
+                                    "pass a run's log folder (trainer.log_dir)")
+    return max(found, key=os.path.getmtime)
+
+
+def _read_csv(path: str) -> dict:
+    out: dict = {}
+    with open(path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            step = row.get("step")
+            if step in (None, ""):
+                continue
+            for k, v in row.items():
+                if k == "step" or v in (None, ""):
+                    continue
+                try:
+                    val = float(v)
+                except ValueError:
+                    continue
+                s, vs = out.setdefault(k, ([], []))
+                s.append(int(float(step)))
+                vs.append(val)
+    return out
+
+
+def _read_events(path: str) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(path, size_guidance={"scalars": 0})
+    ea.Reload()
+    out = {}
+    for tag in ea.Tags().get("scalars", []):
+        ev = ea.Scalars(tag)
+        out[tag] = ([e.step for e in ev], [float(e.value) for e in ev])
+    return out
+
+
+def load_run(path: str) -> RunData:
+    """Read one run's folder (see the module docstring for the files it uses)."""
+    d = find_run_dir(path)
+    parts = os.path.normpath(os.path.abspath(d)).split(os.sep)
+    run = RunData(path=d, name="/".join(parts[-2:]))
+    if os.path.isfile(os.path.join(d, "metrics.csv")):
+        run.source, run.scalars = "metrics.csv", _read_csv(os.path.join(d, "metrics.csv"))
+    else:
+        run.source, run.scalars = "TensorBoard events", _read_events(d)
+    import yaml
+    hp = os.path.join(d, "hparams.yaml")
+    if os.path.isfile(hp):
+        with open(hp, encoding="utf-8") as f:
+            run.hparams = yaml.safe_load(f) or {}
+    for name, attr in (("config.yaml", "config"), ("profile-simple-rank0.txt", "profile")):
+        p = os.path.join(d, name)
+        if os.path.isfile(p):
+            with open(p, encoding="utf-8") as f:
+                setattr(run, attr, f.read())
+    rj = os.path.join(d, "run.json")
+    if os.path.isfile(rj):
+        with open(rj, encoding="utf-8") as f:
+            run.info = json.load(f)
+    return run
+
+
+def chart_key(name: str) -> str:
+    """The chart a scalar goes on: its name without a train/val/test prefix or suffix
+    and without Lightning-style ``_step`` / ``_epoch`` suffixes."""
+    n = re.sub(r"_(step|epoch)$", "", name)
+    for sep in ("/", "_", "-", "."):
+        if sep in n:
+            head, tail = n.split(sep, 1)
+            if head.lower() in _SPLITS and tail:
+                return tail
+            head, tail = n.rsplit(sep, 1)
+            if tail.lower() in _SPLITS and head:
+                return head
+    return n
+
+
+def group_charts(runs: list[RunData]) -> dict[str, list[str]]:
+    """chart key -> scalar names (in order of first appearance over the runs)."""
+    charts: dict[str, list[str]] = {}
+    for run in runs:
+        for name in run.scalars:
+            if name in _SKIP:
+                continue
+            names = charts.setdefault(chart_key(name), [])
+            if name not in names:
+                names.append(name)
+    return charts
+
+
+def _slug(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("_") or "chart"
+
+
+def _plot(key: str, names: list[str], runs: list[RunData]) -> bytes:
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+    try:
+        multi = len(runs) > 1
+        for run in runs:
+            for name in names:
+                if name not in run.scalars:
+                    continue
+                steps, vals = run.scalars[name]
+                label = f"{run.name}: {name}" if multi else name
+                marker = "o" if len(steps) <= 40 else None
+                ax.plot(steps, vals, marker=marker, markersize=3, linewidth=1.4, label=label)
+        ends = runs[0].epoch_ends()
+        stride = max(1, len(ends) // 30)
+        for j, s in enumerate(ends[::stride]):
+            ax.axvline(s, color="0.45", linestyle=(0, (2, 3)), linewidth=0.9, label="epoch end" if j == 0 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def _flatten(d, prefix="") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+_INFO_ROWS = (("start_time", "start"), ("end_time", "end"), ("duration_s", "duration (s)"), ("status", "status"),
+              ("stop_reason", "stop reason"), ("global_step", "global steps"), ("epochs_completed", "epochs"),
+              ("best_model_path", "best checkpoint"), ("best_model_score", "best score"), ("monitor", "monitor"),
+              ("last_model_path", "last checkpoint"), ("module", "module"), ("strategy", "strategy"),
+              ("world_size", "processes"), ("precision", "precision"), ("error", "error"))
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1400px;
+ padding:0 16px;color:#222;background:#fafafa}
+h1{font-size:22px;margin-bottom:4px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
+.sub{color:#666;font-size:13px}
+table{border-collapse:collapse;font-size:13px;background:#fff}
+td,th{border:1px solid #e3e3e3;padding:4px 10px;text-align:left;vertical-align:top}
+th{background:#f0f0f0;font-weight:600}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:14px}
+figure{margin:0;background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px}
+figure img{width:100%;height:auto;display:block}
+figcaption{font-size:12px;color:#555;margin-top:4px;word-break:break-all}
+pre{background:#fff;border:1px solid #e3e3e3;padding:10px;font-size:12px;overflow:auto;max-height:480px}
+.ok{color:#1a7f37;font-weight:600}.bad{color:#c62828;font-weight:600}
+"""
+
+
+def _e(v) -> str:
+    return html.escape("" if v is None else str(v))
+
+
+def _info_table(runs: list[RunData]) -> str:
+    head = "<tr><th></th>" + "".join(f"<th>{_e(r.name)}</th>" for r in runs) + "</tr>"
+    rows = [f"<tr><th>log folder</th>{''.join(f'<td>{_e(r.path)}</td>' for r in runs)}</tr>",
+            f"<tr><th>read from</th>{''.join(f'<td>{_e(r.source)}</td>' for r in runs)}</tr>"]
+    for key, label in _INFO_ROWS:
+        if not any(r.info.get(key) not in (None, "") for r in runs):
+            continue
+        cells = []
+        for r in runs:
+            v = r.info.get(key)
+            cls = ' class="ok"' if key == "status" and v == "success" else \
+                ' class="bad"' if key == "status" and v else ""
+            cells.append(f"<td{cls}>{_e(v)}</td>")
+        rows.append(f"<tr><th>{_e(label)}</th>{''.join(cells)}</tr>")
+    if not any(r.info for r in runs):
+        rows.append('<tr><th>run facts</th><td colspan="99">no run.json in the folder (written by '
+                    'Trainer.fit at its end)</td></tr>')
+    return f"<table>{head if len(runs) > 1 else ''}{''.join(rows)}</table>"
+
+
+def _hparams_table(runs: list[RunData]) -> str:
+    flat = [_flatten(r.hparams) for r in runs]
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    if not keys:
+        return "<p class='sub'>none logged</p>"
+    head = "<tr><th>name</th>" + ("".join(f"<th>{_e(r.name)}</th>" for r in runs) if len(runs) > 1
+                                  else "<th>value</th>") + "</tr>"
+    body = "".join(f"<tr><td>{_e(k)}</td>{''.join(f'<td>{_e(f.get(k))}</td>' for f in flat)}</tr>" for k in keys)
+    return f"<table>{head}{body}</table>"
+
+
+def render_html(runs: list[RunData], charts: dict[str, list[str]], pngs: dict[str, bytes], png_names: dict) -> str:
+    """The page (a string); ``pngs`` maps chart key -> PNG bytes."""
+    title = "ember run report: " + ", ".join(r.name for r in runs)
+    figs = []
+    for key, names in charts.items():
+        b64 = base64.b64encode(pngs[key]).decode("ascii")
+        figs.append(f'<figure data-chart="{_e(key)}" data-series="{_e(" ".join(names))}">'
+                    f'<img alt="{_e(key)}: {_e(", ".join(names))}" src="data:image/png;base64,{b64}">'
+                    f'<figcaption>{_e(", ".join(names))} &middot; {_e(png_names[key])}</figcaption></figure>')
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
+             f"<meta name='viewport' content='width=device-width, initial-scale=1'><style>{_CSS}</style></head><body>",
+             f"<h1>{_e(title)}</h1><div class='sub'>{len(charts)} charts, "
+             f"{sum(len([n for n in r.scalars if n not in _SKIP]) for r in runs)} logged scalar series; x axis: global step</div>",
+             "<h2>Run</h2>", _info_table(runs),
+             "<h2>Metrics</h2>", f"<div class='grid'>{''.join(figs)}</div>" if figs else "<p>no scalars logged</p>",
+             "<h2>Hyperparameters</h2>", _hparams_table(runs)]
+    for r in runs:
+        if r.config:
+            parts += [f"<h2>Config{_e(' of ' + r.name) if len(runs) > 1 else ''}</h2>", f"<pre>{_e(r.config)}</pre>"]
+    for r in runs:
+        if r.profile:
+            parts += [f"<h2>Profile{_e(' of ' + r.name) if len(runs) > 1 else ''}</h2>", f"<pre>{_e(r.profile)}</pre>"]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(paths: list[str], out: str | None = None) -> str:
+    """Render the report of the runs in ``paths`` (log folders) to ``out`` (default:
+    ``report.html`` in the run's folder for one run, in the current folder for
+    several) plus ``<out stem>_charts/<chart>.png``. Returns the page's path."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MisconfigurationError("the run report draws its charts with matplotlib: "
+                                    "pip install 'ember[report]' (or pip install matplotlib)") from None
+    if not paths:
+        raise MisconfigurationError("ember report: give at least one log folder")
+    runs = [load_run(p) for p in paths]
+    if len(runs) > 1:
+        seen: dict = {}
+        for r in runs:   # distinct labels when two runs share a folder name
+            seen[r.name] = seen.get(r.name, 0) + 1
+            if seen[r.name] > 1:
+                r.name = f"{r.name} ({seen[r.name]})"
+    if out is None:
+        out = os.path.join(runs[0].path, "report.html") if len(runs) == 1 else "report.html"
+    out = os.fspath(out)
+    charts = group_charts(runs)
+    png_dir = os.path.splitext(out)[0] + "_charts"
+    os.makedirs(png_dir, exist_ok=True)
+    pngs, names = {}, {}
+    for key in charts:
+        pngs[key] = _plot(key, charts[key], runs)
+        fname = _slug(key) + ".png"
+        while fname in names.values():
+            fname = "_" + fname
+        names[key] = fname
+        with open(os.path.join(png_dir, fname), "wb") as f:
+            f.write(pngs[key])
+    page = render_html(runs, charts, pngs, {k: os.path.basename(png_dir) + "/" + v for k, v in names.items()})
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(page)
+    os.replace(tmp, out)
+    return out
+
+
+# --------------------------------------------------------------------------- CLI
+def add_subcommand(sub, fmt) -> None:
+    """``ember report``'s argument parser."""
+    sp = sub.add_parser("report", help="write an HTML report (curves, hparams, run facts) of one or more runs",
+                        formatter_class=fmt, description=__doc__.split("\n\n")[0])
+    sp.add_argument("runs", nargs="+", metavar="LOG_DIR", help="a run's log folder (several: overlaid)")
+    sp.add_argument("--out", "-o", default=None, metavar="FILE",
+                    help="the HTML file (default: LOG_DIR/report.html; report.html for several runs)")
+
+
+def report_command(args) -> int:
+    from ember.cli import UsageError
+    try:
+        path = write_report(args.runs, args.out)
+    except MisconfigurationError as err:
+        raise UsageError(str(err)) from None
+    print(path)
+    return 0
