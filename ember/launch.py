@@ -296,6 +296,9 @@ def launch(args: argparse.Namespace) -> int:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    if getattr(args, "max_restarts", 0):
+        # a restarted worker group resumes fit() from the newest complete checkpoint
+        os.environ["EMBER_ELASTIC_RESUME"] = "1"
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -7,6 +7,7 @@ Ranks come from ``torchrun`` / ``ember launch``, from SLURM, or, from a plain
 """
 from __future__ import annotations
 
+import os
 import types
 import warnings
 from datetime import timedelta
@@ -266,7 +267,12 @@ class DDPStrategy(Strategy):
             kwargs = {}
             if device.type == "cuda" and self._backend == "nccl":
                 kwargs["device_id"] = device
-            dist.init_process_group(self._backend, init_method="env://", world_size=env.world_size,
+            store = _restarted_agent_store(self.timeout)
+            if store is not None:
+                kwargs["store"] = store
+            else:
+                kwargs["init_method"] = "env://"
+            dist.init_process_group(self._backend, world_size=env.world_size,
                                     rank=env.global_rank, timeout=self.timeout, **kwargs)
         elif dist.get_world_size() != env.world_size:
             raise MisconfigurationError(
@@ -341,3 +347,17 @@ class DDPStrategy(Strategy):
     def __repr__(self) -> str:
         return (f"DDPStrategy(world_size={self.world_size}, rank={self.global_rank}, "
                 f"backend={self._backend!r}, device={self.root_device}, env={self.cluster_environment.name})")
+
+
+def _restarted_agent_store(timeout):
+    """After torchrun's elastic agent restarted the workers (``TORCHELASTIC_RESTART_COUNT``
+    > 0), the agent's TCPStore still holds the previous attempt's keys, and the default
+    group's keys are the same in every attempt: a restarted rank could read a dead peer's
+    address before the new one is written and fail to connect. A client of the agent's
+    store under a per-attempt prefix keeps the attempts apart. None when not restarted."""
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts in ("", "0"):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/ember/attempt_{restarts}", store)

@@ -198,6 +198,24 @@ def _best_from_last(t) -> str | None:
     return None
 
 
+def elastic_resume_path(t) -> str | None:
+    """``"last"`` in a worker group that torchrun's elastic agent restarted
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) under ``ember launch --max-restarts N``
+    (which sets ``EMBER_ELASTIC_RESUME=1``), when this run has a complete checkpoint;
+    else None (a group that failed before its first checkpoint starts afresh). The
+    agent stops every worker before it restarts the group, so the files every rank
+    sees here are the same."""
+    if os.environ.get("EMBER_ELASTIC_RESUME", "") not in ("1", "true"):
+        return None
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        restarts = 0
+    if restarts <= 0 or find_last(t) is None:
+        return None
+    return "last"
+
+
 def resolve_ckpt_path(t, ckpt_path, stage: str = "fit") -> str:
     """Turn ``ckpt_path`` (a path, "last" or "best") into a path and check it before any
     work: missing, incomplete and truncated checkpoints raise CheckpointError here."""

@@ -247,6 +247,8 @@ class Trainer:
                 raise MisconfigurationError(f"trainer.{stage}(): got a DataModule both in place of the dataloaders "
                                             "and as datamodule=; pass it once")
             datamodule, loaders = loaders[first], {**loaders, first: None}
+        if ckpt_path is None and stage == "fit":
+            ckpt_path = _state.elastic_resume_path(self)   # "last" after an elastic restart
         if ckpt_path is not None:
             ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)   # errors before any work
         self.stage = stage
