@@ -1,0 +1,403 @@
+"""Tuning before training: the learning-rate finder and the batch-size finder.
+
+    result = ember.tuner.lr_find(trainer, module, train_loader)
+    lr = result.suggestion()        # steepest descent of the smoothed loss
+    result.plot("lr.png")
+
+    bs = ember.tuner.scale_batch_size(trainer, module, datamodule=dm)   # CUDA OOM bound
+    bs = ember.tuner.scale_batch_size(trainer, module, datamodule=dm, max_val=256)   # a user bound (CPU)
+
+Both run short ``trainer.fit`` calls on the user's trainer and module, and put
+everything back afterwards: the module's weights (and gradients), the optimizer
+states, the trainer's attributes (step counters, callbacks, loggers, metrics) and
+the random number generators. Nothing is logged, checkpointed or called back
+during the search. Under DDP the learning-rate finder reduces the losses over the
+ranks, so every rank gets the same curve and suggestion.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import random
+from dataclasses import dataclass, field
+import torch
+
+from ember.callbacks.base import Callback
+from ember.errors import MisconfigurationError, invalid_choice
+
+# trainer attributes that belong to the environment set up once per process; the
+# search keeps them (everything else is put back as it was)
+_KEEP = frozenset({"_env_ready", "_acc", "_data_seed", "strategy", "_precision"})
+
+
+# --------------------------------------------------------------------------- saving / restoring
+class _Snapshot:
+    """The module's tensors, the optimizers' states, the trainer's attributes and the RNGs."""
+
+    def __init__(self, trainer, module):
+        self.trainer, self.module = trainer, module
+        self.attrs = dict(trainer.__dict__)
+        self.module_state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+        self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
+        self.module_dict = {k: module.__dict__.get(k, _MISSING) for k in ("_trainer", "_results", "training_step")}
+        self.training = module.training
+        self.optim = [(o, copy.deepcopy(o.state_dict())) for o in trainer.optimizers]
+        self.rng = _rng_state()
+
+    def restore(self) -> None:
+        t, m = self.trainer, self.module
+        keep = {k: t.__dict__[k] for k in _KEEP if k in t.__dict__}
+        t.__dict__.clear()
+        t.__dict__.update(self.attrs)
+        t.__dict__.update(keep)
+        with torch.no_grad():
+            m.load_state_dict(self.module_state)   # copies in place: the parameters stay the same objects
+        for p, g in self.grads:
+            p.grad = g
+        for k, v in self.module_dict.items():
+            if v is _MISSING:
+                m.__dict__.pop(k, None)
+            else:
+                m.__dict__[k] = v
+        m.train(self.training)
+        for o, s in self.optim:
+            o.load_state_dict(s)
+        _set_rng_state(self.rng)
+
+
+_MISSING = object()
+
+
+def _rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        s["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return s
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    if "cuda" in s:
+        torch.cuda.set_rng_state_all(s["cuda"])
+    if "numpy" in s:
+        import numpy as np
+        np.random.set_state(s["numpy"])
+
+
+def _search_settings(trainer, callback: Callback, max_steps: int) -> None:
+    """A bare run: only ``callback``, no logger/checkpoint/validation, ``max_steps`` steps."""
+    from ember.trainer.logging import Results
+    trainer.callbacks = [callback]
+    trainer._logger_arg = False
+    trainer.loggers = []
+    trainer.max_steps, trainer.max_epochs, trainer._max_time = max_steps, -1, None
+    trainer.num_sanity_val_steps, trainer.limit_val_batches = 0, 0
+    trainer.check_val_every_n_epoch, trainer.val_check_interval = None, 1.0
+    trainer.log_every_n_steps = 2**62        # no step metrics (and no per-log-point loss check)
+    trainer.fast_dev_run = 0
+    trainer.current_epoch = trainer.global_step = trainer._batches_done = 0
+    trainer._epoch_finished = trainer._grads_pending = trainer.should_stop = False
+    trainer.callback_metrics, trainer.logged_metrics = {}, {}
+    trainer._results = {s: Results(s) for s in trainer._results}   # the user's accumulators stay untouched
+    if "profiler" in trainer.__dict__:
+        trainer.__dict__.pop("_setup", None)    # an attached profiler stays out of the search
+
+
+def _loss_of(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, dict):
+        return outputs.get("loss")
+    return None
+
+
+# --------------------------------------------------------------------------- lr finder
+@dataclass
+class LRFinderResult:
+    """The curve of an :func:`lr_find` run.
+
+    ``lrs[i]`` is the learning rate of step ``i``; ``raw_losses[i]`` its training
+    loss (mean over ranks and accumulated micro-batches); ``losses[i]`` the
+    exponentially smoothed loss (``beta=0.98``, bias-corrected), as Lightning reports.
+    """
+    lrs: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    raw_losses: list = field(default_factory=list)
+    diverged: bool = False
+
+    def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
+        """The learning rate where the smoothed loss falls fastest (the most negative
+        gradient of loss over step), skipping the first ``skip_begin`` and the last
+        ``skip_end`` points. ``None`` when too few finite points remain."""
+        lrs = self.lrs[skip_begin: len(self.lrs) - skip_end]
+        losses = self.losses[skip_begin: len(self.losses) - skip_end]
+        pts = [(lr, v) for lr, v in zip(lrs, losses) if math.isfinite(v)]
+        if len(pts) < 3:
+            import warnings
+            warnings.warn(f"lr_find: only {len(pts)} usable points after skipping {skip_begin}+{skip_end}; "
+                          "no suggestion (raise num_training or lower skip_begin)", stacklevel=2)
+            return None
+        import numpy as np
+        grad = np.gradient(np.array([v for _, v in pts]))
+        return float(pts[int(np.argmin(grad))][0])
+
+    def plot(self, path: str | None = None, suggest: bool = True):
+        """Loss over learning rate (log x axis) with the suggestion marked. Writes a PNG
+        to ``path`` and returns the path; with no path returns the matplotlib figure."""
+        import matplotlib
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(6.4, 4), dpi=110)
+        ax.plot(self.lrs, self.losses, label="smoothed loss")
+        ax.plot(self.lrs, self.raw_losses, alpha=0.3, label="loss")
+        if self.lrs and self.lrs[-1] / max(self.lrs[0], 1e-300) > 10:
+            ax.set_xscale("log")
+        sug = self.suggestion() if suggest else None
+        if sug is not None:
+            i = self.lrs.index(sug)
+            ax.plot([sug], [self.losses[i]], "o", color="red", markersize=8, label=f"suggestion {sug:.3g}")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("training loss")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        if path is None:
+            return fig
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+class _LRFinder(Callback):
+    def __init__(self, lrs: list, threshold: float | None, check_every: int = 10):
+        self.lrs, self.threshold, self.check_every = lrs, threshold, check_every
+        self.pending: list = []     # (step, detached loss) per micro-batch
+        self.values: list = []      # per step, reduced over ranks (host floats)
+        self.diverged = False
+
+    def on_fit_start(self, trainer, module):
+        trainer.lr_scheduler_configs, trainer._step_schedulers_list = [], []   # the finder sets the lr itself
+        self.optim = [(o, copy.deepcopy(o.state_dict())) for o in trainer.optimizers]
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self._step = trainer.global_step
+        lr = self.lrs[min(self._step, len(self.lrs) - 1)]
+        for o in trainer.optimizers:
+            for g in o.param_groups:
+                g["lr"] = lr
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        loss = _loss_of(outputs)
+        if loss is not None:
+            self.pending.append((self._step, loss.detach().float().reshape(())))
+        if trainer.global_step > self._step and trainer.global_step % self.check_every == 0:
+            self._collect(trainer)
+            if self.threshold is not None and _diverged(self.values, self.threshold):
+                self.diverged = trainer.should_stop = True
+
+    def on_train_end(self, trainer, module):
+        self._collect(trainer)
+
+    def _collect(self, trainer) -> None:
+        """Per-step mean losses of the pending micro-batches, reduced over ranks (one transfer)."""
+        steps = sorted({s for s, _ in self.pending})
+        if not steps:
+            return
+        sums = torch.stack([sum(v for s, v in self.pending if s == st) for st in steps])
+        counts = torch.tensor([sum(1 for s, _ in self.pending if s == st) for st in steps], device=sums.device)
+        per_step = sums / counts
+        if trainer.world_size > 1:
+            per_step = trainer.strategy.reduce(per_step, "mean")
+        self.values += per_step.cpu().tolist()
+        self.pending = []
+        del self.values[len(self.lrs):]
+
+
+def _smooth(values: list, beta: float = 0.98) -> list:
+    out, avg = [], 0.0
+    for i, v in enumerate(values):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta ** (i + 1)))
+    return out
+
+
+def _diverged(values: list, threshold: float) -> bool:
+    sm = _smooth(values)
+    if any(not math.isfinite(v) for v in sm):
+        return True
+    return len(sm) > 1 and sm[-1] > threshold * min(sm)
+
+
+def lr_find(trainer, module, train_dataloaders=None, datamodule=None, min_lr: float = 1e-8, max_lr: float = 1.0,
+            num_training: int = 100, mode: str = "exponential", early_stop_threshold: float | None = 4.0) -> LRFinderResult:
+    """Train ``num_training`` steps while the learning rate grows from ``min_lr`` to
+    ``max_lr`` (``mode="exponential"``: geometric steps, ``"linear"``: equal steps) and
+    record the loss of each step; stop early once the smoothed loss exceeds
+    ``early_stop_threshold`` times its minimum (checked every 10 steps; ``None``: never).
+
+    The module's configured optimizers are used (their learning rate is overridden;
+    schedulers are not stepped). Afterwards the weights, optimizer states, trainer
+    and RNGs are exactly as before. Returns an :class:`LRFinderResult`; use
+    ``result.suggestion()`` to pick a learning rate and ``result.plot(path)`` to look.
+    """
+    if mode not in ("exponential", "linear"):
+        raise invalid_choice("mode", mode, ["exponential", "linear"])
+    if not (0 < min_lr < max_lr):
+        raise MisconfigurationError(f"lr_find(min_lr={min_lr!r}, max_lr={max_lr!r}): need 0 < min_lr < max_lr")
+    if not isinstance(num_training, int) or num_training < 2:
+        raise MisconfigurationError(f"lr_find(num_training={num_training!r}): use an int >= 2")
+    n = num_training
+    if mode == "exponential":
+        lrs = [min_lr * (max_lr / min_lr) ** (i / (n - 1)) for i in range(n)]
+    else:
+        lrs = [min_lr + (max_lr - min_lr) * i / (n - 1) for i in range(n)]
+    if not getattr(module, "automatic_optimization", True):
+        raise MisconfigurationError("lr_find needs automatic optimization (the module sets "
+                                    "automatic_optimization = False)")
+    snap = _Snapshot(trainer, module)
+    finder = _LRFinder(lrs, early_stop_threshold)
+    try:
+        _search_settings(trainer, finder, n)
+        trainer.fit(module, train_dataloaders=train_dataloaders, datamodule=datamodule)
+        for o, s in finder.optim:   # optimizers the module keeps between fits
+            o.load_state_dict(s)
+    finally:
+        snap.restore()
+    values = finder.values
+    return LRFinderResult(lrs=lrs[: len(values)], losses=_smooth(values), raw_losses=list(values),
+                          diverged=finder.diverged)
+
+
+# --------------------------------------------------------------------------- batch-size finder
+def is_oom_error(exc: BaseException) -> bool:
+    """True for out-of-memory errors of CUDA, cuDNN, cuBLAS or the CPU allocator."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    msg = str(exc) if isinstance(exc, RuntimeError) else ""
+    return any(s in msg for s in ("out of memory", "CUDNN_STATUS_NOT_SUPPORTED", "CUBLAS_STATUS_ALLOC_FAILED",
+                                  "can't allocate memory", "DefaultCPUAllocator: not enough memory"))
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _batch_holder(module, datamodule, name: str):
+    for obj in (datamodule, module):
+        if obj is not None and hasattr(obj, name) and not callable(getattr(obj, name)):
+            return obj, None
+    hp = getattr(module, "hparams", None)
+    if hp is not None and name in hp:
+        return None, hp
+    raise MisconfigurationError(
+        f"scale_batch_size: found no attribute {name!r} on the datamodule, the module or module.hparams; the "
+        f"train_dataloader() must read its batch size from one of them (batch_arg_name={name!r})")
+
+
+class _Trial(Callback):
+    def on_fit_start(self, trainer, module):
+        ds = getattr(trainer._train_loader, "dataset", None)
+        try:
+            self.dataset_len = len(ds) if ds is not None else None
+        except TypeError:
+            self.dataset_len = None
+
+
+def scale_batch_size(trainer, module, train_dataloaders=None, datamodule=None, mode: str = "power",
+                     steps_per_trial: int = 3, init_val: int = 2, max_trials: int = 25,
+                     batch_arg_name: str = "batch_size", max_val: int | None = None) -> int:
+    """The largest batch size that trains: each trial runs ``steps_per_trial`` training
+    steps with the batch size set on the datamodule / module / ``module.hparams``
+    attribute ``batch_arg_name`` (the ``train_dataloader()`` must read it).
+
+    ``mode="power"`` doubles from ``init_val`` until a trial fails; ``"binsearch"``
+    then bisects between the last success and the failure. A trial fails on an
+    out-of-memory error (CUDA, cuDNN, CPU allocator) or when the batch size would
+    exceed ``max_val`` (the bound to use on CPU, where memory does not run out
+    cleanly); growth also stops at the dataset's length. At most ``max_trials``
+    trials. Everything is restored afterwards except the attribute, which is left
+    at the result; returns it. Single process only.
+    """
+    if mode not in ("power", "binsearch"):
+        raise invalid_choice("mode", mode, ["power", "binsearch"])
+    for k, v in (("init_val", init_val), ("max_trials", max_trials), ("steps_per_trial", steps_per_trial)):
+        if not isinstance(v, int) or v < 1:
+            raise MisconfigurationError(f"scale_batch_size({k}={v!r}): use an int >= 1")
+    if train_dataloaders is not None:
+        raise MisconfigurationError("scale_batch_size cannot resize a DataLoader passed in; give a datamodule or "
+                                    "a module whose train_dataloader() reads the batch size attribute")
+    obj, hp = _batch_holder(module, datamodule, batch_arg_name)
+    if max_val is not None and max_val < init_val:
+        raise MisconfigurationError(f"scale_batch_size(max_val={max_val}) is below init_val={init_val}")
+    if trainer.world_size > 1:
+        raise MisconfigurationError("scale_batch_size runs in one process; find the batch size first, then "
+                                    "train under DDP")
+
+    def set_bs(v: int) -> None:
+        if hp is not None:
+            hp[batch_arg_name] = v
+        else:
+            setattr(obj, batch_arg_name, v)
+
+    original = hp[batch_arg_name] if hp is not None else getattr(obj, batch_arg_name)
+    snap = _Snapshot(trainer, module)
+    trial = _Trial()
+    tried: dict[int, bool] = {}
+
+    def run(bs: int) -> bool:
+        if max_val is not None and bs > max_val:
+            return False
+        if bs in tried:
+            return tried[bs]
+        set_bs(bs)
+        try:
+            _search_settings(trainer, trial, steps_per_trial)
+            trainer.fit(module, datamodule=datamodule)
+            ok = True
+        except BaseException as exc:
+            if not is_oom_error(exc):
+                raise
+            ok = False
+        finally:
+            snap.restore()
+        if not ok:
+            _free_memory()   # the failed trial's tensors (held by the traceback until now)
+        tried[bs] = ok
+        return ok
+
+    try:
+        good, bad, bs = None, None, init_val
+        for _ in range(max_trials):
+            if run(bs):
+                good = bs
+                n = getattr(trial, "dataset_len", None)
+                if n is not None and bs >= n:
+                    break
+                bs *= 2
+            else:
+                bad = bs
+                break
+        if good is None:
+            raise MisconfigurationError(f"scale_batch_size: even batch size {init_val} does not fit "
+                                        f"(out of memory{' or above max_val' if max_val is not None else ''})")
+        if mode == "binsearch" and bad is not None:
+            while bad - good > 1 and len(tried) < max_trials:
+                mid = (good + bad) // 2
+                if run(mid):
+                    good = mid
+                else:
+                    bad = mid
+    except BaseException:
+        set_bs(original)
+        raise
+    set_bs(good)
+    return good
