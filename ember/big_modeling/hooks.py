@@ -227,7 +227,8 @@ def dispatch_model(model: nn.Module, device_map: dict | str = "auto", main_devic
                                  "'sequential' or a dict")
         device_map = infer_auto_device_map(model, max_memory=max_memory,
                                            no_split_module_classes=no_split_module_classes)
-    dmap = check_device_map(model, device_map)
+    dmap = user_map = check_device_map(model, device_map)
+    dmap = _expand_containers(model, dmap)
     if main_device is None:
         accel = [d for d in dmap.values() if d not in ("cpu", "disk")]
         main_device = accel[0] if accel else "cpu"
@@ -249,6 +250,16 @@ def dispatch_model(model: nn.Module, device_map: dict | str = "auto", main_devic
         d = dmap[entry]
         return main if d in ("cpu", "disk") else torch_device(d)
 
+    for members in groups.values():      # every error before anything is moved
+        t, names = members[0][4], [m[0] for m in members]
+        devs = {dmap[owner_entry(n, entries)] for n in names}
+        has_ref = any(n in offload_index for n in names)
+        if t.device.type == "meta" and not has_ref:
+            raise DeviceMapError(f"{names[0]} has no weights (it is on the meta device): load a checkpoint "
+                                 "into the model first, e.g. with load_checkpoint_and_dispatch")
+        if devs == {"disk"} and members[0][3] and not has_ref and offload_dir is None:
+            raise DeviceMapError(f"device_map puts {owner_entry(names[0], list(user_map))!r} on 'disk': pass "
+                                 "offload_dir= (a folder for its weights)")
     to_write: dict[str, dict[str, torch.Tensor]] = {}
     jit: dict[int, tuple[nn.Module, torch.device, str, list]] = {}   # id(block module) -> hook parts
 
@@ -336,9 +347,28 @@ def dispatch_model(model: nn.Module, device_map: dict | str = "auto", main_devic
     mods[id(model)] = model
     for key, hook in hooks.items():
         hook.attach(mods[key])
-    model.hf_device_map = dict(dmap)
+    model.hf_device_map = dict(user_map)
     model._ember_dispatch = {"main_device": main, "offload_dir": os.fspath(offload_dir) if offload_dir else None}
     return model
+
+
+def _expand_containers(model: nn.Module, dmap: dict) -> dict:
+    """Entries naming a ModuleList/ModuleDict (never called itself, so its hooks would never
+    run) become one entry per child, so each child block gets the hook."""
+    out: dict = {}
+    for name, dev in dmap.items():
+        todo = [name]
+        while todo:
+            n = todo.pop(0)
+            try:
+                m = model.get_submodule(n) if n else model
+            except AttributeError:
+                m = None
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and n:
+                todo[:0] = [f"{n}.{c}" for c, _ in m.named_children() if f"{n}.{c}" not in dmap]
+            else:
+                out[n] = dev
+    return out
 
 
 def _block_file(offload_dir: str | os.PathLike, entry: str) -> str:

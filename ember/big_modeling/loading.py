@@ -163,7 +163,8 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike, de
                 for b in getattr(m, "_non_persistent_buffers_set", ())}   # e.g. position_ids
     unused = sorted(k for k in set(keys) - used if not any(to_ckpt(c) == k for c in computed))
     if unused:
-        msg = f"{len(unused)} tensor(s) of {os.fspath(checkpoint)} match nothing in {type(model).__name__}: {unused[:10]}"
+        msg = (f"{len(unused)} tensor(s) of {os.fspath(checkpoint)} match nothing in "
+               f"{type(model).__name__}: {unused[:10]}")
         if strict:
             raise CheckpointError(msg)
         warnings.warn(msg, stacklevel=2)

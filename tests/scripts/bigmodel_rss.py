@@ -36,17 +36,42 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def rss_peak() -> int:
+    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that over
+    from the parent across fork + exec, so it shows the test runner's own peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _input() -> torch.Tensor:
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def make(ckpt: str) -> None:
+    """Write random weights to ``ckpt`` and the in-memory model's output to ``ckpt.out.pt``."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for i in range(DEPTH):
+        for fc in ("fc1", "fc2"):
+            state[f"{i}.{fc}.weight"] = torch.randn(WIDTH, WIDTH, generator=g) / WIDTH ** 0.5
+            state[f"{i}.{fc}.bias"] = torch.randn(WIDTH, generator=g) * 0.01
+    save_file(state, ckpt)
+    model = build().eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        torch.save(model(_input()), ckpt + ".out.pt")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     cmd, ckpt = sys.argv[1], sys.argv[2]
-    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+    x = _input()
     if cmd == "make":
-        from safetensors.torch import save_file
-        torch.manual_seed(0)
-        model = build().eval()
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, ckpt)
-        with torch.no_grad():
-            torch.save(model(x), ckpt + ".out.pt")
+        make(ckpt)
         return
     from ember.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
     offload, cap = sys.argv[3], int(sys.argv[4])
@@ -62,7 +87,7 @@ def main() -> None:
         y = model(x)
         y2 = model(x)
     ref = torch.load(ckpt + ".out.pt", weights_only=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = rss_peak()
     devices = sorted(set(map(str, model.hf_device_map.values())))
     print(json.dumps({"base": base, "after_load": after_load, "peak": peak, "equal": bool(torch.equal(y, ref))
                       and bool(torch.equal(y2, ref)), "devices": devices,
