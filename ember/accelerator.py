@@ -101,7 +101,6 @@ class Accelerator:
         self._custom_objects: list = []
         self._active_loader = None
         self._finished_pass = None   # the prepared dataloader whose last pass ran to its end
-        self._unscaled: set = set()
         self._trigger = False
         self._log_step = 0
         self.project_dir = os.getcwd()
@@ -125,7 +124,14 @@ class Accelerator:
     is_last_process = property(lambda self: self.strategy.global_rank == self.strategy.world_size - 1)
     use_distributed = property(lambda self: self.strategy.world_size > 1)
     precision = property(lambda self: self.strategy.precision.name)
-    scaler = property(lambda self: self.strategy.precision.scaler)
+
+    @property
+    def scaler(self):
+        """The loss scaler under 16-mixed (else None), its scale updated for the last step."""
+        precision = self.strategy.precision
+        if precision.scaler is not None:
+            precision.update()
+        return precision.scaler
     step = property(lambda self: self._step, doc="micro-batches seen in the current accumulation window")
 
     @property
@@ -249,20 +255,18 @@ class Accelerator:
     def unscale_gradients(self, optimizer=None) -> None:
         """Under 16-mixed, divide the gradients of ``optimizer`` (default: all prepared
         optimizers) by the loss scale, once per step (a second call is a no-op)."""
-        if self.strategy.precision.scaler is None:
+        precision = self.strategy.precision
+        if precision.scaler is None:
             return
         opts = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
         for opt in opts:
-            raw = opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
-            if id(raw) not in self._unscaled:
-                self.strategy.precision.unscale_gradients(raw)
-                self._unscaled.add(id(raw))
+            precision.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
     def _unscale_for(self, params: list) -> None:
         if self.strategy.precision.scaler is None:
             return
         ids = {id(p) for p in params}
-        self.unscale_gradients([o for o in self._optimizers if id(o.optimizer) not in self._unscaled and any(
+        self.unscale_gradients([o for o in self._optimizers if any(
             id(p) in ids for g in o.optimizer.param_groups for p in g["params"])])
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
@@ -487,7 +491,7 @@ class Accelerator:
         """Drop the references held to prepared objects, collect garbage, empty the CUDA
         cache. Returns ``[None] * len(objects)`` for ``a, b = acc.free_memory(a, b)``."""
         for held in (self._models, self._optimizers, self._schedulers, self._dataloaders,
-                     self._custom_objects, self._unscaled):
+                     self._custom_objects):
             held.clear()
         self._active_loader = self._finished_pass = None
         self._step = 0

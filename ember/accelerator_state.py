@@ -32,8 +32,6 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, accelerator):  # no Optimizer.__init__: state is inner
         self.optimizer, self._acc, self._strategy = optimizer, accelerator, accelerator.strategy
-        self._scale_before: torch.Tensor | None = None
-        self._skipped: bool | None = None
 
     param_groups = property(lambda self: self.optimizer.param_groups,
                             lambda self, v: setattr(self.optimizer, "param_groups", v))
@@ -41,37 +39,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v))
 
     def step(self, closure=None):
-        acc = self._acc
-        if not acc.sync_gradients:
+        if not self._acc.sync_gradients:
             return None
-        scaler = self._strategy.precision.scaler
-        if scaler is None:
-            return self._strategy.optimizer_step(self.optimizer, None, closure)
-        raw = self.optimizer
-        # GradScaler.update() forgets which optimizers were unscaled: keep that for the
-        # others (several optimizers stepping one after the other, e.g. a GAN)
-        per_opt = scaler._per_optimizer_states
-        keep = {k: per_opt[k] for k in acc._unscaled if k != id(raw) and k in per_opt}
-        if scaler._scale is not None:
-            if self._scale_before is None:
-                self._scale_before = scaler._scale.detach().clone()
-            else:
-                self._scale_before.copy_(scaler._scale)
-        self._skipped = None
-        self._strategy.optimizer_step(raw, None, closure)
-        acc._unscaled.discard(id(raw))
-        if keep:
-            scaler._per_optimizer_states.update(keep)
-        return None
+        return self._strategy.optimizer_step(self.optimizer, None, closure)
 
     @property
     def step_was_skipped(self) -> bool:
-        """Under 16-mixed: the last step found inf/NaN gradients (the loss scale dropped)."""
-        if self._scale_before is None:
-            return False
-        if self._skipped is None:
-            self._skipped = bool((self._strategy.precision.scaler._scale < self._scale_before).item())
-        return self._skipped
+        """Under 16-mixed: the last step found inf/NaN gradients and was skipped."""
+        return self._strategy.precision.step_skipped(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._acc.sync_gradients:
@@ -126,7 +101,7 @@ class AcceleratedScheduler:
         if not acc.sync_gradients:
             return
         for opt in self._optimizers():
-            if opt._scale_before is not None and opt.step_was_skipped:
+            if opt.step_was_skipped:
                 return
         n = 1 if self._once else acc.strategy.world_size
         total = getattr(sched, "total_steps", None)
@@ -511,7 +486,6 @@ def load_state(acc, input_dir, strict: bool = True) -> dict:
     if rng:
         cio.restore_rng_states(rng[strategy.global_rank % len(rng)])
     acc._step = int(info.get("step", 0))
-    acc._unscaled.clear()
     return meta
 
 

@@ -194,6 +194,69 @@ def test_16_mixed_inf_gradients_skip_the_step_and_the_scheduler():
     assert not opt.step_was_skipped and sched.last_epoch == 1
 
 
+def _raw_fp16_step(net, x, y, lr):
+    """The raw loop: the same fp16 autocast forward, no loss scaling, one SGD step."""
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = net(x)
+    F.mse_loss(out.float(), y).backward()
+    opt.step()
+
+
+def test_16_mixed_optimizer_not_passed_to_prepare_takes_the_true_step():
+    """backward() scales the loss; an optimizer that was not prepared is unscaled before its
+    own step (it was 65,536x too large)."""
+    torch.manual_seed(0)
+    net, x, y = nn.Linear(4, 2), torch.randn(8, 4), torch.randn(8, 2)
+    ref, fp32, start = copy.deepcopy(net), copy.deepcopy(net), net.weight.detach().clone()
+    acc = Accelerator(precision="16-mixed")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)      # not passed to prepare
+    model = acc.prepare(net)
+    acc.backward(F.mse_loss(model(x), y))
+    opt.step()
+    _raw_fp16_step(ref, x, y, 0.1)
+    assert torch.equal(net.weight, ref.weight) and torch.equal(net.bias, ref.bias)
+    F.mse_loss(fp32(x), y).backward()
+    torch.optim.SGD(fp32.parameters(), lr=0.1).step()
+    move, fp32_move = net.weight.detach() - start, fp32.weight.detach() - start
+    assert move.abs().max() > 0.01                       # it trained (0.06), and by the fp32 loop's amount
+    torch.testing.assert_close(move, fp32_move, rtol=0, atol=2e-3)
+
+
+def test_16_mixed_second_optimizer_not_prepared_after_a_prepared_one_and_inf_skip():
+    """A GAN-like pair: the prepared optimizer steps first; the unprepared one still
+    unscales with the scale its gradients carry, and is skipped on inf like a prepared one."""
+    torch.manual_seed(0)
+    a, b, x = nn.Linear(4, 4), nn.Linear(4, 1), torch.randn(8, 4)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    acc = Accelerator(precision="16-mixed")
+    acc.scaler.set_growth_interval(1)                     # the scale changes after every good step
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)          # not prepared
+    a, b, oa = acc.prepare(a, b, oa)
+    scale = acc.scaler.get_scale()
+    acc.backward(b(a(x)).float().pow(2).mean())
+    oa.step()
+    ob.step()
+    assert acc.scaler.get_scale() == scale * 2            # one update, after both stepped
+    ra, rb = torch.optim.SGD(ref_a.parameters(), lr=0.1), torch.optim.SGD(ref_b.parameters(), lr=0.1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = ref_b(ref_a(x))
+    out.float().pow(2).mean().backward()
+    ra.step()
+    rb.step()
+    for p, q in zip([*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()]):
+        assert torch.equal(p, q)
+    oa.zero_grad()
+    ob.zero_grad()
+    before = [p.detach().clone() for p in b.parameters()]
+    acc.backward(b(a(x)).float().pow(2).mean() * float("inf"))
+    oa.step()
+    ob.step()                                             # inf gradients: skipped, not applied
+    assert all(torch.equal(p, q) for p, q in zip(before, b.parameters()))
+    assert oa.step_was_skipped and acc.scaler.get_scale() == scale
+
+
 def test_mixed_forward_runs_in_autocast_and_returns_float32():
     class Probe(nn.Module):
         def __init__(self):

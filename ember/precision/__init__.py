@@ -10,6 +10,7 @@ Accelerator accept the strings directly)::
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -59,8 +60,9 @@ class Precision:
             raise invalid_choice("precision", value, PRECISIONS)
         return cls() if cls is Precision else cls(key)
 
-    def setup(self, device: torch.device) -> None:
-        """Called once the strategy knows its root device."""
+    def setup(self, device: torch.device, loss_scaler: str | None = "torch") -> None:
+        """Called once the strategy knows its root device; ``loss_scaler`` is the
+        strategy's choice of loss scaler for "16-mixed" (see :class:`MixedPrecision`)."""
         self.device_type = device.type
 
     # -- forward -------------------------------------------------------------
@@ -87,6 +89,13 @@ class Precision:
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure=None) -> None:
         """Step the optimizer (under loss scaling: skipped when gradients hold inf/NaN)."""
         optimizer.step() if closure is None else optimizer.step(closure)
+
+    def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the last step of ``optimizer`` was skipped (inf/NaN under loss scaling)."""
+        return False
+
+    def update(self) -> None:
+        """End of an optimizer step (every optimizer stepped): update the loss scale."""
 
     def state_dict(self) -> dict:
         return {}
@@ -129,26 +138,67 @@ class TruePrecision(Precision):
 
 
 class MixedPrecision(Precision):
-    """Autocast for forward; fp32 master weights. "16-mixed" adds a GradScaler
-    (steps with inf/NaN gradients are skipped and the scale lowered)."""
+    """Autocast for forward; fp32 master weights. "16-mixed" adds a loss scaler
+    (a GradScaler; steps with inf/NaN gradients are skipped and the scale lowered).
+
+    The loss-scaling rules, in one place for the Trainer and the Accelerator:
+
+    - ``backward`` multiplies the loss by the current scale.
+    - ``unscale_gradients(opt)`` divides ``opt``'s gradients by it once per step
+      (a second call before the step is a no-op).
+    - ``optimizer_step(opt)`` unscales (if not done yet) and steps unless a
+      gradient is inf/NaN; :meth:`step_skipped` tells which.
+    - The scale is updated once per optimizer step, after *every* optimizer
+      stepped: by :meth:`update` (the Trainer calls it at the end of its step),
+      else at the next ``backward`` or ``state_dict``. So several optimizers
+      stepping one after the other all unscale with the scale their gradients
+      were scaled with.
+    - An optimizer that does not step through this precision (e.g. one not passed
+      to ``Accelerator.prepare``) is unscaled just before its own ``step()`` when it
+      holds parameters of a module this precision set up, and its step is skipped
+      on inf/NaN: its update is the one an unscaled loss would give.
+    """
 
     def __init__(self, name: str):
         self.name = name
         self.autocast_dtype = torch.float16 if name == "16-mixed" else torch.bfloat16
         self.device_type = "cpu"
         self._ctx = None
+        self._update_pending = False   # an optimizer stepped since the last scale update
+        self._scaled = False           # a scaled backward ran since the last scale update
+        self._stepping = None          # the optimizer inside optimizer_step (not guarded)
+        self._found: dict[int, torch.Tensor] = {}   # id(optimizer) -> inf/NaN count of its last step
+        self._params: dict[int, weakref.ref] = {}   # parameters of the modules set up here
 
-    def setup(self, device):
+    def setup(self, device, loss_scaler: str | None = "torch"):
+        """``loss_scaler`` (the strategy's choice): ``"torch"`` (``torch.amp.GradScaler``),
+        ``"sharded"`` (FSDP's ``ShardedGradScaler``) or None (the strategy scales itself)."""
         self.device_type = device.type if device.type in ("cuda", "cpu", "mps", "xpu") else "cpu"
-        if self.name == "16-mixed" and self.scaler is None:
+        if self.name != "16-mixed" or loss_scaler is None:
+            self.scaler = None
+            return
+        if loss_scaler == "sharded":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            if not isinstance(self.scaler, ShardedGradScaler):
+                self.scaler = ShardedGradScaler(device=self.device_type)
+        elif self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device_type)
+        _guard(self)
 
     def forward_context(self):
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
+    def convert_module(self, module):
+        self._params.update((id(p), weakref.ref(p)) for p in module.parameters())
+        return module
+
     def backward(self, loss, **kwargs):
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
+        scaler = self.scaler
+        if scaler is not None:
+            if self._update_pending:
+                self.update()
+            loss = scaler.scale(loss)
+            self._scaled = True
         loss.backward(**kwargs)
 
     def unscale_gradients(self, optimizer):
@@ -159,7 +209,7 @@ class MixedPrecision(Precision):
             return
         from torch.amp.grad_scaler import OptState
         state = scaler._per_optimizer_states.get(id(optimizer))
-        if state is not None and state["stage"] is OptState.UNSCALED:
+        if state is not None and state["stage"] is not OptState.READY:
             return
         scaler.unscale_(optimizer)
 
@@ -169,12 +219,75 @@ class MixedPrecision(Precision):
             return super().optimizer_step(optimizer, closure)
         if closure is not None:
             closure()
-        scaler.step(optimizer)   # skips the step on inf/NaN gradients, no host sync
-        scaler.update()
+        self._stepping = optimizer
+        try:
+            scaler.step(optimizer)   # skips the step on inf/NaN gradients
+        finally:
+            self._stepping = None
+        self._found[id(optimizer)] = sum(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        self._update_pending = True
+
+    def step_skipped(self, optimizer) -> bool:
+        """True when the last :meth:`optimizer_step` of ``optimizer`` found inf/NaN
+        gradients and did not step (one host sync)."""
+        found = self._found.get(id(optimizer))
+        return found is not None and bool(found.item())
+
+    def update(self) -> None:
+        """Update the loss scale once every optimizer of this step has stepped (no-op
+        when none has since the last update)."""
+        if self._update_pending:
+            self._update_pending = self._scaled = False
+            self.scaler.update()
+
+    def _guard_step(self, optimizer) -> None:
+        """An optimizer stepping outside :meth:`optimizer_step` after a scaled backward:
+        unscale its gradients and skip its step on inf/NaN, as a prepared one."""
+        if not self._scaled or optimizer is self._stepping:
+            return
+        params = self._params
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any((r := params.get(id(p))) is not None and r() is p for p in held):
+            return
+        if not any(p.grad is not None for p in held):
+            return
+        self.unscale_gradients(optimizer)
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        found = sum(state["found_inf_per_device"].values())
+        self._found[id(optimizer)] = found
+        if found.item():    # skipped as GradScaler skips: no gradient, no update
+            for p in held:
+                p.grad = None
+        self._update_pending = True
 
     def state_dict(self):
-        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+        if self.scaler is None:
+            return {}
+        self.update()
+        return {"scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state):
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+            self._update_pending = self._scaled = False
+
+
+_GUARDED: "weakref.WeakSet[MixedPrecision]" = weakref.WeakSet()
+_HOOK = None
+
+
+def _guard(precision: MixedPrecision) -> None:
+    """Watch every optimizer step in the process while a loss scaler exists (one
+    global step pre-hook; processes without 16-mixed never install it)."""
+    global _HOOK
+    _GUARDED.add(precision)
+    if _HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _HOOK = register_optimizer_step_pre_hook(_unscale_unmanaged)
+
+
+def _unscale_unmanaged(optimizer, args, kwargs):
+    for precision in list(_GUARDED):
+        if precision.scaler is not None:
+            precision._guard_step(optimizer)
+    return None

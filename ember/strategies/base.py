@@ -46,6 +46,9 @@ class Strategy:
     is_sharded = False
     #: True when the strategy runs backward/step itself (DeepSpeed)
     owns_optimizer_step = False
+    #: the loss scaler "16-mixed" uses under this strategy: "torch" (GradScaler),
+    #: "sharded" (ShardedGradScaler) or None (the strategy scales losses itself)
+    loss_scaler: str | None = "torch"
 
     def __init__(self, device: "str | torch.device | None" = None):
         self._device = torch.device(device) if device is not None else None
@@ -83,7 +86,7 @@ class Strategy:
         """Create process groups, pick the device. Called once, before any model work."""
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
-        self.precision.setup(self.root_device)
+        self.precision.setup(self.root_device, self.loss_scaler)
 
     def module_init_context(self):
         """Context in which ``configure_model`` builds layers (meta device for FSDP)."""

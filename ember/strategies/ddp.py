@@ -279,7 +279,7 @@ class DDPStrategy(Strategy):
                 f"a process group of world size {dist.get_world_size()} already exists, but the "
                 f"{env.name} environment says {env.world_size}")
         launchers.install_exit_handlers()
-        self.precision.setup(device)
+        self.precision.setup(device, self.loss_scaler)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self.precision.convert_module(module).to(self.root_device)

@@ -166,6 +166,7 @@ class DeepSpeedStrategy(DDPStrategy):
     name = "deepspeed"
     is_sharded = True
     owns_optimizer_step = True
+    loss_scaler = None   # DeepSpeed scales fp16 losses itself
 
     def __init__(self, devices=None, num_nodes: int = 1, stage: int | None = None,
                  offload_optimizer: bool | None = None, offload_parameters: bool | None = None,
@@ -327,7 +328,6 @@ class DeepSpeedStrategy(DDPStrategy):
         prebuild_ops(verbose=False)
         deepspeed.init_distributed(dist_backend=self._backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=self.timeout)
-        self.precision.scaler = None                     # DeepSpeed scales fp16 losses itself
 
     @contextlib.contextmanager
     def module_init_context(self):

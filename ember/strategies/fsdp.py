@@ -111,6 +111,7 @@ class FSDPStrategy(DDPStrategy):
 
     name = "fsdp"
     is_sharded = True
+    loss_scaler = "sharded"   # 16-mixed: torch's ShardedGradScaler (inf checks across shards)
 
     def __init__(self, devices=None, num_nodes: int = 1, auto_wrap_policy="auto",
                  reshard_after_forward: bool | None = None, cpu_offload: bool | None = None,
@@ -225,13 +226,6 @@ class FSDPStrategy(DDPStrategy):
         super().setup_environment()
         if self._single:       # one process: FSDP and DCP still need a (one-rank) process group
             init_single_process_group("nccl" if self._use_cuda and self._backend == "nccl" else "gloo")
-        self._setup_precision()
-
-    def _setup_precision(self) -> None:
-        name = self.precision.name
-        if name == "16-mixed":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-            self.precision.scaler = ShardedGradScaler(device=self.root_device.type)
 
     @property
     def mesh(self):

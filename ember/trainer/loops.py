@@ -176,6 +176,7 @@ class FitLoop:
         clip = t.gradient_clip_val
         training_step = module.training_step
         owns_step = strategy.owns_optimizer_step
+        update_scale = precision.update if precision.scaler is not None else None
         last_window_start = (limit // acc_n) * acc_n
         before_step = bool(t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"))
         # non-finite loss: checked (one host sync) only before steps that are log points, or
@@ -227,16 +228,7 @@ class FitLoop:
                     if clip is not None and not owns_step:
                         for o in (t.optimizers if multi_opt else (opt,)):
                             strategy.clip_gradients(model, o, clip, t.gradient_clip_algorithm)
-                    if multi_opt and precision.scaler is not None and not owns_step:
-                        # one loss, one scale: unscale every optimizer, step each, update the scale
-                        # once (a per-optimizer update would unscale the later ones again)
-                        for o in t.optimizers:
-                            precision.unscale_gradients(o)
-                        for o in t.optimizers:
-                            precision.scaler.step(o)
-                            o.zero_grad(set_to_none=True)
-                        precision.scaler.update()
-                    elif multi_opt:
+                    if multi_opt:
                         for o in t.optimizers:
                             opt_step(o, model)
                             o.zero_grad(set_to_none=True)
@@ -244,6 +236,8 @@ class FitLoop:
                         opt_step(opt, model)
                         if not owns_step:
                             opt.zero_grad(set_to_none=True)
+                    if update_scale is not None:   # 16-mixed: one scale update after every optimizer stepped
+                        update_scale()
                     t.global_step += 1
                     if step_sched:
                         t._step_schedulers("step")
