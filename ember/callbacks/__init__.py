@@ -10,6 +10,8 @@ _LAZY = {
     "Timer": "ember.callbacks.timer",
     "ModelSummary": "ember.callbacks.summary",
     "GatherMetrics": "ember.callbacks.gather_metrics",
+    "ThroughputMonitor": "ember.callbacks.throughput",
+    "BasePredictionWriter": "ember.callbacks.prediction_writer",
 }
 
 __all__ = ["Callback", *_LAZY]
