@@ -184,7 +184,8 @@ class SimpleProfiler(Profiler):
     regions nested in it, e.g. callback hooks run during validation), so the self
     times add up to the profiled time without double counting. At teardown the
     table is printed (rank 0) and written to ``<dirpath or log_dir>/<filename>``
-    (``profile-simple-rank<R>.txt`` and ``.json``). :meth:`summary` returns it as a dict.
+    (``profile-simple-rank<R>.txt`` and ``.json``) at the end of fit (from the start of
+    its setup to ``on_fit_end``). :meth:`summary` returns it as a dict.
 
     CUDA kernels run asynchronously, so on GPU the time of a phase is the time its
     Python call took to *launch* work; a later phase that waits on the device
@@ -197,6 +198,7 @@ class SimpleProfiler(Profiler):
         self.self_time = defaultdict(float)
         self.calls = defaultdict(int)
         self._stack: list = []
+        self._finished = False
         self.fit_time = 0.0
         self.text = ""
 
@@ -205,6 +207,8 @@ class SimpleProfiler(Profiler):
 
     def stop(self, name: str) -> None:
         t0, child = self._stack.pop()
+        if self._finished:   # after on_fit_end: the table is closed
+            return
         dt = time.perf_counter() - t0
         self.total[name] += dt
         self.self_time[name] += dt - child
@@ -213,6 +217,7 @@ class SimpleProfiler(Profiler):
             self._stack[-1][1] += dt
 
     def _begin(self, trainer) -> None:
+        self._finished = False
         self.total.clear(), self.self_time.clear(), self.calls.clear()
         self._t0 = time.perf_counter()
         self.start("setup")
@@ -222,6 +227,11 @@ class SimpleProfiler(Profiler):
             self.stop("setup")
             super().on_fit_start(trainer, module)
 
+    def on_fit_end(self, trainer, module):
+        # the table is final here, so a report written at the end of fit (report=True) shows it
+        if self._active:
+            self._finish(trainer)
+
     def on_sanity_check_start(self, trainer, module):
         self.start("sanity check")
 
@@ -229,8 +239,13 @@ class SimpleProfiler(Profiler):
         self.stop("sanity check")
 
     def _end(self, trainer) -> None:
+        if not self._finished:   # fit ended by an exception
+            self._finish(trainer)
+
+    def _finish(self, trainer) -> None:
         while self._stack:   # an exception left regions open
             self.stop("(interrupted)")
+        self._finished = True
         self.fit_time = time.perf_counter() - self._t0
         self.text = self.table()
         out = self._out_dir(trainer)
@@ -263,7 +278,7 @@ class SimpleProfiler(Profiler):
         other = s["fit_time_s"] - s["profiled_s"]
         lines += ["-" * (w + 50),
                   f"{'(loop, between phases)':<{w}}  {'':>7}  {other:>9.4f}  {other:>9.4f}  {'':>9}  {100 * other / fit:>5.1f}%",
-                  f"{'fit (setup to teardown)':<{w}}  {'':>7}  {s['fit_time_s']:>9.4f}"]
+                  f"{'fit (setup to on_fit_end)':<{w}}  {'':>7}  {s['fit_time_s']:>9.4f}"]
         return "Simple profiler: time per phase of fit\n" + "\n".join(lines)
 
 

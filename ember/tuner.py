@@ -170,6 +170,8 @@ class LRFinderResult:
         fig.tight_layout()
         if path is None:
             return fig
+        import os
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(path)
         plt.close(fig)
         return path
