@@ -75,6 +75,8 @@ class Accelerator:
         self.log_with = log_with
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_dir = os.fspath(project_dir) if project_dir is not None else os.getcwd()
+        from ember.accelerator_state import _newest_auto   # counted now, before any rank saves
+        self.save_iteration = _newest_auto(os.path.join(self.project_dir, "checkpoints")) + 1
         self.debug = os.environ.get("EMBER_DEBUG", "0").lower() not in ("", "0", "false", "no") \
             if debug is None else bool(debug)
         if seed is not None:
@@ -103,6 +105,9 @@ class Accelerator:
         self._finished_pass = None   # the prepared dataloader whose last pass ran to its end
         self._trigger = False
         self._log_step = 0
+        self._arrivals: dict = {}
+        self.save_iteration: int | None = None
+        self.project_configuration = None
         self.project_dir = os.getcwd()
         self.log_with = []
         self.trackers: list = []
@@ -201,7 +206,7 @@ class Accelerator:
                 out[j] = AcceleratedOptimizer(o, self)
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
-                out[i] = DataLoaderShard(self.setup_dataloader(o), self)
+                out[i] = DataLoaderShard(self.setup_dataloader(o), self, original=o)
             elif is_scheduler(o) and not isinstance(o, AcceleratedScheduler):
                 out[i] = AcceleratedScheduler(o, self)
         self._models += [out[i] for i in mods]

@@ -132,10 +132,12 @@ class DataLoaderShard:
     (:attr:`end_of_dataloader`). Each full pass is one epoch (:attr:`epoch` advances
     and reshuffles); :attr:`batches_done` counts the batches of the current pass."""
 
-    def __init__(self, loader, accelerator):
+    def __init__(self, loader, accelerator, original=None):
         self.base, self._acc, self._strategy = loader, accelerator, accelerator.strategy
         self.end_of_dataloader = False
         self._skip = self.batches_done = self.epoch = 0
+        self._draws = global_rng_draws(original) if original is not None else 0
+        self._restored = False
 
     def __len__(self) -> int:
         return len(self.base)
@@ -155,6 +157,10 @@ class DataLoaderShard:
     def __iter__(self):
         acc, base = self._acc, self.base
         skip, self._skip = self._skip, 0
+        if not self._restored:   # a pass resumed by load_state continues the saved RNG stream as is
+            for _ in range(self._draws):   # what the user's DataLoader draws from the global RNG per pass
+                torch.empty((), dtype=torch.int64).random_()
+        self._restored = False
         edata.set_epoch(base, self.epoch)
         drop = skip if skip and not edata.skip_batches(base, skip) else 0  # iterable: read and drop
         self.batches_done = skip
@@ -199,12 +205,27 @@ class DataLoaderShard:
         if n is not None and done >= n:  # saved on the last batch: resume at the next epoch
             epoch, done = epoch + 1, 0
         self.epoch, self.batches_done, self._skip = epoch, done, done
+        self._restored = done > 0
 
     def __getattr__(self, name):
         if name == "base":
             raise AttributeError(name)
         return getattr(self.__dict__["base"], name)
 
+
+
+def global_rng_draws(loader) -> int:
+    """How many values a plain ``DataLoader`` takes from the global torch RNG per
+    ``__iter__``: its workers' base seed (no ``generator``) and, for a
+    ``RandomSampler`` without a generator, the sampler's seed. The prepared loader
+    (whose order comes from (seed, epoch)) takes as many, so dropout and any later
+    ``torch.rand`` in the loop see the raw loop's stream."""
+    from torch.utils.data import RandomSampler
+    n = int(getattr(loader, "generator", None) is None)
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, RandomSampler) and sampler.generator is None:
+        n += 1
+    return n
 
 
 # -- forward under the precision -----------------------------------------------------------------
@@ -346,13 +367,13 @@ _AUTO_RE = re.compile(r"^checkpoint_(\d+)$")
 
 def _auto_dir(acc, new: bool) -> str:
     root = os.path.join(acc.project_dir, "checkpoints")
-    nums = sorted(int(m.group(1)) for n in (os.listdir(root) if os.path.isdir(root) else [])
-                  if (m := _AUTO_RE.match(n)) and cio.is_checkpoint(os.path.join(root, n)))
     if new:
-        return os.path.join(root, f"checkpoint_{nums[-1] + 1 if nums else 0}")
-    if not nums:
+        return next_auto_dir(acc)
+    newest = _newest_auto(root)
+    if newest < 0:
         raise CheckpointError(f"load_state(): no checkpoint_N directories under {root}; pass the directory")
-    return os.path.join(root, f"checkpoint_{nums[-1]}")
+    acc.save_iteration = newest + 1
+    return os.path.join(root, f"checkpoint_{newest}")
 
 
 def save_model(acc, model, save_directory, max_shard_size, safe_serialization: bool) -> list:
@@ -368,10 +389,86 @@ def save_model(acc, model, save_directory, max_shard_size, safe_serialization: b
     return files
 
 
+def _guarded_by_main_process_check() -> bool:
+    """True when the user's call to ``save_state`` sits right under an ``if`` on
+    ``is_main_process`` / ``is_local_main_process`` (the usual Accelerate pattern)."""
+    import inspect
+    import linecache
+    frame = inspect.currentframe()
+    try:
+        f = frame.f_back.f_back.f_back   # _guarded.. <- save_state (here) <- Accelerator.save_state <- user
+        if f is None:
+            return False
+        fn, line = f.f_code.co_filename, f.f_lineno
+    finally:
+        del frame
+    text = linecache.getline(fn, line)
+    indent = len(text) - len(text.lstrip())
+    for n in range(line - 1, max(0, line - 60), -1):   # the enclosing blocks, innermost first
+        above = linecache.getline(fn, n)
+        if not above.strip() or above.lstrip().startswith("#"):
+            continue
+        ind = len(above) - len(above.lstrip())
+        if ind >= indent:
+            continue
+        indent, head = ind, above.strip()
+        if head.startswith(("if ", "elif ")):
+            return "not " not in head and ("is_main_process" in head or "is_local_main_process" in head
+                                           or "process_index == 0" in head)
+        if not head.startswith(("try:", "with ", "else:", "for ", "while ")):
+            return False
+    return False
+
+
+def _wait_for_all_ranks(acc, what: str) -> None:
+    """Sharded strategies: every rank must call ``what``. Each rank counts itself in
+    the rendezvous store (no collective) and waits, at most the strategy's collective
+    timeout, for the others; a rank left alone raises instead of hanging in a gather."""
+    import time
+    from torch.distributed import distributed_c10d as c10d
+    world = acc.strategy.world_size
+    acc._arrivals[what] = n = acc._arrivals.get(what, 0) + 1
+    if world == 1 or not c10d.is_initialized():
+        return
+    store, key = c10d._get_default_store(), f"ember/accelerator/{what}/{n}"
+    limit = getattr(acc.strategy, "timeout", None)
+    limit = limit.total_seconds() if limit is not None else 1800.0
+    store.add(key, 1)
+    deadline = time.monotonic() + limit
+    while (got := int(store.add(key, 0))) < world:
+        if time.monotonic() > deadline:
+            raise MisconfigurationError(
+                f"{what}() under the {acc.strategy.name} strategy must be called on every process (the state is "
+                f"sharded: every rank writes its part); {got} of {world} called it within {limit:.0f} s. Call "
+                f"accelerator.{what}(...) outside 'if accelerator.is_main_process:'")
+        time.sleep(0.01)
+
+
+def _main_only_error(acc, what: str) -> MisconfigurationError:
+    return MisconfigurationError(
+        f"{what}() under the {acc.strategy.name} strategy must be called on every process: its state is "
+        f"sharded, each rank writes its part. Call accelerator.{what}(...) outside "
+        f"'if accelerator.is_main_process:' (every rank calls it; the files are written correctly)")
+
+
+def rng_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rng_state_{rank}.pt")
+
+
 def save_state(acc, output_dir) -> str:
+    """Non-sharded strategies (single, DDP) enter no collective: the main process writes
+    the checkpoint atomically, so ``if accelerator.is_main_process: save_state()`` works.
+    When the other ranks call it too, each adds its own RNG state (``rng_state_<rank>.pt``)
+    once the main process's checkpoint is in place. Sharded strategies (FSDP, DeepSpeed)
+    need every rank: a main-process-only call raises instead of hanging."""
     strategy = acc.strategy
+    sharded = strategy.is_sharded or strategy.owns_optimizer_step
+    if sharded and strategy.world_size > 1:
+        if _guarded_by_main_process_check():
+            raise _main_only_error(acc, "save_state")
+        _wait_for_all_ranks(acc, "save_state")
     if output_dir is None:
-        output_dir = strategy.broadcast(_auto_dir(acc, new=True) if acc.is_main_process else None)
+        output_dir = next_auto_dir(acc)
     path = os.path.normpath(os.fspath(output_dir))
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
@@ -380,36 +477,105 @@ def save_state(acc, output_dir) -> str:
         "precision": strategy.precision.state_dict(),
         "dataloaders": [dl.state_dict() for dl in acc._dataloaders],
         "custom_objects": [o.state_dict() for o in acc._custom_objects],
-        "rng": strategy.all_gather_object(cio.collect_rng_states()),
+        "rng": strategy.all_gather_object(cio.collect_rng_states()) if sharded else [cio.collect_rng_states()],
         "accelerator": {"step": acc._step, "num_models": len(models), "model_files": {},
                         "gradient_accumulation_steps": acc.gradient_accumulation_steps},
     }
     meta = {"kind": "accelerator", "strategy": strategy.name, "world_size": strategy.world_size,
             "precision": strategy.precision.name, "num_models": len(models)}
-    if strategy.is_sharded or strategy.owns_optimizer_step:   # FSDP, DeepSpeed: the strategy writes
+    if sharded:   # FSDP, DeepSpeed: the strategy writes
         if len(models) != 1:
             raise MisconfigurationError(f"save_state() under the {strategy.name} strategy needs exactly one "
                                         f"prepared model; {len(models)} are prepared")
         strategy.save_checkpoint(path, models[0], raw_opts, state, meta)
         return path
+    meta["state_token"] = _state_token(acc, state)
+    if not strategy.is_global_zero:   # no collective: add this rank's RNG once the main process committed
+        _write_rank_rng(acc, path, meta["state_token"])
+        return path
     weights = [strategy.module_state_dict(m) for m in models]
     opt_states = [strategy.optimizer_state_dict(o, models[0] if models else None) for o in raw_opts]
-    if strategy.is_global_zero:
-        tmp = cio.tmp_path(path)
+    tmp = cio.tmp_path(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        for i, w in enumerate(weights[1:], 1):  # model 0 is model.safetensors, as in Trainer checkpoints
+            name = f"model_{i}.safetensors"
+            cio.save_safetensors(w, os.path.join(tmp, name))
+            state["accelerator"]["model_files"][name] = os.path.getsize(os.path.join(tmp, name))
+        state["optimizers"] = opt_states
+        cio.write_checkpoint(path, weights[0] if weights else {}, state, meta, keep_existing_tmp=True)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        try:
-            for i, w in enumerate(weights[1:], 1):  # model 0 is model.safetensors, as in Trainer checkpoints
-                name = f"model_{i}.safetensors"
-                cio.save_safetensors(w, os.path.join(tmp, name))
-                state["accelerator"]["model_files"][name] = os.path.getsize(os.path.join(tmp, name))
-            state["optimizers"] = opt_states
-            cio.write_checkpoint(path, weights[0] if weights else {}, state, meta, keep_existing_tmp=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    strategy.barrier("save_state")
+        raise
     return path
+
+
+def _state_token(acc, state: dict) -> str:
+    """What every DDP rank holds alike at a save (weights, optimizer steps, data
+    position), condensed: the main process records it in ``meta.json``; another rank
+    knows the main process committed *this* save when the token matches."""
+    import hashlib
+    sums = [p.detach().double().sum() for m in acc._models for p in m.parameters()]
+    h = hashlib.sha1(repr((state["dataloaders"], state["accelerator"]["step"],
+                           [o.optimizer.state_dict()["param_groups"] for o in acc._optimizers])).encode())
+    if sums:
+        h.update(torch.stack(sums).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _write_rank_rng(acc, path: str, token: str) -> None:
+    """Wait (polling the file system, at most the strategy's timeout) until the main
+    process committed this save (its ``meta.json`` holds the same state token), then
+    write this rank's RNG state next to it, atomically."""
+    import json
+    import time
+    limit = getattr(acc.strategy, "timeout", None)
+    limit = limit.total_seconds() if limit is not None else 1800.0
+    deadline = time.monotonic() + limit
+    meta_file = os.path.join(path, cio.META_NAME)
+    states = cio.collect_rng_states()
+    while True:
+        try:
+            with open(meta_file) as f:
+                if json.load(f).get("state_token") == token:
+                    break
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            warnings.warn(f"save_state(): the main process did not write {path} within {limit:.0f} s; "
+                          f"rank {acc.process_index}'s RNG state is not saved (load_state gives this rank the "
+                          "main process's RNG state). Call save_state on every process or on the main one "
+                          "only, the same way each time", UserWarning, stacklevel=4)
+            return
+        time.sleep(0.02)
+    target = rng_file(path, acc.process_index)
+    cio.save_torch(states, target + ".tmp")
+    os.replace(target + ".tmp", target)
+
+
+def next_auto_dir(acc) -> str:
+    """``project_dir/checkpoints/checkpoint_<save_iteration>`` (Accelerate's automatic
+    naming); :attr:`Accelerator.save_iteration` then advances. No collective: every rank
+    counts its own calls. With ``ProjectConfiguration(total_limit=N)`` the main process
+    removes the oldest automatic checkpoints beyond N."""
+    root = os.path.join(acc.project_dir, "checkpoints")
+    if acc.save_iteration is None:
+        acc.save_iteration = _newest_auto(root) + 1
+    path = os.path.join(root, f"checkpoint_{acc.save_iteration}")
+    acc.save_iteration += 1
+    limit = getattr(acc.project_configuration, "total_limit", None)
+    if limit is not None and acc.is_main_process and os.path.isdir(root):
+        nums = sorted(int(m.group(1)) for n in os.listdir(root) if (m := _AUTO_RE.match(n)))
+        for n in nums[: max(0, len(nums) + 1 - int(limit))]:
+            shutil.rmtree(os.path.join(root, f"checkpoint_{n}"), ignore_errors=True)
+    return path
+
+
+def _newest_auto(root: str) -> int:
+    nums = sorted(int(m.group(1)) for n in (os.listdir(root) if os.path.isdir(root) else [])
+                  if (m := _AUTO_RE.match(n)) and cio.is_checkpoint(os.path.join(root, n)))
+    return nums[-1] if nums else -1
 
 
 def _count(what: str, saved: int, have: int, path: str) -> None:
@@ -483,7 +649,10 @@ def load_state(acc, input_dir, strict: bool = True) -> dict:
     for o, sd in zip(acc._custom_objects, state.get("custom_objects", [])):
         o.load_state_dict(sd)
     rng = state.get("rng") or []
-    if rng:
+    own = rng_file(path, strategy.global_rank)
+    if os.path.isfile(own) and not (strategy.is_sharded or strategy.owns_optimizer_step):
+        cio.restore_rng_states(cio.load_torch(own))
+    elif rng:
         cio.restore_rng_states(rng[strategy.global_rank % len(rng)])
     acc._step = int(info.get("step", 0))
     return meta

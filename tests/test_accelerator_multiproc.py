@@ -103,7 +103,9 @@ def test_debug_mode_reports_mismatched_collectives_instead_of_hanging(tmp_path):
 def test_resume_two_processes_16_mixed_ember_launch(tmp_path):
     launch("ember", SCRIPTS / "acc_resume.py", tmp_path, "full", "--precision", "16-mixed", tmp_path=tmp_path)
     state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)
-    assert len(state["rng"]) == 2 and state["dataloaders"][0]["batches_done"] == 4
+    # the main process's RNG state inside, the other rank's beside it (no collective in save_state)
+    assert len(state["rng"]) == 1 and state["dataloaders"][0]["batches_done"] == 4
+    assert (tmp_path / "ckpt" / "rng_state_1.pt").is_file()
     launch("ember", SCRIPTS / "acc_resume.py", tmp_path, "resume", "--precision", "16-mixed", tmp_path=tmp_path)
     final = compare_finals(tmp_path)
     assert final["batches"] == 2 * 7 and final["skipped"] > 0
@@ -114,3 +116,26 @@ def test_gan_example_two_processes(tmp_path):
                  tmp_path=tmp_path)
     assert "2 process(es)" in out.stdout
     assert [ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("step")] == ["10", "20"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_save_state_on_the_main_process_only(tmp_path, mode):
+    """``if accelerator.is_main_process: accelerator.save_state(dir)``: under DDP the main
+    process writes the checkpoint without any collective and both ranks go on (a save on
+    every rank adds each rank's RNG state); under FSDP the main process raises at once
+    (a call whose guard is hidden in a helper raises after the 5 s strategy timeout)."""
+    launch("ember", SCRIPTS / "acc_main_only_save.py", tmp_path, mode, tmp_path=tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"{mode}_rank{r}.json").read_text()) for r in (0, 1))
+    if mode == "ddp":
+        assert r0["after_main_only"] == r1["after_main_only"]
+        assert r0["main_only_s"] < 10
+        assert r0["files_main_only"] == ["meta.json", "model.safetensors", "trainer_state.pt"]
+        assert "rng_state_1.pt" in r1["files_every_rank"]
+        for r in (r0, r1):
+            assert r["restored_equal"] and r["rng_after_load"] == r["rng_expected"]
+        assert r0["rng_expected"] != r1["rng_expected"]
+    else:
+        assert "must be called on every process" in r0["error"] and r0["error_s"] < 2
+        assert "1 of 2 called it within 5 s" in r0["helper_error"] and r0["helper_error_s"] < 30
+        assert not r0["exists"] and "error" not in r1
