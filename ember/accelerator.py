@@ -75,7 +75,7 @@ class Accelerator:
         self.log_with = log_with
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_dir = os.fspath(project_dir) if project_dir is not None else os.getcwd()
-        from ember.accelerator_state import _newest_auto   # counted now, before any rank saves
+        from ember.accelerator_checkpoint import _newest_auto   # counted now, before any rank saves
         self.save_iteration = _newest_auto(os.path.join(self.project_dir, "checkpoints")) + 1
         self.debug = os.environ.get("EMBER_DEBUG", "0").lower() not in ("", "0", "false", "no") \
             if debug is None else bool(debug)
@@ -450,7 +450,7 @@ class Accelerator:
         """Export the weights of ``model`` to ``save_directory`` as safetensors: one
         ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger
         than ``max_shard_size`` (``"500MB"``, ``"2GB"``, bytes). The main process writes."""
-        from ember.accelerator_state import save_model
+        from ember.accelerator_checkpoint import save_model
         return save_model(self, model, save_directory, max_shard_size, safe_serialization)
 
     def save(self, obj, f) -> None:
@@ -473,14 +473,14 @@ class Accelerator:
         """Write an atomic checkpoint directory: models (safetensors), optimizers,
         schedulers, grad scaler, dataloader positions, per-process RNG states,
         registered objects. ``None``: ``project_dir/checkpoints/checkpoint_N``."""
-        from ember.accelerator_state import save_state
+        from ember.accelerator_checkpoint import save_state
         return save_state(self, output_dir)
 
     def load_state(self, input_dir=None, strict: bool = True) -> dict:
         """Restore what :meth:`save_state` wrote into the prepared objects (call after
         ``prepare``). Prepared dataloaders then resume mid-epoch, skipping the
         indices already seen. ``None``: the newest under ``project_dir/checkpoints``."""
-        from ember.accelerator_state import load_state
+        from ember.accelerator_checkpoint import load_state
         return load_state(self, input_dir, strict)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
