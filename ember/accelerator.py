@@ -194,9 +194,13 @@ class Accelerator:
                                         f"optimizer per Accelerator; got optimizers for {len(groups)} models")
         patch = not self.strategy.owns_optimizer_step
         for i in mods:
+            placed = False
+            if any(hasattr(m, "hf_device_map") for m in objs[i].modules()):   # placed by a device map: stays
+                from ember.big_modeling import check_prepare
+                placed = check_prepare(objs[i], self.strategy.name)     # raises under DDP/FSDP/DeepSpeed
             if patch:
                 wrap_forward(objs[i], self.strategy.precision)
-            out[i] = self.setup_module(objs[i])
+            out[i] = objs[i] if placed else self.setup_module(objs[i])
         for mi, js in groups.items():
             model = out[mi] if mi is not None else None
             new_model, new_opts = self.setup_optimizers(model, [objs[j] for j in js])
@@ -216,6 +220,11 @@ class Accelerator:
         self._dataloaders += [out[i] for i, o in enumerate(objs) if isinstance(out[i], DataLoaderShard)
                               and out[i] is not o]
         return out[0] if len(out) == 1 else tuple(out)
+
+    def verify_device_map(self, model: nn.Module) -> bool:
+        """True when ``model`` (or a submodule) was dispatched over several devices by a device
+        map (``hf_device_map``, see ``ember.big_modeling``); such a model is not wrapped for DDP."""
+        return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
 
     def prepare_model(self, model, device_placement=None):
         return self.prepare(model)

@@ -450,6 +450,8 @@ def env_report() -> str:
     mps = getattr(torch.backends, "mps", None)
     lines.append(f"- MPS available: {bool(mps and mps.is_available())}")
     lines.append(f"- CPU cores: {os.cpu_count()}")
+    from ember.big_modeling import describe_device_map
+    lines.append(f"- Big models: {describe_device_map()}")
     lines.append(f"- numpy version: {_version('numpy')}")
     for dist in OPTIONAL_PACKAGES:
         lines.append(f"- {dist} version: {_version(dist)}")

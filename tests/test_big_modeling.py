@@ -298,3 +298,39 @@ def test_peak_memory_stays_under_budget_plus_one_block(tmp_path):
     assert r["weights"] >= 4 * cap
     grown = r["peak"] - r["base"]
     assert grown < cap + r["block"] + 32 * 2**20, r
+
+
+# -- integrations ------------------------------------------------------------------------------------
+def test_transformers_module_from_pretrained_with_device_map_and_accelerator(tmp_path):
+    import warnings
+    from transformers import AutoModel
+    import ember
+    from ember.integrations.transformers import TransformersModule
+    from ember.strategies.ddp import DDPStrategy
+    path = _minilm()
+    want = _minilm_out(AutoModel.from_pretrained(path).eval())
+    module = TransformersModule.from_pretrained(path, task=AutoModel, device_map="auto",
+                                                max_memory={"cpu": "120MB"}, offload_folder=tmp_path)
+    assert "disk" in module.model.hf_device_map.values() and "cpu" in module.model.hf_device_map.values()
+    with torch.no_grad():
+        out = module(**_minilm_inputs())
+    assert torch.equal(out.last_hidden_state, want[0])
+
+    acc = ember.Accelerator()
+    assert acc.verify_device_map(module) and not acc.verify_device_map(nn.Linear(2, 2))
+    prepared = acc.prepare(module)            # one process: left where the map put it (no .to())
+    with torch.no_grad():
+        assert torch.equal(prepared(**_minilm_inputs()).last_hidden_state, want[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ddp = ember.Accelerator(strategy=DDPStrategy())
+    with pytest.raises(DeviceMapError, match=r"dispatched by a device map over \['cpu', 'disk'\].*'ddp' strategy "
+                                             r"cannot wrap it"):
+        ddp.prepare(TransformersModule.from_pretrained(path, task=AutoModel, device_map="auto",
+                                                       max_memory={"cpu": "120MB"}, offload_folder=tmp_path))
+
+
+def test_env_reports_big_model_placement():
+    from ember.launch import env_report
+    line = next(l for l in env_report().splitlines() if l.startswith("- Big models:"))
+    assert "device_map='auto' places on" in line and "cpu" in line and "GiB" in line and "disk" in line

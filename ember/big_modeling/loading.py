@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from ember.big_modeling.device_map import (_as_dtype, check_device_map, get_balanced_memory,
-                                           infer_auto_device_map, owner_entry, torch_device)
+                                           infer_auto_device_map, init_empty_weights, owner_entry, torch_device)
 from ember.big_modeling.hooks import DiskRef, _meta_like, dispatch_model
 from ember.checkpoint_io import ALIAS_KEY, INDEX_NAME, WEIGHTS_NAME
 from ember.errors import CheckpointError, MisconfigurationError
 
-__all__ = ["load_checkpoint_in_model", "load_checkpoint_and_dispatch", "checkpoint_key_map"]
+__all__ = ["load_checkpoint_in_model", "load_checkpoint_and_dispatch", "checkpoint_key_map", "load_pretrained"]
 
 
 def _shards(checkpoint: str) -> tuple[list[str], str | None]:
@@ -236,3 +236,31 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: str | os.PathLike
     return dispatch_model(model, device_map, offload_dir=offload_folder, offload_index=index,
                           offload_buffers=offload_buffers, skip_keys=skip_keys,
                           preload_module_classes=preload_module_classes, force_hooks=force_hooks)
+
+
+def load_pretrained(auto_cls: Any, name: str | os.PathLike, device_map: Any = "auto", max_memory: dict | None = None,
+                    offload_folder: str | os.PathLike | None = None,
+                    no_split_module_classes: list[str] | None = None, dtype: Any = None,
+                    local_files_only: bool = True, **config_kwargs) -> nn.Module:
+    """A transformers model (``auto_cls``, e.g. ``AutoModelForCausalLM``) from a local folder or
+    cached Hub name, built with :func:`init_empty_weights` and loaded by
+    :func:`load_checkpoint_and_dispatch`; ``no_split_module_classes`` defaults to the model
+    class's ``_no_split_modules``. Returned in eval mode, like ``from_pretrained``."""
+    from transformers import AutoConfig
+    folder = os.fspath(name)
+    if not os.path.isdir(folder):
+        from huggingface_hub import snapshot_download
+        try:
+            folder = snapshot_download(folder, local_files_only=local_files_only)
+        except Exception as err:
+            raise CheckpointError(f"model {os.fspath(name)!r} is no local folder and is not in the Hugging Face "
+                                  f"cache ({type(err).__name__}); download it first") from err
+    config = AutoConfig.from_pretrained(folder, **config_kwargs)
+    with init_empty_weights():
+        model = auto_cls.from_config(config)
+    if no_split_module_classes is None:
+        no_split_module_classes = list(getattr(model, "_no_split_modules", None) or [])
+    model = load_checkpoint_and_dispatch(model, folder, device_map=device_map, max_memory=max_memory,
+                                         no_split_module_classes=no_split_module_classes,
+                                         offload_folder=offload_folder, dtype=dtype)
+    return model.eval()

@@ -499,6 +499,27 @@ class TransformersModule(TrainModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
     # ------------------------------------------------------------------ export
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike, task: Any = None, device_map: Any = None,
+                        max_memory: dict | None = None, offload_folder: str | os.PathLike | None = None,
+                        no_split_module_classes: list[str] | None = None, dtype: Any = None,
+                        **kwargs) -> "TransformersModule":
+        """A module from a local folder or cached Hub name. With ``device_map`` (``"auto"`` or a
+        dict, see ``ember.big_modeling``) the model is built empty and its safetensors weights
+        go straight to the mapped devices, offloading to CPU and disk (``offload_folder``)
+        within ``max_memory``; without it, the same as ``TransformersModule(model, ...)``.
+        Other keyword arguments are TransformersModule's."""
+        if device_map is None:
+            return cls(model, task=task, **kwargs)
+        from ember.big_modeling.loading import load_pretrained
+        _, auto_cls = _resolve_task(task if task is not None else "sequence-classification")
+        labels = {k: kwargs[k] for k in ("num_labels", "id2label", "label2id") if kwargs.get(k) is not None}
+        hf_model = load_pretrained(auto_cls, model, device_map=device_map, max_memory=max_memory,
+                                   offload_folder=offload_folder, no_split_module_classes=no_split_module_classes,
+                                   dtype=dtype, local_files_only=kwargs.get("local_files_only", True) or _offline(),
+                                   **labels)
+        return cls(hf_model, task=task, **kwargs)
+
     def save_pretrained(self, save_directory: str, tokenizer: Any = None, state_dict: dict | None = None,
                         **kwargs) -> str:
         """Write a folder that ``AutoModelFor....from_pretrained`` (and, with a tokenizer,
