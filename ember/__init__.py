@@ -10,7 +10,14 @@ __all__ = ["Trainer", "TrainModule", "DataModule", "Accelerator", "seed_everythi
 
 
 def seed_everything(seed: int | None = None, workers: bool = False) -> int:
-    """Seed python, numpy and torch (all devices). Returns the seed used."""
+    """Seed python, numpy and torch (all devices). Returns the seed used.
+
+    ``workers=True`` sets ``EMBER_SEED_WORKERS=1`` for the rest of the process (and the
+    ranks it starts; ``EMBER_SEED_WORKERS=0`` turns it off): the workers of every
+    DataLoader ember prepares then seed python, numpy and torch from (run seed, epoch,
+    rank, worker) and re-seed them per batch, so their random draws differ across ranks
+    and workers and repeat exactly after a mid-epoch resume (see ``ember.data_seed``).
+    Worker seeds differ per rank and worker in any case."""
     import os
     import random
 
@@ -19,6 +26,8 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
         seed = int(os.environ.get("EMBER_GLOBAL_SEED", random.randint(0, 2**31 - 1)))
     seed = int(seed)
     os.environ["EMBER_GLOBAL_SEED"] = str(seed)
+    if workers:
+        os.environ["EMBER_SEED_WORKERS"] = "1"
     random.seed(seed)
     try:
         import numpy as np

@@ -156,11 +156,14 @@ class Accelerator:
     def setup_optimizers(self, module: nn.Module, optimizers: list):
         return self.strategy.setup_optimizers(module, list(optimizers))
 
-    def setup_dataloader(self, dataloader, *, seed: int | None = None, shuffle: bool | None = None):
+    def setup_dataloader(self, dataloader, *, seed: int | None = None, shuffle: bool | None = None,
+                         even: bool = True):
+        """Shard ``dataloader`` over the data-parallel ranks (``ember.data.prepare_dataloader``;
+        ``even=False`` keeps every item of an IterableDataset, for evaluation)."""
         kw = self.strategy.distributed_sampler_kwargs() or {}
         if seed is None:
             seed = self.seed if self.seed is not None else 0
-        return edata.prepare_dataloader(dataloader, seed=seed, shuffle=shuffle, **kw)
+        return edata.prepare_dataloader(dataloader, seed=seed, shuffle=shuffle, even=even, **kw)
 
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *objs, device_placement=None):

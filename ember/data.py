@@ -4,16 +4,23 @@ Every map-style DataLoader the Trainer or the Accelerator prepares is rebuilt
 around a :class:`ResumableSampler`: a permutation drawn from its own generator
 (seed + epoch, never the global RNG), sliced to this rank, and able to start at
 any offset. Resuming mid-epoch therefore skips *indices*, never reads the data
-already seen, and leaves the global RNG streams untouched.
+already seen, and leaves the global RNG streams untouched. An
+``IterableDataset`` is wrapped in a :class:`ShardedIterable` (this rank's and
+this worker's share of the stream). DataLoader workers are seeded from (run
+seed, epoch, data-parallel rank, worker): see :mod:`ember.data_seed`.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 from typing import Any, Iterator
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler,
-                              Sampler, SequentialSampler)
+                              Sampler, SequentialSampler, get_worker_info)
+
+from ember.data_seed import install_worker_init, loader_seed
 
 
 class ResumableSampler(Sampler[int]):
@@ -123,21 +130,47 @@ def is_shuffled(dl: DataLoader) -> bool:
 
 
 def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int = 0,
-                       shuffle: bool | None = None, pad: bool = True) -> Any:
+                       shuffle: bool | None = None, pad: bool = True, even: bool = True) -> Any:
     """Rebuild ``dl`` around a :class:`ResumableSampler` (sharded when
-    ``num_replicas > 1``). Iterable datasets and non-DataLoader iterables are
-    returned as they are; a custom batch sampler is kept and made skippable.
+    ``num_replicas > 1``); a custom batch sampler is kept and made skippable;
+    non-DataLoader iterables are returned as they are. The loader's generator (which
+    seeds its workers) is seeded per (``seed``, epoch, ``rank``): see :func:`set_epoch`.
 
-    ``pad=False`` (evaluation) still pads to even shards, as a DistributedSampler
-    does, but ``sampler.padding`` tells metrics how many samples to drop.
+    An ``IterableDataset`` is wrapped in a :class:`ShardedIterable` when there is
+    something to shard (several ranks or workers): each rank and worker reads its
+    own share. ``even=True`` (training) gives every rank the same number of items by
+    leaving out the incomplete last round, so no rank waits in a collective for
+    another that has run out; ``even=False`` (evaluation) keeps every item.
+
+    ``pad=False`` (evaluation) still pads map-style datasets to even shards, as a
+    DistributedSampler does, but ``sampler.padding`` tells metrics how many samples to drop.
     """
-    if not isinstance(dl, DataLoader) or isinstance(dl.dataset, IterableDataset):
+    if not isinstance(dl, DataLoader):
         return dl
-    if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas:
-        return dl
+    if getattr(dl, "ember_seed", None) is not None and getattr(dl, "ember_rank", None) == (rank, num_replicas):
+        return dl   # prepared before
     gen = torch.Generator()
     gen.manual_seed(seed)
     kw = _loader_kwargs(dl)
+    out = _rebuild(dl, gen, kw, seed=seed, num_replicas=num_replicas, rank=rank, shuffle=shuffle, even=even)
+    if out is dl:
+        return dl
+    out.ember_seed, out.ember_rank = int(seed), (rank, num_replicas)
+    install_worker_init(out, rank)
+    return out
+
+
+def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, rank: int, shuffle, even: bool):
+    if isinstance(dl.dataset, IterableDataset):
+        workers = int(kw.get("num_workers", 0) or 0)
+        if getattr(dl.dataset, "ember_sharded", False) or (num_replicas == 1 and workers <= 1):
+            return dl   # shards itself, or nothing to shard
+        ds = ShardedIterable(dl.dataset, num_replicas, rank, even=even, num_workers=workers)
+        if dl.batch_size is None:
+            return DataLoader(ds, batch_size=None, generator=gen, **kw)
+        return DataLoader(ds, batch_size=dl.batch_size, drop_last=dl.drop_last, generator=gen, **kw)
+    if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas:
+        return dl
     user_sampler = dl.sampler
     if dl.batch_sampler is None:
         # automatic batching off (batch_size=None): each dataset item is one batch
@@ -200,6 +233,86 @@ class _ShardedSampler(Sampler[int]):
         return math.ceil(len(self.sampler) / self.num_replicas) * self.num_replicas - len(self.sampler)
 
 
+class ShardedIterable(IterableDataset):
+    """This rank's and this DataLoader worker's share of an ``IterableDataset``.
+
+    Every rank reads the same stream; it is cut into rounds of
+    ``num_replicas * num_workers`` items and worker ``w`` of rank ``r`` takes item
+    ``r * num_workers + w`` of each round. So a global batch holds consecutive items of
+    the stream, as one process with the combined batch would, and no item is read
+    twice. ``even=True`` leaves out an incomplete last round (fewer than
+    ``num_replicas * num_workers`` items): every rank and worker then yields the same
+    number of items and the ranks end the epoch together, with no collective.
+    ``even=False`` yields every item (ranks may differ by one item).
+
+    The wrapped dataset must yield the same items in the same order on every rank
+    (seed its shuffling with the run seed). A dataset that already splits its stream
+    by rank and worker sets ``ember_sharded = True`` and is left as it is; it must
+    then give every rank the same number of batches.
+    """
+
+    def __init__(self, dataset, num_replicas: int = 1, rank: int = 0, even: bool = True, num_workers: int = 0):
+        self.dataset, self.num_replicas, self.rank = dataset, int(num_replicas), int(rank)
+        self.even, self.num_workers = bool(even), int(num_workers)
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        n = self.num_replicas * workers
+        me = self.rank * workers + worker
+        it = iter(self.dataset)
+        while True:
+            group = list(itertools.islice(it, n))
+            if len(group) < n:
+                if not self.even and me < len(group):
+                    yield group[me]
+                return
+            yield group[me]
+
+    def __len__(self) -> int:
+        """Items this rank yields, when the stream's length is known and the loader has
+        at most one worker (otherwise a DataLoader would count batches wrongly)."""
+        if self.num_workers > 1:
+            raise TypeError("the number of batches is not known: several workers share the stream")
+        total, n = len(self.dataset), self.num_replicas
+        if self.even:
+            return total // n
+        return max(0, (total - self.rank + n - 1) // n)
+
+    def __getattr__(self, name):
+        try:
+            inner = self.__dict__["dataset"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(inner, name)
+
+
+class LookAhead:
+    """Iterate ``loader`` keeping ``depth`` batches ahead: once the end of the pass is
+    within ``depth`` batches, :attr:`length` (its number of batches) is known. The
+    training loop uses it on loaders of unknown length under gradient accumulation,
+    to size the last accumulation window and step on its last batch."""
+
+    def __init__(self, loader, depth: int):
+        self.loader, self.depth = loader, max(1, int(depth))
+        self.length: int | None = None
+
+    def __iter__(self):
+        self.length = None
+        it, buf, taken = iter(self.loader), collections.deque(), 0
+        while True:
+            while self.length is None and len(buf) <= self.depth:
+                try:
+                    buf.append(next(it))
+                except StopIteration:
+                    self.length = taken
+                    break
+                taken += 1
+            if not buf:
+                return
+            yield buf.popleft()
+
+
 def sampler_of(dl: Any):
     """The resumable sampler (or skippable batch sampler) inside a prepared loader."""
     if not isinstance(dl, DataLoader):
@@ -211,16 +324,18 @@ def sampler_of(dl: Any):
 
 
 def set_epoch(dl: Any, epoch: int) -> None:
+    """Use the data order of ``epoch``, and seed the loader's generator (the base of its
+    worker seeds) from (run seed, ``epoch``, data-parallel rank)."""
     s = sampler_of(dl)
-    if s is None:
-        return
-    if hasattr(s, "set_epoch"):
-        s.set_epoch(epoch)
-    elif hasattr(getattr(s, "batch_sampler", None), "sampler") and hasattr(s.batch_sampler.sampler, "set_epoch"):
-        s.batch_sampler.sampler.set_epoch(epoch)
+    if s is not None:
+        if hasattr(s, "set_epoch"):
+            s.set_epoch(epoch)
+        elif hasattr(getattr(s, "batch_sampler", None), "sampler") and hasattr(s.batch_sampler.sampler, "set_epoch"):
+            s.batch_sampler.sampler.set_epoch(epoch)
     gen = getattr(dl, "generator", None)
-    if isinstance(gen, torch.Generator) and isinstance(s, ResumableSampler):
-        gen.manual_seed(s.seed + epoch)  # worker seeds depend on (seed, epoch) only
+    seed = loader_seed(dl, epoch)
+    if isinstance(gen, torch.Generator) and seed is not None:
+        gen.manual_seed(seed)
 
 
 def skip_batches(dl: Any, num_batches: int) -> bool:
@@ -287,6 +402,15 @@ def batch_padding(dl: Any, batch_idx: int | None, batches: int | float | None = 
         except TypeError:
             return 0
     return pad
+
+
+def has_length(dl: Any) -> bool:
+    """True when ``len(dl)`` (the number of batches of a pass) is known."""
+    try:
+        len(dl)
+    except TypeError:
+        return False
+    return True
 
 
 def dataset_length(dl: Any) -> int | None:

@@ -89,6 +89,7 @@ def _restore_global_torch_state():
     """Trainer(seed=..., deterministic=True) and some precisions change process-wide
     settings; put them back after every test."""
     seed_env = os.environ.get("EMBER_GLOBAL_SEED")
+    workers_env = os.environ.get("EMBER_SEED_WORKERS")
     dtype = torch.get_default_dtype()
     det = torch.are_deterministic_algorithms_enabled()
     det_warn = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -97,5 +98,9 @@ def _restore_global_torch_state():
         os.environ.pop("EMBER_GLOBAL_SEED", None)
     else:
         os.environ["EMBER_GLOBAL_SEED"] = seed_env
+    if workers_env is None:
+        os.environ.pop("EMBER_SEED_WORKERS", None)
+    else:
+        os.environ["EMBER_SEED_WORKERS"] = workers_env
     torch.set_default_dtype(dtype)
     torch.use_deterministic_algorithms(det, warn_only=det_warn)

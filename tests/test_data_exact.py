@@ -74,3 +74,134 @@ def test_deepspeed_version_check_names_the_minimum():
     except metadata.PackageNotFoundError:
         return
     check_version(installed)   # the version the project installs passes
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """n regression samples as a stream (no __len__): the same items on every rank."""
+
+    def __init__(self, n, dim=4):
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x.sum(1, keepdim=True) * 0.3 + 0.1
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+def _by_hand(stream, batch, acc, epochs, lr=0.1):
+    """Plain PyTorch: accumulation over windows of `acc` batches, the last (short) window
+    divided by its true size, as over a sized loader."""
+    from conftest import LinearModule
+    torch.manual_seed(0)
+    m = LinearModule()
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    batches = list(DataLoader(stream, batch_size=batch))
+    for _ in range(epochs):
+        for start in range(0, len(batches), acc):
+            window = batches[start:start + acc]
+            for b in window:
+                (m.loss(b) / len(window)).backward()
+            opt.step()
+            opt.zero_grad()
+    return m.state_dict()
+
+
+def test_iterable_dataset_with_accumulation_equals_the_plain_loop(make_trainer):
+    """An IterableDataset has no length: the loop divided every loss by inf // acc_n (NaN)
+    after the finite-loss check, and the weights became NaN silently. Now the last,
+    shorter window is found by looking acc_n - 1 batches ahead: equal to the plain loop."""
+    from conftest import LinearModule
+    stream = Stream(26)                       # batches of 4: 6 full + one of 2; windows of 3: 3 + 3 + 1
+    torch.manual_seed(0)
+    module = LinearModule()
+    trainer = make_trainer(max_epochs=2, accumulate_grad_batches=3)
+    trainer.fit(module, DataLoader(stream, batch_size=4))
+    assert trainer.global_step == 2 * 3
+    ref = _by_hand(stream, 4, 3, 2)
+    for k, v in module.state_dict().items():
+        assert torch.isfinite(v).all(), k
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=1e-7)
+    with pytest.raises(Exception, match="infinite"):
+        trainer.estimated_stepping_batches   # unknown length and no max_steps: an error, not a guess
+
+
+@pytest.mark.parametrize("n", [12, 13])
+def test_iterable_dataset_is_sharded_over_workers_and_ranks(n):
+    """Each worker of each rank reads its own items: none twice, the incomplete last round
+    left out for training (even=True), kept for evaluation (even=False)."""
+    seen = {}
+    for even in (True, False):
+        items = []
+        for rank in range(2):
+            dl = edata.prepare_dataloader(DataLoader(Stream(n), batch_size=2, num_workers=2), seed=0,
+                                          num_replicas=2, rank=rank, even=even)
+            assert isinstance(dl.dataset, edata.ShardedIterable)
+            rank_items = [int(round(float(y) * 1e4)) for _, ys in dl for y in ys.view(-1)]
+            assert len(rank_items) == len(set(rank_items))
+            items.append(rank_items)
+        seen[even] = items
+    ref = [int(round(float(y) * 1e4)) for y in Stream(n).y.view(-1)]
+    full_rounds = (n // 4) * 4
+    assert sorted(sum(seen[True], [])) == sorted(ref[:full_rounds])
+    assert len(seen[True][0]) == len(seen[True][1]) == full_rounds // 2      # ranks end together
+    assert sorted(sum(seen[False], [])) == sorted(ref)
+    one = edata.prepare_dataloader(DataLoader(Stream(n), batch_size=2, num_workers=2), seed=0)
+    assert sorted(int(round(float(y) * 1e4)) for _, ys in one for y in ys.view(-1)) == sorted(ref[:(n // 2) * 2])
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each sample draws from torch, numpy and python random (as augmentation would)."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+        return torch.tensor([float(i), torch.rand(()).item(), float(np.random.rand()), random.random()])
+
+
+def _draws(loader):
+    return [b[:, 1:].tolist() for b in loader]
+
+
+def test_worker_draws_repeat_exactly_after_a_mid_epoch_resume(tmp_path):
+    """seed_everything(workers=True): a run resumed mid-epoch (Accelerator save_state /
+    load_state, new objects) draws in its workers exactly what the uninterrupted run drew,
+    although another worker now loads each batch."""
+    from ember import Accelerator, seed_everything
+    seed_everything(3, workers=True)
+
+    def run(stop=None, resume=False):
+        acc = Accelerator(seed=3)
+        loader = acc.prepare(DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2))
+        if resume:
+            acc.load_state(str(tmp_path / "ckpt"))
+        out = []
+        for _ in range(1 if resume else 2):   # epochs (the resumed run finishes epoch 1)
+            for b in loader:
+                out.append(b[:, 1:].tolist())
+                if stop is not None and len(out) == stop:
+                    acc.save_state(str(tmp_path / "ckpt"))
+                    return out
+        return out
+
+    full = run()
+    assert len({tuple(map(tuple, b)) for b in full}) == len(full)      # no batch repeats another
+    head = run(stop=15)                                                  # epoch 1, batch 3 (12 per epoch)
+    tail = run(resume=True)
+    assert head == full[:15] and tail == full[15:]
+
+
+def test_worker_seeds_differ_per_rank_and_follow_the_run_seed():
+    """The loader generator (the base of the worker seeds) was seeded with seed + epoch on
+    every rank: the same worker seeds everywhere. Now (seed, epoch, rank) give it."""
+    def seeds(seed, rank, epoch):
+        dl = edata.prepare_dataloader(DataLoader(Noisy(), batch_size=2, num_workers=2), seed=seed,
+                                      num_replicas=2, rank=rank)
+        edata.set_epoch(dl, epoch)
+        return dl.generator.initial_seed()
+    assert seeds(1, 0, 0) != seeds(1, 1, 0)
+    assert seeds(1, 0, 0) != seeds(1, 0, 1) != seeds(2, 0, 1)
+    assert seeds(1, 1, 4) == seeds(1, 1, 4)

@@ -54,3 +54,31 @@ def test_gather_for_metrics_per_batch_and_per_epoch_is_exactly_the_dataset(tmp_p
             # after the pass, one row per rank is not the pass's output (unless the pass was one row)
             assert d[f"acc_{size}_{batch}"]["other_after_pass"] == ([0, 1] if size > 2 else list(range(size)))
         assert d["partial"]["per_batch"] == d["partial"]["epoch_end"] == list(range(2 * 2 * 10))
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_iterable_dataset_under_ddp_with_accumulation(tmp_path, script):
+    """An IterableDataset reached every rank unsharded (both read the same stream), uneven
+    lengths hung DDP at epoch end, and accumulation gave NaN weights. Now: each rank reads
+    its share, the ranks end together (no collective per step), and 2 x batch 4 with
+    accumulate_grad_batches=2 gives the weights of one process with batch 8. DataLoader
+    workers draw different random numbers on the two ranks."""
+    r0, r1 = torchrun("iterable", tmp_path)
+    _, ref = script.fit_stream(1, str(tmp_path), 54, 8)
+    a, b = r0["fit"], r1["fit"]
+    assert a["weights"] == b["weights"] and a["steps"] == b["steps"] == ref["steps"] == 2 * 4
+    for k, v in ref["weights"].items():
+        got = torch.tensor(a["weights"][k])
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, torch.tensor(v), rtol=0, atol=1e-6)
+    per_epoch = len(a["seen"]) // 2
+    assert not set(a["seen"][:per_epoch]) & set(b["seen"][:per_epoch])     # no item on both ranks
+    assert sorted(a["seen"][:per_epoch] + b["seen"][:per_epoch]) == list(range(54))
+    assert a["seen"][:per_epoch] == list(range(0, 54, 2))                  # in stream order
+    for d in (r0, r1):
+        assert d["eval_ids"] == list(range(55))   # evaluation keeps every item
+        assert "gather once after the steps" in d["per_batch_error"].lower()
+    d0, d1 = r0["draws"], r1["draws"]
+    assert len(d0) == len(d1) == 8
+    for col in range(3):   # torch, numpy, python random: no value shared between the ranks
+        assert not {row[col] for row in d0} & {row[col] for row in d1}, col

@@ -177,7 +177,12 @@ class FitLoop:
         training_step = module.training_step
         owns_step = strategy.owns_optimizer_step
         update_scale = precision.update if precision.scaler is not None else None
-        last_window_start = (limit // acc_n) * acc_n
+        last_window_start = (limit // acc_n) * acc_n if limit != math.inf else math.inf
+        ahead = None
+        if acc_n > 1 and automatic and not edata.has_length(loader):
+            # unknown epoch length (IterableDataset): look acc_n - 1 batches ahead, so the last
+            # accumulation window is known in time to divide by its true size and step on its end
+            loader = ahead = edata.LookAhead(loader, acc_n - 1)
         before_step = bool(t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"))
         # non-finite loss: checked (one host sync) only before steps that are log points, or
         # every step under detect_anomaly; a GradScaler (16-mixed) skips such steps by itself
@@ -189,6 +194,9 @@ class FitLoop:
             batch_idx += 1
             if batch_idx >= limit:
                 break
+            if ahead is not None and ahead.length is not None and ahead.length < limit:
+                limit = ahead.length
+                last_window_start = (limit // acc_n) * acc_n
             if to_device is not None:
                 batch = to_device(batch)
             if cast is not None:

@@ -364,6 +364,8 @@ def restore(t, path: str, full: bool) -> None:
     s = getattr(t._train_loader, "sampler", None)
     if s is not None and hasattr(s, "seed"):
         s.seed = t._data_seed
+    if getattr(t._train_loader, "ember_seed", None) is not None:
+        t._train_loader.ember_seed = t._data_seed   # worker seeds follow the run seed (ember.data_seed)
     same_world = len(state.get("rng") or []) == t.world_size
     rank = t.global_rank
     results = state.get("results") or []

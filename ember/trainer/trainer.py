@@ -202,7 +202,8 @@ class Trainer:
     @property
     def estimated_stepping_batches(self) -> int:
         """Total optimizer steps this fit will take (for warmup/decay schedules)."""
-        per_epoch = max(1, -(-self.num_training_batches // self.accumulate_grad_batches))
+        n = self.num_training_batches   # inf: an IterableDataset of unknown length
+        per_epoch = n if n == float("inf") else max(1, -(-n // self.accumulate_grad_batches))
         if self.max_epochs is None or self.max_epochs < 0:
             total = float("inf")
         else:
@@ -360,7 +361,7 @@ class Trainer:
             self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
             if self.num_training_batches == 0:
                 raise MisconfigurationError("the train dataloader has no batches (limit_train_batches or an empty dataset)")
-            self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False) for v in as_list(pick(loaders.get("val"), "val_dataloader"))]
+            self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in as_list(pick(loaders.get("val"), "val_dataloader"))]
             if self.limit_val_batches == 0:
                 self._val_loaders = []
             vci = self.val_check_interval
@@ -375,12 +376,12 @@ class Trainer:
             ls = as_list(pick(given, name))
             if not ls:
                 raise MisconfigurationError(f"trainer.{stage}() needs data: pass dataloaders=, a datamodule, or define {name}()")
-            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False) for v in ls]
+            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in ls]
         else:
             ls = as_list(pick(loaders.get("predict"), "predict_dataloader"))
             if not ls:
                 raise MisconfigurationError("trainer.predict() needs data: pass dataloaders=, a datamodule, or define predict_dataloader()")
-            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False) for v in ls]
+            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in ls]
 
     def _limit_batches(self, loader, limit) -> int:
         try:
@@ -459,10 +460,18 @@ class Trainer:
         """Samples ``gather_for_metrics`` drops now: inside an evaluation step, the sampler's
         padding on the last batch of a full pass only; after the steps (epoch-end hooks),
         all of it from the end of the concatenated pass (see ``ember.data.batch_padding``)."""
-        from ember.data import batch_padding
-        if self.current_dataloader is None:
+        from ember.data import ShardedIterable, batch_padding
+        loader = self.current_dataloader
+        if loader is None:
             return 0
-        return batch_padding(self.current_dataloader, self._eval_batch_idx, self._current_pass_batches)
+        if self._eval_batch_idx is not None and isinstance(getattr(loader, "dataset", None), ShardedIterable) \
+                and self.world_size > 1:
+            raise MisconfigurationError(
+                "gather_for_metrics inside an evaluation step on an IterableDataset: its ranks may run "
+                "different numbers of batches, and a per-batch gather would wait for a batch that never "
+                "comes. Gather once after the steps instead (in on_validation_epoch_end, or with the "
+                "GatherMetrics callback), or evaluate on a map-style dataset")
+        return batch_padding(loader, self._eval_batch_idx, self._current_pass_batches)
 
     # ------------------------------------------------------------------ metrics
     def _emit_step(self, results: Results) -> None:

@@ -109,11 +109,113 @@ def run_gather(devices, root):
     return trainer, res
 
 
+class Stream(IterableDataset):
+    """n regression samples as a stream (no __len__), the same on every rank: (x, y, index)."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(64, 4, generator=g)[:n]     # the first n of the same 64 samples
+        self.y = self.x.sum(1, keepdim=True) * 0.3 + 0.1
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y, range(len(self.x))))
+
+
+class StreamRegressor(TrainModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(4, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, i = batch
+        self.seen += i.tolist()
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_stream(devices, root, n, batch_size, accumulate=2):
+    trainer = Trainer(devices=devices, strategy=strategy(devices), max_epochs=2, accumulate_grad_batches=accumulate,
+                      seed=3, default_root_dir=root, **QUIET)
+    module = StreamRegressor()
+    trainer.fit(module, DataLoader(Stream(n), batch_size=batch_size))
+    return trainer, {"weights": {k: v.tolist() for k, v in module.state_dict().items()}, "seen": module.seen,
+                     "steps": trainer.global_step}
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Each sample draws from torch, numpy and python random, as augmentation would."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+        return torch.tensor([float(i), torch.rand(()).item(), float(np.random.rand()), random.random()])
+
+
+class DrawRecorder(TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+        self.draws = []
+
+    def training_step(self, batch, batch_idx):
+        self.draws += batch[:, 1:].tolist()
+        return self.net(batch[:, 1:2]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class StreamEval(StreamRegressor):
+    per_batch = False
+
+    def validation_step(self, batch, batch_idx):
+        x, y, i = batch
+        if self.per_batch:
+            self.gather_for_metrics(i)
+        return {"preds": i, "target": i}
+
+
+def run_iterable(devices, root):
+    res = {}
+    # 55 items: 27 per rank (the last, odd one left out, so the ranks end together): 7 batches of
+    # at most 4, accumulation windows of 2, the last of 1
+    trainer, res["fit"] = fit_stream(devices, root, 55, 4)
+    # DataLoader workers (2 per rank) draw different numbers on every rank
+    trainer = Trainer(devices=devices, strategy=strategy(devices), max_epochs=1, seed=3, default_root_dir=root,
+                      **QUIET)
+    module = DrawRecorder()
+    trainer.fit(module, DataLoader(Noisy(), batch_size=2, num_workers=2))
+    res["draws"] = module.draws
+    # evaluation keeps every item of a stream (55 over 2 ranks: 28 + 27); gathered once at epoch end
+    seen = {}
+    metric = GatherMetrics({"n": lambda p, t: (seen.update(ids=sorted(t.tolist())), t.numel())[1]})
+    trainer = Trainer(devices=devices, strategy=strategy(devices), callbacks=[metric], default_root_dir=root, **QUIET)
+    trainer.validate(StreamEval(), DataLoader(Stream(55), batch_size=4))
+    res["eval_ids"] = seen["ids"]
+    module = StreamEval()
+    module.per_batch = True
+    try:   # a per-batch gather could wait for a batch the other rank does not have: refused
+        trainer.validate(module, DataLoader(Stream(55), batch_size=4))
+    except Exception as e:
+        res["per_batch_error"] = str(e)
+    return trainer, res
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     devices = int(os.environ.get("EMBER_TEST_DEVICES", "2"))
     if scenario == "gather":
         trainer, res = run_gather(devices, out)
+    elif scenario == "iterable":
+        trainer, res = run_iterable(devices, out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     res["rank"], res["world"] = trainer.global_rank, trainer.world_size
