@@ -1,5 +1,6 @@
-"""Per-rank parameter + optimizer-state memory and training speed of DDP, FSDP and
-DeepSpeed ZeRO 1/2/3 on a small transformer, 2 processes (gloo on CPU).
+"""Per-rank parameter + optimizer-state memory and training speed of DDP, FSDP,
+DeepSpeed ZeRO 1/2/3 (2 processes), HSDP and a data x tensor parallel 2-D mesh
+(4 processes) on a small transformer (gloo on CPU).
 
     python benchmarks/sharding.py                      # all strategies, markdown table
     python benchmarks/sharding.py --only fsdp zero3 --steps 10
@@ -21,7 +22,8 @@ import sys
 import tempfile
 import time
 
-KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3", "hsdp2x2", "dp2xtp2")
+NPROC = {"hsdp2x2": 4, "dp2xtp2": 4}        # the others run on 2 processes
 
 
 def build_model(vocab: int, d_model: int, layers: int, heads: int):
@@ -76,20 +78,33 @@ def worker(kind: str, args) -> None:
     import torch
     from torch import nn
     from ember import Accelerator
+    nproc = NPROC.get(kind, 2)
     if kind == "ddp":
         strategy = "ddp"
     elif kind == "fsdp":
         from ember.strategies import FSDPStrategy
         strategy = FSDPStrategy(devices=2, auto_wrap_policy={nn.TransformerEncoderLayer})
+    elif kind == "hsdp2x2":
+        from ember.strategies import FSDPStrategy
+        strategy = FSDPStrategy(devices=4, hsdp=(2, 2))          # per-block units by default
+    elif kind == "dp2xtp2":
+        from ember.strategies import ModelParallelStrategy
+        strategy = ModelParallelStrategy(devices=4, data_parallel_size=2, tensor_parallel_size=2)
     else:
         from ember.strategies import DeepSpeedStrategy
         strategy = DeepSpeedStrategy(devices=2, stage=int(kind[-1]), stage3_param_persistence_threshold=0)
-    acc = Accelerator(strategy=strategy, devices=2, seed=0)
+    acc = Accelerator(strategy=strategy, devices=nproc, seed=0)
     model = build_model(args.vocab, args.d_model, args.layers, args.heads)
+    if kind == "dp2xtp2":     # Megatron's FFN split in every encoder layer (attention stays replicated)
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        tp = acc.strategy.device_mesh["tensor_parallel"]
+        for layer in model.encoder.layers:
+            parallelize_module(layer, tp, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()})
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = acc.prepare(model, opt)
-    g = torch.Generator().manual_seed(acc.process_index)
+    # the ranks of one tensor-parallel group must see the same batch
+    g = torch.Generator().manual_seed(getattr(acc.strategy, "data_parallel_rank", acc.process_index))
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
 
     def step():
@@ -153,15 +168,16 @@ def main() -> None:
     base = next((r for r in rows if r["kind"] == "ddp"), None)
     base_total = max(base["param_bytes"]) + max(base["optim_bytes"]) if base else None
     print(f"{rows[0]['n_params'] / 1e6:.2f}M-parameter transformer ({args.layers} layers, d_model {args.d_model}), "
-          f"AdamW fp32, 2 processes (gloo, CPU), {args.batch}x{args.seq} tokens per rank and step\n")
-    print("| strategy | params / rank (MiB) | optimizer / rank (MiB) | total / rank (MiB) | vs DDP | steps/s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    names = {"ddp": "DDP", "fsdp": "FSDP (per layer)", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+          f"AdamW fp32, gloo on CPU, {args.batch}x{args.seq} tokens per data-parallel rank and step\n")
+    print("| strategy | processes | params / rank (MiB) | optimizer / rank (MiB) | total / rank (MiB) | vs DDP | steps/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    names = {"ddp": "DDP", "fsdp": "FSDP (per layer)", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+             "hsdp2x2": "HSDP (replicate 2, shard 2)", "dp2xtp2": "data 2 x tensor 2 (FSDP2 + TP FFN)"}
     for r in rows:
         pb, ob = max(r["param_bytes"]), max(r["optim_bytes"])
         rel = f"{(pb + ob) / base_total:.2f}x" if base_total else "-"
-        print(f"| {names[r['kind']]} | {pb * mb:.1f} | {ob * mb:.1f} | {(pb + ob) * mb:.1f} | {rel} | "
-              f"{r['steps_per_s']:.2f} |")
+        print(f"| {names[r['kind']]} | {NPROC.get(r['kind'], 2)} | {pb * mb:.1f} | {ob * mb:.1f} | {(pb + ob) * mb:.1f} "
+              f"| {rel} | {r['steps_per_s']:.2f} |")
 
 
 if __name__ == "__main__":

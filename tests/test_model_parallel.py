@@ -172,3 +172,12 @@ def test_model_parallel_sizes_must_fit_the_world():
     assert ember.Trainer(strategy="model_parallel", devices="cpu", logger=False).strategy.name == "model_parallel"
     import torch.distributed as dist
     assert not dist.is_initialized()     # refused before any process group was created
+
+
+def test_cuda_index_follows_per_task_gpu_binding():
+    from ember.strategies.ddp import cuda_index
+    assert cuda_index(3, None, 8) == 3                 # one process per GPU of the node
+    assert cuda_index(3, None, 1) == 0                 # srun --gpus-per-task=1: each task sees its own GPU
+    assert cuda_index(1, [4, 6], 8) == 6               # explicit devices=[4, 6]
+    with pytest.raises(MisconfigurationError, match="sees 2 GPU"):
+        cuda_index(3, None, 2)

@@ -239,8 +239,7 @@ class DDPStrategy(Strategy):
         if self._device is not None:
             return self._device
         if self._use_cuda:
-            idx = self._gpu_ids[self.local_rank] if self._gpu_ids else self.local_rank
-            return torch.device("cuda", idx)
+            return torch.device("cuda", cuda_index(self.local_rank, self._gpu_ids, torch.cuda.device_count()))
         return torch.device("cpu")
 
     @root_device.setter
@@ -361,3 +360,19 @@ def _restarted_agent_store(timeout):
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"/ember/attempt_{restarts}", store)
+
+
+def cuda_index(local_rank: int, gpu_ids: "list[int] | None", visible: int) -> int:
+    """The CUDA device of a process: ``gpu_ids[local_rank]`` when given, else
+    ``local_rank``; but when the process sees exactly one GPU (per-task binding:
+    ``srun --gpus-per-task=1`` / ``--gpu-bind``, or ``CUDA_VISIBLE_DEVICES`` set per
+    process) that GPU is index 0 whatever the local rank. A local rank past the visible
+    GPUs is an error rather than two processes silently sharing one."""
+    idx = gpu_ids[local_rank] if gpu_ids else local_rank
+    if gpu_ids or visible == 0 or idx < visible:
+        return idx
+    if visible == 1:
+        return 0
+    raise MisconfigurationError(
+        f"local rank {local_rank} would use cuda:{idx}, but this process sees {visible} GPU(s) "
+        "(CUDA_VISIBLE_DEVICES / the scheduler's GPU binding); start at most one process per visible GPU")
