@@ -503,6 +503,10 @@ class FSDPStrategy(DDPStrategy):
         from ember import checkpoint_io as cio
         self._finish_pending_save()
         path = os.fspath(path)
+        if self.world_size > 1 and os.path.isfile(os.path.join(path, cio.WEIGHTS_NAME)):
+            # full weights: read on rank 0 only and broadcast, each rank keeps its shard
+            from ember.strategies.full_load import load_full_from_rank0
+            return load_full_from_rank0(self, path, module, optimizers, strict=strict, weights_only=weights_only)
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
         state = state or {}
         if weights is not None:

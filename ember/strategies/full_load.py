@@ -1,0 +1,70 @@
+"""Loading a full (unsharded) checkpoint into a sharded model without every rank
+reading it: rank 0 reads and checks ``model.safetensors`` and ``trainer_state.pt``,
+then torch's ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
+``broadcast_from_rank0=True`` send each tensor to the other ranks, which keep only
+their shard. Peak memory: one full model (+ optimizer states) on rank 0, a shard plus
+one tensor in flight elsewhere. Used by :class:`~ember.strategies.fsdp.FSDPStrategy`
+(and so :class:`~ember.strategies.model_parallel.ModelParallelStrategy`) for
+``model.safetensors`` checkpoints (single-device runs, ``state_dict_type="full"``).
+"""
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from ember.errors import CheckpointError
+
+
+def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: list, strict: bool = True,
+                         weights_only: bool = False) -> dict:
+    """Load ``path`` (a checkpoint whose weights are ``model.safetensors``) into the
+    sharded ``module``/``optimizers``; returns the trainer state (with ``"meta"``) on
+    every rank. A checkpoint that rank 0 cannot read or that does not fit raises the
+    same error on every rank (no rank waits in a broadcast)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from ember import checkpoint_io as cio
+    rank0 = strategy.is_global_zero
+    weights, state, meta, error = None, None, None, None
+    if rank0:
+        try:
+            weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
+            state = state or {}
+            cio.check_compatible(strategy.unwrap_module(module), weights, path, strict=strict)
+            saved = state.get("optimizers", [])
+            if optimizers and not weights_only and len(saved) != len(optimizers):
+                raise CheckpointError(f"{path} has {len(saved)} optimizer state(s) but {len(optimizers)} "
+                                      "optimizer(s) are set up")
+        except Exception as err:     # reported to every rank below, raised here as it is
+            error = err
+    verdict = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+    if verdict is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"rank 0 could not load {os.fspath(path)}: {verdict}")
+    # the small part of the trainer state (loop position, RNG, callbacks) goes to every rank,
+    # with the hyperparameters of optimizers that hold no state tensors (plain SGD): torch's
+    # broadcast_from_rank0 needs at least one state tensor to know the device
+    small = stateless = None
+    if rank0:
+        small = {k: v for k, v in state.items() if k != "optimizers"}
+        stateless = [None if s.get("state") else s.get("param_groups", []) for s in state.get("optimizers", [])]
+    small, meta, stateless = strategy.broadcast((small, meta, stateless))
+    full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(module, weights if rank0 else {}, options=full)
+    del weights
+    if optimizers and not weights_only:
+        saved = state.get("optimizers", []) if rank0 else [None] * len(optimizers)
+        for opt, s, groups in zip(optimizers, saved, stateless):
+            if groups is not None:
+                for live, g in zip(opt.param_groups, groups):
+                    live.update({k: v for k, v in g.items() if k != "params"})
+                continue
+            osd = strategy._fqn_keyed(module, opt, s) if rank0 else {}
+            set_optimizer_state_dict(module, opt, osd,
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # the optimizer states are in place already; the loop only counts them
+    small["optimizers"] = [{"stored_in": "loaded by the strategy from rank 0"}] * len(stateless)
+    small["meta"] = meta
+    return small
