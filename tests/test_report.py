@@ -115,3 +115,25 @@ def test_chart_key_pairs_split_names():
     assert chart_key("train/loss") == chart_key("val/loss") == chart_key("loss/val") == "loss"
     assert chart_key("train_acc_step") == chart_key("train_acc_epoch") == chart_key("val_acc") == "acc"
     assert chart_key("lr-SGD") == "lr-SGD" and chart_key("throughput/samples_per_sec") == "throughput/samples_per_sec"
+
+
+def test_run_record_with_a_logger_without_folder(tmp_path):
+    from ember.loggers import Logger
+
+    class Memory(Logger):
+        name, version, log_dir = "memory", 0, None
+
+        def __init__(self):
+            self.rows = []
+
+        def log_metrics(self, metrics, step):
+            self.rows.append((step, metrics))
+
+        def log_hyperparams(self, params):
+            pass
+
+    logger = Memory()
+    with pytest.warns(UserWarning, match="has no log folder"):
+        trainer = _digits_run(tmp_path, logger, epochs=1, max_steps=4, report=True, enable_checkpointing=False)
+    assert trainer.global_step == 4 and logger.rows and trainer.report_path is None
+    assert not glob.glob(str(tmp_path / "**" / "run.json"), recursive=True)

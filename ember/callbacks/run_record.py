@@ -75,7 +75,11 @@ class RunRecord(Callback):
     def on_exception(self, trainer, module, exception):
         if trainer.stage == "fit":
             status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
-            self._write(trainer, module, status, error=f"{type(exception).__name__}: {exception}")
+            try:   # never hide the run's own error
+                self._write(trainer, module, status, error=f"{type(exception).__name__}: {exception}")
+            except Exception as err:   # noqa: BLE001
+                import warnings
+                warnings.warn(f"RunRecord: could not write {RUN_FILE}: {err!r}", stacklevel=2)
 
     def _write(self, trainer, module, status: str, error: str | None = None) -> None:
         if "start_time" not in self.info:
@@ -103,9 +107,16 @@ class RunRecord(Callback):
                 warnings.warn("Trainer(report=True) needs a logger (the report reads its logs); "
                               "pass logger=True or a CSVLogger / TensorBoardLogger", stacklevel=2)
             return
+        log_dir = trainer.log_dir
+        if not isinstance(log_dir, (str, os.PathLike)):   # a logger without a folder
+            if self.report:
+                import warnings
+                warnings.warn(f"Trainer(report=True): the logger {type(trainer.loggers[0]).__name__} has no "
+                              "log folder; use a CSVLogger or TensorBoardLogger", stacklevel=2)
+            return
+        log_dir = os.fspath(log_dir)
         for lg in trainer.loggers:   # flush buffered rows so the report sees every value
             lg.save()
-        log_dir = trainer.log_dir
         os.makedirs(log_dir, exist_ok=True)
         tmp = os.path.join(log_dir, RUN_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
