@@ -48,4 +48,13 @@ def __getattr__(name):
     if name == "Accelerator":
         from ember.accelerator import Accelerator
         return Accelerator
+    if name in ("PartialState", "AcceleratorState", "DistributedType"):   # Accelerate's top-level names
+        from ember import accelerator_compat
+        return getattr(accelerator_compat, name)
+    if name == "notebook_launcher":
+        from ember.notebook import notebook_launcher
+        return notebook_launcher
+    if name == "find_executable_batch_size":
+        from ember.utils import find_executable_batch_size
+        return find_executable_batch_size
     raise AttributeError(f"module 'ember' has no attribute {name!r}")

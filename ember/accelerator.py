@@ -8,9 +8,7 @@ the Trainer (which prepares its module, optimizers and data through the flat ver
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import itertools
 import os
 from typing import Any, Callable
 
@@ -19,6 +17,8 @@ from torch import nn
 
 from ember import data as edata
 from ember import distributed as _dist
+from ember.accelerator_compat import AccelerateNames
+from ember.accelerator_state import _InOrder, _Islice, _MultiContext, _Yield, _only  # noqa: F401
 from ember.accelerator_state import (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard,
                                      DistributedOperationError, check_collective, check_log_with, is_scheduler,
                                      wrap_forward, unwrap_forward)
@@ -32,7 +32,7 @@ _NULL = contextlib.nullcontext()
 _REDUCTIONS = ("sum", "mean", "max", "min", "none")
 
 
-class Accelerator:
+class Accelerator(AccelerateNames):
     """Prepare models, optimizers, dataloaders and schedulers for the chosen
     strategy (single device, DDP, FSDP, DeepSpeed) and precision, and give a
     custom loop the verbs it needs (backward, accumulation, clipping, collectives,
@@ -58,25 +58,51 @@ class Accelerator:
     def __init__(self, strategy="auto", devices="auto", precision=None, gradient_accumulation_steps: int = 1,
                  log_with=None, project_dir: str | None = None, seed: int | None = None, num_nodes: int = 1,
                  debug: bool | None = None, mixed_precision: str | None = None,
-                 step_scheduler_with_optimizer: bool = True):
+                 step_scheduler_with_optimizer: bool = True, *, cpu: bool = False, device_placement: bool = True,
+                 split_batches: bool | None = None, even_batches: bool | None = None, kwargs_handlers=None,
+                 project_config=None, dataloader_config=None, rng_types=None, dynamo_backend=None,
+                 dynamo_plugin=None, gradient_accumulation_plugin=None):
+        from ember import accelerator_compat as compat
         from ember.strategies import build_strategy
+        precision, accelerate_fp16 = compat.resolve_precision(mixed_precision, precision)
         if precision is None:
-            precision = mixed_precision if mixed_precision is not None else os.environ.get("EMBER_PRECISION", "32-true")
+            precision = os.environ.get("EMBER_PRECISION", "32-true")
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
                 or gradient_accumulation_steps < 1:
             raise MisconfigurationError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} is not "
                                         "valid; use an int >= 1")
+        if cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+            devices = "cpu" if devices == "auto" else devices
         log_with = check_log_with(log_with)
+        data_opts = compat.dataloader_options(split_batches, even_batches, dataloader_config,
+                                              gradient_accumulation_plugin, gradient_accumulation_steps,
+                                              rng_types, device_placement)
+        strat_opts, (scaler_kw, profile_kw) = compat.strategy_options(kwargs_handlers, cpu, devices)
+        dynamo = compat.dynamo_options(dynamo_backend, dynamo_plugin)
         prec = Precision.from_string(precision)
         strat = build_strategy(strategy, devices, num_nodes)
+        if accelerate_fp16 and compat.cpu_fp16_as_accelerate(strat):
+            prec = Precision.from_string("32-true")
         strat.precision = prec
+        compat.configure_strategy(strat, strat_opts)
         self._init(strat)
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self._profile_kwargs, self._dynamo = profile_kw, dynamo
+        compat.apply_scaler_kwargs(strat.precision, scaler_kw)
+        compat.check_data_options(self, data_opts)
+        self.gradient_accumulation_steps = data_opts.pop("gradient_accumulation_steps")
+        self._data_opts = data_opts
         self.log_with = log_with
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
+        self.project_configuration = project_config if project_config is not None else compat.ProjectConfiguration()
+        if project_dir is None:
+            project_dir = self.project_configuration.project_dir
         self.project_dir = os.fspath(project_dir) if project_dir is not None else os.getcwd()
+        self.project_configuration.set_directories(self.project_dir)
         from ember.accelerator_checkpoint import _newest_auto   # counted now, before any rank saves
         self.save_iteration = _newest_auto(os.path.join(self.project_dir, "checkpoints")) + 1
+        if project_config is not None and project_config.iteration:
+            self.save_iteration = int(project_config.iteration)
+        compat.set_shared_state(strat)
         self.debug = os.environ.get("EMBER_DEBUG", "0").lower() not in ("", "0", "false", "no") \
             if debug is None else bool(debug)
         if seed is not None:
@@ -86,6 +112,8 @@ class Accelerator:
         else:  # no draw from the global RNG: a loop's random streams stay those of a raw loop
             s = torch.initial_seed() % (2**31 - 1)
             self.seed = int(self.strategy.broadcast(s)) if self.strategy.world_size > 1 else s
+        if data_opts.get("data_seed") is not None:   # DataLoaderConfiguration(data_seed=): the data order only
+            self.seed = int(data_opts["data_seed"])
 
     def _init(self, strategy) -> None:
         self.strategy = strategy
@@ -106,6 +134,9 @@ class Accelerator:
         self._trigger = False
         self._log_step = 0
         self._arrivals: dict = {}
+        self._data_opts: dict = {}
+        self._dynamo = self._profile_kwargs = None
+        self._last_norm = None
         self.save_iteration: int | None = None
         self.project_configuration = None
         self.project_dir = os.getcwd()
@@ -204,6 +235,8 @@ class Accelerator:
             if patch:
                 wrap_forward(objs[i], self.strategy.precision)
             out[i] = objs[i] if placed else self.setup_module(objs[i])
+            if self._dynamo is not None and not placed:
+                out[i] = torch.compile(out[i], **self._dynamo)
         for mi, js in groups.items():
             model = out[mi] if mi is not None else None
             new_model, new_opts = self.setup_optimizers(model, [objs[j] for j in js])
@@ -213,7 +246,9 @@ class Accelerator:
                 out[j] = AcceleratedOptimizer(o, self)
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
-                out[i] = DataLoaderShard(self.setup_dataloader(o), self, original=o)
+                from ember.accelerator_compat import split_loader
+                dl = split_loader(o, self.num_processes) if self._data_opts.get("split_batches") else o
+                out[i] = DataLoaderShard(self.setup_dataloader(dl), self, original=o)
             elif is_scheduler(o) and not isinstance(o, AcceleratedScheduler):
                 out[i] = AcceleratedScheduler(o, self)
         self._models += [out[i] for i in mods]
@@ -289,10 +324,12 @@ class Accelerator:
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
         """Clip the total gradient norm of ``parameters`` (unscaling them first under
         16-mixed); returns the norm before clipping. On a micro-batch where the
-        optimizer will not step (``sync_gradients`` False) it does nothing and
-        returns None. Under DeepSpeed the engine clips (``gradient_clipping`` in its config)."""
+        optimizer will not step (``sync_gradients`` False) it does not clip and
+        returns the norm of the gradients accumulated so far, unclipped (Accelerate clips
+        them). Under DeepSpeed the engine clips (``gradient_clipping`` in its config)."""
         if not self.sync_gradients:
-            return None
+            from ember.accelerator_compat import partial_grad_norm
+            return partial_grad_norm(self, parameters, norm_type)
         self._no_deepspeed_clip()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._unscale_for(params)
@@ -465,12 +502,20 @@ class Accelerator:
         from ember.accelerator_checkpoint import save_model
         return save_model(self, model, save_directory, max_shard_size, safe_serialization)
 
-    def save(self, obj, f) -> None:
-        """``torch.save`` on the main process, refusing objects ``torch.load(weights_only=True)``
-        cannot read back (state dicts, tensors and plain containers are fine)."""
+    def save(self, obj, f, safe_serialization: bool = False) -> None:
+        """Write ``obj`` on the main process: a dict of tensors as safetensors when
+        ``safe_serialization`` or ``f`` ends in ``.safetensors``; anything else with
+        ``torch.save``, refusing objects ``torch.load(weights_only=True)`` cannot read back
+        (state dicts, tensors and plain containers are fine)."""
         if self.is_main_process:
             from ember import checkpoint_io as cio
-            cio.save_torch(obj, f)
+            if safe_serialization or os.fspath(f).endswith(".safetensors"):
+                if not (isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())):
+                    raise MisconfigurationError("save(..., safe_serialization=True): safetensors holds a dict of "
+                                                f"tensors only, got {type(obj).__name__}")
+                cio.save_safetensors(obj, f)
+            else:
+                cio.save_torch(obj, f)
 
     def register_for_checkpointing(self, *objects) -> None:
         """Include objects with ``state_dict()``/``load_state_dict()`` in :meth:`save_state`."""
@@ -576,71 +621,3 @@ def _first_rows(data) -> int | None:
             return n
     return None
 
-
-def _only(acc, function, attr: str, index: int):
-    if function is None:
-        return functools.partial(_only, acc, attr=attr, index=index)
-
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        return function(*args, **kwargs) if getattr(acc, attr) == index else None
-    return wrapper
-
-
-class _MultiContext:
-    __slots__ = ("ctxs",)
-
-    def __init__(self, ctxs):
-        self.ctxs = ctxs
-
-    def __enter__(self):
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
-        return False
-
-
-class _InOrder:
-    """``first`` processes run the body, then meet the others at a barrier; the others
-    wait at that barrier before running it. On an exception in the body no barrier is
-    entered (the process fails and the launcher ends the others)."""
-    __slots__ = ("acc", "first")
-
-    def __init__(self, acc, first: bool):
-        self.acc, self.first = acc, first
-
-    def __enter__(self):
-        if not self.first:
-            self.acc.wait_for_everyone()
-
-    def __exit__(self, exc_type, exc, tb):
-        if self.first and exc_type is None:
-            self.acc.wait_for_everyone()
-        return False
-
-
-class _Yield:
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __enter__(self):
-        return self.value
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _Islice:
-    def __init__(self, iterable, n: int):
-        self.iterable, self.n = iterable, n
-
-    def __iter__(self):
-        return itertools.islice(iter(self.iterable), self.n, None)
-
-    def __len__(self):
-        return max(0, len(self.iterable) - self.n)

@@ -148,6 +148,8 @@ def save_state(acc, output_dir) -> str:
         _write_rank_rng(acc, path, meta["state_token"])
         return path
     weights = [strategy.module_state_dict(m) for m in models]
+    for hook in getattr(acc, "_save_hooks", ()):
+        hook(models, weights, path)
     opt_states = [strategy.optimizer_state_dict(o, models[0] if models else None) for o in raw_opts]
     tmp = cio.tmp_path(path)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -253,6 +255,8 @@ def _load_extra_model(strategy, model, path: str, name: str, size, strict: bool)
 def load_state(acc, input_dir, strict: bool = True) -> dict:
     strategy = acc.strategy
     path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
+    for hook in getattr(acc, "_load_hooks", ()):
+        hook(acc._models, path)
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
     if strategy.is_sharded or strategy.owns_optimizer_step:   # FSDP, DeepSpeed: the strategy writes

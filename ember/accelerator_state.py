@@ -6,6 +6,8 @@ Checkpoints (``save_state`` / ``load_state`` / ``save_model``) live in
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import types
 from typing import Any
@@ -426,3 +428,74 @@ def get_tracker(acc, name: str, unwrap: bool):
     raise MisconfigurationError(f"get_tracker({name!r}): no such tracker; "
                                 + (f"initialised: {have}" if have else
                                    "none is initialised (pass log_with= and call init_trackers() first)"))
+
+
+# -- small helpers of the Accelerator's process verbs ---------------------------------------
+
+def _only(acc, function, attr: str, index: int):
+    if function is None:
+        return functools.partial(_only, acc, attr=attr, index=index)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs) if getattr(acc, attr) == index else None
+    return wrapper
+
+
+class _MultiContext:
+    __slots__ = ("ctxs",)
+
+    def __init__(self, ctxs):
+        self.ctxs = ctxs
+
+    def __enter__(self):
+        for c in self.ctxs:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.ctxs):
+            c.__exit__(*exc)
+        return False
+
+
+class _InOrder:
+    """``first`` processes run the body, then meet the others at a barrier; the others
+    wait at that barrier before running it. On an exception in the body no barrier is
+    entered (the process fails and the launcher ends the others)."""
+    __slots__ = ("acc", "first")
+
+    def __init__(self, acc, first: bool):
+        self.acc, self.first = acc, first
+
+    def __enter__(self):
+        if not self.first:
+            self.acc.wait_for_everyone()
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.first and exc_type is None:
+            self.acc.wait_for_everyone()
+        return False
+
+
+class _Yield:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Islice:
+    def __init__(self, iterable, n: int):
+        self.iterable, self.n = iterable, n
+
+    def __iter__(self):
+        return itertools.islice(iter(self.iterable), self.n, None)
+
+    def __len__(self):
+        return max(0, len(self.iterable) - self.n)

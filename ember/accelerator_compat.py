@@ -1,0 +1,506 @@
+"""Accelerate's configuration names for :class:`ember.Accelerator`: the kwargs
+handlers (``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
+``InitProcessGroupKwargs``, ``ProfileKwargs``), ``ProjectConfiguration``,
+``DataLoaderConfiguration``, ``GradientAccumulationPlugin``, ``DistributedType``,
+``PartialState`` / ``accelerator.state``, and how each Accelerator keyword of
+Accelerate maps onto ember (it works the same, or it raises naming the keyword and
+why). Users import these from :mod:`ember.utils`. Guide: ``docs/porting.md``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ember.errors import MisconfigurationError
+
+__all__ = ["DistributedType", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
+           "ProfileKwargs", "ProjectConfiguration", "DataLoaderConfiguration", "GradientAccumulationPlugin",
+           "TorchDynamoPlugin", "PartialState", "AcceleratorState", "GradientState"]
+
+
+class DistributedType(str, enum.Enum):
+    """How the processes are organised (Accelerate's names; compares equal to its strings)."""
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+    XLA = "XLA"
+
+
+def distributed_type_of(strategy) -> DistributedType:
+    name = getattr(strategy, "name", "single")
+    if name == "deepspeed":
+        return DistributedType.DEEPSPEED
+    if name in ("fsdp", "model_parallel"):
+        return DistributedType.FSDP
+    if strategy.world_size == 1:
+        return DistributedType.NO
+    return DistributedType.MULTI_GPU if strategy.root_device.type == "cuda" else DistributedType.MULTI_CPU
+
+
+class _Handler:
+    def to_kwargs(self) -> dict:
+        """The fields that differ from their defaults (Accelerate's ``to_kwargs``)."""
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@dataclasses.dataclass
+class DistributedDataParallelKwargs(_Handler):
+    """Arguments for ``DistributedDataParallel`` (used under the DDP strategy)."""
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: Any = None
+    comm_wrapper: Any = None
+    comm_state_option: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class GradScalerKwargs(_Handler):
+    """Arguments for the ``GradScaler`` of ``mixed_precision="fp16"``."""
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclasses.dataclass
+class InitProcessGroupKwargs(_Handler):
+    """Arguments for ``init_process_group``: ``backend``, ``init_method`` (ember's
+    launcher sets the rendezvous; only ``None`` / ``"env://"``), ``timeout``."""
+    backend: str | None = None
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+
+@dataclasses.dataclass
+class ProfileKwargs(_Handler):
+    """Arguments for :meth:`ember.Accelerator.profile` (``torch.profiler.profile``)."""
+    activities: list | None = None
+    schedule_option: dict | None = None
+    on_trace_ready: Any = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def build(self):
+        """A ``torch.profiler.profile`` from these fields."""
+        from torch.profiler import ProfilerActivity, profile, schedule
+        names = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
+        acts = [names[a] for a in self.activities] if self.activities else None
+        on_ready = self.on_trace_ready
+        if on_ready is None and self.output_trace_dir:
+            on_ready = torch.profiler.tensorboard_trace_handler(self.output_trace_dir)
+        return profile(activities=acts, schedule=schedule(**self.schedule_option) if self.schedule_option else None,
+                       on_trace_ready=on_ready, record_shapes=self.record_shapes, profile_memory=self.profile_memory,
+                       with_stack=self.with_stack, with_flops=self.with_flops, with_modules=self.with_modules)
+
+
+@dataclasses.dataclass
+class ProjectConfiguration:
+    """Where trackers and checkpoints go. ``automatic_checkpoint_naming``:
+    ``save_state()`` writes ``project_dir/checkpoints/checkpoint_<iteration>`` (ember
+    does so whenever no directory is given); ``total_limit``: keep that many automatic
+    checkpoints (the oldest are removed); ``iteration``: the next number."""
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: str | None = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+
+@dataclasses.dataclass
+class DataLoaderConfiguration:
+    """How ``prepare`` shards dataloaders (Accelerate's fields; see ``docs/porting.md``)."""
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclasses.dataclass
+class GradientAccumulationPlugin:
+    """``num_steps`` micro-batches per optimizer step; the last batch of a prepared
+    dataloader always syncs (``sync_with_dataloader=True``, ember's only mode)."""
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclasses.dataclass
+class TorchDynamoPlugin:
+    """``torch.compile`` options for prepared models."""
+    backend: str | None = None
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+
+# -- state ----------------------------------------------------------------------------------------
+_SHARED: dict = {}
+
+
+class PartialState:
+    """The process layout without an Accelerator (Accelerate's ``PartialState``):
+    ``num_processes``, ``process_index``, ``local_process_index``, ``device``,
+    ``is_main_process``, ``distributed_type``, ``wait_for_everyone()``,
+    ``main_process_first()``, ``split_between_processes()``, ``print()``. All instances
+    share one state: the Accelerator's once one exists, else one set up from the
+    launcher's environment (``cpu=True``: the CPU)."""
+
+    def __init__(self, cpu: bool = False, **kwargs):
+        strategy = _SHARED.get("strategy")
+        if strategy is None:
+            from ember.strategies import build_strategy
+            strategy = build_strategy("auto", "cpu" if cpu else "auto")
+            strategy.setup_environment()
+            _SHARED["strategy"] = strategy
+        self._strategy = strategy
+
+    strategy = property(lambda self: _SHARED.get("strategy", self._strategy))
+    device = property(lambda self: self.strategy.root_device)
+    num_processes = property(lambda self: self.strategy.world_size)
+    process_index = property(lambda self: self.strategy.global_rank)
+    local_process_index = property(lambda self: self.strategy.local_rank)
+    is_main_process = property(lambda self: self.strategy.is_global_zero)
+    is_local_main_process = property(lambda self: self.strategy.is_local_zero)
+    is_last_process = property(lambda self: self.process_index == self.num_processes - 1)
+    use_distributed = property(lambda self: self.num_processes > 1)
+    distributed_type = property(lambda self: distributed_type_of(self.strategy))
+    initialized = property(lambda self: True)
+
+    @property
+    def backend(self) -> str | None:
+        return getattr(self.strategy, "_backend", None) if self.num_processes > 1 else None
+
+    def wait_for_everyone(self) -> None:
+        self.strategy.barrier("wait_for_everyone")
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def main_process_first(self):
+        from ember.accelerator import _InOrder
+        return _InOrder(self, self.is_main_process)
+
+    def local_main_process_first(self):
+        from ember.accelerator import _InOrder
+        return _InOrder(self, self.is_local_main_process)
+
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        from ember.accelerator import _Yield
+        from ember.accelerator_state import split_inputs
+        return _Yield(split_inputs(inputs, self.num_processes, self.process_index, apply_padding))
+
+    def on_main_process(self, function):
+        import functools
+
+        @functools.wraps(function)
+        def wrapper(*a, **k):
+            return function(*a, **k) if self.is_main_process else None
+        return wrapper
+
+    def __repr__(self) -> str:
+        return (f"Distributed environment: {self.distributed_type.value}\nNum processes: {self.num_processes}\n"
+                f"Process index: {self.process_index}\nLocal process index: {self.local_process_index}\n"
+                f"Device: {self.device}\n")
+
+
+class AcceleratorState(PartialState):
+    """``accelerator.state``: the process layout plus ``mixed_precision``."""
+
+    def __init__(self, accelerator=None, **kwargs):
+        self._acc = accelerator
+        super().__init__(**kwargs)
+
+    mixed_precision = property(lambda self: self._acc.mixed_precision if self._acc is not None else "no")
+    num_steps = property(lambda self: self._acc.gradient_accumulation_steps if self._acc is not None else 1)
+
+
+class GradientState:
+    """``accelerator.gradient_state``: ``sync_gradients``, ``num_steps``,
+    ``end_of_dataloader``, ``active_dataloader``."""
+
+    def __init__(self, accelerator):
+        self._acc = accelerator
+
+    sync_gradients = property(lambda self: self._acc.sync_gradients)
+    num_steps = property(lambda self: self._acc.gradient_accumulation_steps)
+    active_dataloader = property(lambda self: self._acc._active_loader)
+    in_dataloader = property(lambda self: self._acc._active_loader is not None)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        loader = self._acc._active_loader
+        return bool(loader is not None and loader.end_of_dataloader)
+
+
+# -- Accelerator(...) keywords -----------------------------------------------------------------------
+def _refuse(kwarg: str, why: str) -> MisconfigurationError:
+    return MisconfigurationError(f"Accelerator({kwarg}): {why}")
+
+
+def resolve_precision(mixed_precision, precision) -> tuple[str | None, bool]:
+    """Accelerate's ``mixed_precision`` (also from ``$ACCELERATE_MIXED_PRECISION``) as an
+    ember precision, and whether it was Accelerate's ``"fp16"``."""
+    if precision is None and mixed_precision is None and "EMBER_PRECISION" not in os.environ:
+        mixed_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if precision is None and mixed_precision is not None:
+        mp = str(getattr(mixed_precision, "value", mixed_precision)).lower()
+        if mp == "fp8":
+            raise _refuse("mixed_precision='fp8'", "fp8 training is not supported; use 'bf16' or 'fp16'")
+        return {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}.get(mp, mp), mp == "fp16"
+    return precision, False
+
+
+def cpu_fp16_as_accelerate(strategy) -> bool:
+    """Accelerate's ``mixed_precision="fp16"`` on the CPU runs in float32 (no autocast,
+    no GradScaler); ember does the same, and says so once."""
+    if strategy.root_device.type != "cpu":
+        return False
+    import warnings
+    warnings.warn("mixed_precision='fp16' on the CPU runs in float32, as in Accelerate (no autocast, no "
+                  "GradScaler); pass precision='16-mixed' for float16 autocast with loss scaling on the CPU, or "
+                  "mixed_precision='bf16'", UserWarning, stacklevel=3)
+    return True
+
+
+def strategy_options(kwargs_handlers, cpu: bool, devices) -> tuple[dict, Any]:
+    """Split the kwargs handlers: (DDP/process-group options for the strategy, the rest)."""
+    ddp: dict = {}
+    pg: dict = {}
+    seen: set = set()
+    scaler = profile = None
+    for h in kwargs_handlers or ():
+        kind = type(h).__name__
+        if kind in seen:
+            raise _refuse("kwargs_handlers", f"two {kind} objects; pass each kind once")
+        seen.add(kind)
+        if isinstance(h, DistributedDataParallelKwargs):
+            ddp = h.to_kwargs()
+            for k in ("comm_hook", "comm_wrapper", "comm_state_option"):
+                if k in ddp:
+                    raise _refuse(f"kwargs_handlers=[DistributedDataParallelKwargs({k}=...)]",
+                                  "DDP communication hooks are not supported by ember")
+        elif isinstance(h, InitProcessGroupKwargs):
+            if h.init_method not in (None, "env://"):
+                raise _refuse("kwargs_handlers=[InitProcessGroupKwargs(init_method=...)]",
+                              "ember's launcher sets the rendezvous (env://); set MASTER_ADDR/MASTER_PORT instead")
+            pg = {k: v for k, v in (("process_group_backend", h.backend), ("timeout", h.timeout)) if v is not None}
+        elif isinstance(h, GradScalerKwargs):
+            scaler = h
+        elif isinstance(h, ProfileKwargs):
+            profile = h
+        else:
+            raise _refuse("kwargs_handlers", f"{kind} is not one of DistributedDataParallelKwargs, "
+                          "GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs")
+    return {"ddp": ddp, "pg": pg}, (scaler, profile)
+
+
+def configure_strategy(strategy, options: dict) -> None:
+    """Apply DDP / process-group options to a strategy that was not set up yet."""
+    if not (options["ddp"] or options["pg"]):
+        return
+    if not hasattr(strategy, "ddp_kwargs"):
+        if strategy.world_size > 1 or getattr(strategy, "name", "") in ("fsdp", "deepspeed"):
+            raise _refuse("kwargs_handlers", f"DistributedDataParallelKwargs/InitProcessGroupKwargs do not apply "
+                          f"to the {strategy.name} strategy")
+        return   # one process: nothing to pass on (as Accelerate)
+    ddp = dict(options["ddp"])
+    if ddp and strategy.name != "ddp":
+        raise _refuse("kwargs_handlers=[DistributedDataParallelKwargs(...)]",
+                      f"only the DDP strategy uses them (this is {strategy.name})")
+    strategy.ddp_kwargs.update(ddp)
+    pg = options["pg"]
+    if "timeout" in pg:
+        t = pg["timeout"]
+        strategy.timeout = t if isinstance(t, timedelta) else timedelta(seconds=float(t))
+    if "process_group_backend" in pg:
+        strategy._backend = pg["process_group_backend"]
+
+
+def apply_scaler_kwargs(precision, h: GradScalerKwargs | None) -> None:
+    if h is None:
+        return
+    scaler = getattr(precision, "scaler", None)
+    if scaler is None:   # no loss scaling in this precision: nothing to configure (as Accelerate)
+        return
+    if not h.enabled:
+        raise _refuse("kwargs_handlers=[GradScalerKwargs(enabled=False)]", "use mixed_precision='bf16' or 'no' "
+                      "instead of fp16 without loss scaling")
+    scaler._init_scale = h.init_scale
+    scaler._growth_factor = h.growth_factor
+    scaler._backoff_factor = h.backoff_factor
+    scaler._growth_interval = h.growth_interval
+    if getattr(scaler, "_scale", None) is not None:
+        scaler._scale.fill_(h.init_scale)
+
+
+def dataloader_options(split_batches, even_batches, dataloader_config, gradient_accumulation_plugin,
+                       gradient_accumulation_steps, rng_types, device_placement) -> dict:
+    """Check Accelerate's data keywords; return ember's settings."""
+    cfg = dataloader_config or DataLoaderConfiguration()
+    if dataloader_config is not None and (split_batches is not None or even_batches is not None):
+        raise _refuse("split_batches/even_batches", "pass them inside dataloader_config, not both")
+    split = bool(cfg.split_batches if split_batches is None else split_batches)
+    even = bool(cfg.even_batches if even_batches is None else even_batches)
+    if cfg.dispatch_batches:
+        raise _refuse("dataloader_config=DataLoaderConfiguration(dispatch_batches=True)",
+                      "every process reads its own shard in ember (no dispatch from the main process)")
+    if rng_types is not None:
+        bad = [r for r in rng_types if str(getattr(r, "value", r)).lower() not in ("generator",)]
+        if bad:
+            raise _refuse(f"rng_types={list(rng_types)!r}", "ember's data order comes from (seed, epoch), not from "
+                          "a global RNG synchronised across processes; 'generator' (the default) is the only "
+                          "choice; seed each process's global RNG yourself (ember.utils.set_seed)")
+    gas = gradient_accumulation_steps
+    if gradient_accumulation_plugin is not None:
+        p = gradient_accumulation_plugin
+        if gas != 1:
+            raise _refuse("gradient_accumulation_steps", "pass it inside gradient_accumulation_plugin, not both")
+        if not p.sync_with_dataloader:
+            raise _refuse("gradient_accumulation_plugin=GradientAccumulationPlugin(sync_with_dataloader=False)",
+                          "ember always steps on the last batch of a prepared dataloader")
+        if p.sync_each_batch:
+            raise _refuse("gradient_accumulation_plugin=GradientAccumulationPlugin(sync_each_batch=True)",
+                          "ember skips the gradient all-reduce on every accumulated micro-batch")
+        gas = int(p.num_steps or 1)
+    return {"split_batches": split, "even_batches": even, "non_blocking": bool(cfg.non_blocking),
+            "use_seedable_sampler": True, "data_seed": cfg.data_seed, "gradient_accumulation_steps": gas,
+            "use_stateful_dataloader": bool(cfg.use_stateful_dataloader), "device_placement": bool(device_placement)}
+
+
+def dynamo_options(dynamo_backend, dynamo_plugin) -> dict | None:
+    """``torch.compile`` options, or None (no compilation)."""
+    if dynamo_plugin is not None and dynamo_backend is not None:
+        raise _refuse("dynamo_backend", "pass it inside dynamo_plugin, not both")
+    backend = dynamo_plugin.backend if dynamo_plugin is not None else dynamo_backend
+    if backend is None:
+        backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND")
+    backend = getattr(backend, "value", backend)
+    if backend is None or str(backend).lower() == "no":
+        return None
+    opts = {"backend": str(backend).lower()}
+    if dynamo_plugin is not None:
+        opts.update(mode=dynamo_plugin.mode, fullgraph=dynamo_plugin.fullgraph, dynamic=dynamo_plugin.dynamic)
+    return opts
+
+
+def set_shared_state(strategy) -> None:
+    """The Accelerator's layout is what every ``PartialState()`` sees from now on."""
+    _SHARED["strategy"] = strategy
+
+
+def check_data_options(acc, opts: dict) -> None:
+    world = acc.strategy.world_size
+    if not opts["even_batches"] and world > 1:
+        raise _refuse("even_batches=False", "ember's sampler always gives every process the same number of "
+                      "batches (padding the last one) and gather_for_metrics drops that padding; leave it True")
+    if not opts["device_placement"] and acc.strategy.root_device.type != "cpu":
+        raise _refuse("device_placement=False", "ember always moves prepared models and batches to the device; "
+                      "move them yourself only with strategy='single' on the CPU")
+
+
+def split_loader(loader, num_processes: int):
+    """``split_batches=True``: the loader's batch size is the global one; each of the
+    ``num_processes`` processes reads ``batch_size // num_processes`` samples per batch."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+    bs = loader.batch_size
+    if num_processes == 1:
+        return loader
+    if bs is None or type(loader.batch_sampler) is not BatchSampler:
+        raise _refuse("split_batches=True", "needs a DataLoader built with batch_size= (not a batch_sampler)")
+    if bs % num_processes:
+        raise _refuse("split_batches=True", f"batch_size={bs} does not split evenly over {num_processes} processes")
+    kw = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+              drop_last=loader.drop_last, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+              generator=loader.generator, persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        kw["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(loader.dataset, batch_size=bs // num_processes,
+                      shuffle=isinstance(loader.sampler, RandomSampler), **kw)
+
+
+class AccelerateNames:
+    """Accelerate's attribute names on :class:`ember.Accelerator` (read-only views of
+    ember's state), :meth:`profile`, and the save/load hooks."""
+
+    distributed_type = property(lambda self: distributed_type_of(self.strategy),
+                                doc=":class:`DistributedType` of the run (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ...)")
+    state = property(lambda self: AcceleratorState(self), doc="the process layout (:class:`AcceleratorState`)")
+    gradient_state = property(lambda self: GradientState(self), doc=":class:`GradientState`")
+    split_batches = property(lambda self: bool(self._data_opts.get("split_batches", False)))
+    even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)))
+    use_seedable_sampler = property(lambda self: True, doc="always: ember's order comes from (seed, epoch)")
+    non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)))
+    device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)))
+    logging_dir = property(lambda self: getattr(self.project_configuration, "logging_dir", None) or self.project_dir)
+    multi_device = property(lambda self: self.num_processes > 1)
+    data_parallel_rank = property(lambda self: self.process_index)
+    tensor_parallel_rank = property(lambda self: 0)
+    is_fsdp2 = property(lambda self: getattr(self.strategy, "name", "") == "fsdp")
+
+    def profile(self, profile_handler: ProfileKwargs | None = None):
+        """Context manager: ``torch.profiler.profile`` built from ``profile_handler``
+        (default: the ``ProfileKwargs`` of ``kwargs_handlers``, else CPU activities)."""
+        return (profile_handler or self._profile_kwargs or ProfileKwargs()).build()
+
+    def register_save_state_pre_hook(self, hook):
+        """``hook(models, weights, output_dir)`` runs in :meth:`save_state` before writing
+        (``weights``: the list of state dicts, may be edited). Returns a handle with ``remove()``."""
+        return _Handle(self.__dict__.setdefault("_save_hooks", []), hook)
+
+    def register_load_state_pre_hook(self, hook):
+        """``hook(models, input_dir)`` runs in :meth:`load_state` before loading."""
+        return _Handle(self.__dict__.setdefault("_load_hooks", []), hook)
+
+
+class _Handle:
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+        hooks.append(hook)
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
+
+
+def partial_grad_norm(acc, parameters, norm_type: float):
+    """``clip_grad_norm_`` on a micro-batch that does not sync: the norm of the
+    gradients accumulated so far (divided by the loss scale under 16-mixed), as a
+    0-d tensor, without clipping and without a host sync."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=acc.device)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type)
+    scaler = acc.strategy.precision.scaler
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    return norm / scale.to(norm.device).reshape(()) if scale is not None else norm

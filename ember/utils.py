@@ -1,0 +1,187 @@
+"""What Accelerate users import from ``accelerate.utils``, under the same names:
+``from accelerate.utils import set_seed, ProjectConfiguration`` becomes
+``from ember.utils import set_seed, ProjectConfiguration``. Differences are listed
+in ``docs/porting.md``.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import os
+from typing import Any, Callable
+
+import torch
+
+from ember.accelerator_compat import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
+                                      GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
+                                      ProfileKwargs, ProjectConfiguration, TorchDynamoPlugin)
+from ember.strategies.base import move_to_device
+
+__all__ = ["set_seed", "ProjectConfiguration", "gather", "gather_object", "broadcast", "broadcast_object_list",
+           "pad_across_processes", "reduce", "send_to_device", "find_executable_batch_size",
+           "release_memory", "should_reduce_batch_size", "tqdm", "DistributedType", "GradientAccumulationPlugin",
+           "DataLoaderConfiguration", "write_basic_config", "DistributedDataParallelKwargs", "GradScalerKwargs",
+           "InitProcessGroupKwargs", "ProfileKwargs", "TorchDynamoPlugin", "is_main_process"]
+
+
+def _strategy():
+    from ember.accelerator_compat import _SHARED
+    return _SHARED.get("strategy")
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> int:
+    """Seed ``random``, numpy and torch (all devices) with ``seed``; ``device_specific``:
+    ``seed + process index``; ``deterministic``: ``torch.use_deterministic_algorithms(True)``."""
+    from ember import seed_everything
+    if device_specific:
+        s = _strategy()
+        seed += s.global_rank if s is not None else int(os.environ.get("RANK", 0))
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    return seed_everything(seed)
+
+
+def is_main_process() -> bool:
+    s = _strategy()
+    return s.is_global_zero if s is not None else int(os.environ.get("RANK", 0)) == 0
+
+
+def gather(tensor):
+    """Concatenate ``tensor`` (or nested tensors) from every process along dim 0."""
+    from ember import distributed as d
+    return d.gather(tensor, strategy=_strategy())
+
+
+def gather_object(obj: Any) -> list:
+    """Every process's ``obj``; lists are concatenated (as Accelerate)."""
+    from ember import distributed as d
+    got = d.all_gather_object(obj, strategy=_strategy())
+    return [x for part in got for x in part] if isinstance(obj, list) else got
+
+
+def broadcast(tensor, from_process: int = 0):
+    """Process ``from_process``'s tensor (same shape everywhere) or object."""
+    from ember import distributed as d
+    return d.broadcast(tensor, from_process, strategy=_strategy())
+
+
+def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
+    """Fill ``object_list`` in place with process ``from_process``'s items; returns it."""
+    from ember import distributed as d
+    got = d.broadcast(list(object_list), from_process, strategy=_strategy())
+    object_list[:] = got
+    return object_list
+
+
+def pad_across_processes(tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
+    """Pad along ``dim`` to the largest size over processes."""
+    from ember import distributed as d
+    return d.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first, strategy=_strategy())
+
+
+def reduce(tensor, reduction: str = "mean", scale: float = 1.0):
+    """Reduce over processes: ``"sum"``, ``"mean"`` (default, as ``accelerate.utils.reduce``), ``"none"``."""
+    from ember import distributed as d
+    out = tensor if reduction == "none" else d.reduce(tensor, reduction, strategy=_strategy())
+    return out if scale == 1.0 else d._map(out, lambda t: t * scale)
+
+
+def send_to_device(tensor, device, non_blocking: bool = False, skip_keys=None):
+    """Move tensors inside lists, tuples, dicts, dataclasses and ``.to()``-able objects to ``device``."""
+    if skip_keys:
+        if isinstance(skip_keys, str):
+            skip_keys = [skip_keys]
+        if isinstance(tensor, dict):
+            return type(tensor)({k: v if k in skip_keys else send_to_device(v, device, non_blocking)
+                                 for k, v in tensor.items()})
+    return move_to_device(tensor, torch.device(device), non_blocking=non_blocking)
+
+
+def should_reduce_batch_size(exception: BaseException) -> bool:
+    """True for an out-of-memory error (CUDA, MPS, CPU allocator, cuDNN)."""
+    if isinstance(exception, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    if isinstance(exception, (RuntimeError, MemoryError)) and len(exception.args) >= 1:
+        msg = str(exception.args[0]) if not isinstance(exception, MemoryError) else "out of memory"
+        return any(s in msg for s in ("CUDA out of memory.", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+                                      "DefaultCPUAllocator: can't allocate memory", "out of memory",
+                                      "MPS backend out of memory"))
+    return False
+
+
+def release_memory(*objects):
+    """Drop references, collect garbage, empty the device cache; returns ``[None] * len(objects)``."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [None] * len(objects)
+
+
+def find_executable_batch_size(function: Callable | None = None, starting_batch_size: int = 128,
+                               reduce_batch_size_fn: Callable[[int], int] | None = None):
+    """Decorator (Accelerate's): call ``function(batch_size, *args, **kwargs)`` with
+    ``starting_batch_size``; on an out-of-memory error (``torch.OutOfMemoryError``, CUDA /
+    CPU allocator messages) free memory, halve the batch size (or apply
+    ``reduce_batch_size_fn``) and retry; at 0 raise ``RuntimeError("No executable batch
+    size found, reached zero.")``. The decorated function is called without the batch
+    size::
+
+        @find_executable_batch_size(starting_batch_size=64)
+        def train(batch_size, model):
+            ...
+        train(model)
+    """
+    if function is None:
+        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
+                                 reduce_batch_size_fn=reduce_batch_size_fn)
+    reduce_fn = reduce_batch_size_fn or (lambda b: b // 2)
+
+    @functools.wraps(function)
+    def decorator(*args, **kwargs):
+        batch_size = starting_batch_size
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        params = list(inspect.signature(function).parameters.keys())
+        if len(params) < len(args) + 1:
+            arg_str = ", ".join(f"{arg}={value}" for arg, value in zip(params[1:], args[1:]))
+            raise TypeError(f"Batch size was passed into `{function.__name__}` as the first argument when called. "
+                            f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`")
+        while True:
+            if batch_size == 0:
+                raise RuntimeError("No executable batch size found, reached zero.")
+            try:
+                return function(batch_size, *args, **kwargs)
+            except Exception as e:
+                if not should_reduce_batch_size(e):
+                    raise
+                del e
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                batch_size = reduce_fn(batch_size)
+    return decorator
+
+
+def tqdm(*args, main_process_only: bool = True, **kwargs):
+    """``tqdm.auto.tqdm`` that draws on the main process only (``disable`` elsewhere)."""
+    from tqdm.auto import tqdm as _tqdm
+    if main_process_only and not is_main_process():
+        kwargs["disable"] = True
+    return _tqdm(*args, **kwargs)
+
+
+def write_basic_config(mixed_precision: str = "no", save_location: str | None = None) -> "str | bool":
+    """Write the default ``ember launch`` configuration (the file ``ember config``
+    writes) for this machine: one process per GPU (one on the CPU), ``mixed_precision``.
+    Returns the path, or False when a file is already there (as Accelerate)."""
+    from ember.launch import default_config_path, default_launch_config, write_config
+    if mixed_precision not in ("no", "fp16", "bf16"):
+        raise ValueError(f"mixed_precision={mixed_precision!r}: use 'no', 'fp16' or 'bf16'")
+    path = os.fspath(save_location) if save_location is not None else os.fspath(default_config_path())
+    if os.path.exists(path):
+        return False
+    cfg = default_launch_config()
+    cfg["mixed_precision"] = mixed_precision
+    return os.fspath(write_config(cfg, path))
