@@ -197,3 +197,12 @@ def test_full_checkpoint_is_read_on_rank0_only_and_broadcast(tmp_path):
     r0, r1 = (json.load(open(tmp_path / f"load.rank{i}.json")) for i in (0, 1))
     assert r0["equal"] and r0["global_step"] == r1["global_step"] == 1
     assert r0["rise"] - r1["rise"] > 0.4 * r0["ckpt_bytes"], (r0, r1)
+
+
+def test_tf32_on_ampere_and_newer_unless_chosen_or_switched_off():
+    from ember.precision import tf32_default
+    assert tf32_default((8, 0), "highest", None) and tf32_default((9, 0), "highest", "")
+    assert not tf32_default((7, 5), "highest", None)          # Turing/Volta: no TF32
+    assert not tf32_default((8, 0), "medium", None)           # the user chose already
+    assert not tf32_default((9, 0), "highest", "0")           # EMBER_TF32=0
+    assert tf32_default((7, 0), "highest", "1")
