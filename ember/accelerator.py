@@ -394,7 +394,7 @@ class Accelerator(AccelerateNames):
         else:
             done = self._finished_pass
             padded = edata.num_padded(done.base) if done is not None and \
-                _first_rows(data) == edata.samples_per_rank(done.base) else 0
+                _dist.first_rows(data) == edata.samples_per_rank(done.base) else 0
         if use_gather_object and not isinstance(data, list):
             data = [data]
         return _dist.gather_for_metrics(data, num_padded=padded, strategy=self.strategy)
@@ -606,18 +606,3 @@ class Accelerator(AccelerateNames):
         return (f"Accelerator(strategy={self.strategy.name!r}, num_processes={self.num_processes}, "
                 f"process_index={self.process_index}, device={self.device}, precision={self.precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
-
-
-def _first_rows(data) -> int | None:
-    """Rows (dim 0) of the first tensor in ``data``, or the length of a per-sample list."""
-    if isinstance(data, torch.Tensor):
-        return data.shape[0] if data.dim() else 1
-    if _dist.is_sample_list(data):
-        return len(data)
-    values = data.values() if isinstance(data, dict) else data if isinstance(data, (list, tuple)) else ()
-    for v in values:
-        n = _first_rows(v)
-        if n is not None:
-            return n
-    return None
-

@@ -188,6 +188,20 @@ def is_sample_list(data: Any) -> bool:
     return isinstance(data, (list, tuple)) and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in data)
 
 
+def first_rows(data: Any) -> int | None:
+    """Rows (dim 0) of the first tensor in ``data``, or the length of a per-sample list."""
+    if isinstance(data, torch.Tensor):
+        return data.shape[0] if data.dim() else 1
+    if is_sample_list(data):
+        return len(data)
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, (list, tuple)) else ()
+    for v in values:
+        n = first_rows(v)
+        if n is not None:
+            return n
+    return None
+
+
 def _map(data: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] | None = None) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)

@@ -205,3 +205,44 @@ def test_worker_seeds_differ_per_rank_and_follow_the_run_seed():
     assert seeds(1, 0, 0) != seeds(1, 1, 0)
     assert seeds(1, 0, 0) != seeds(1, 0, 1) != seeds(2, 0, 1)
     assert seeds(1, 1, 4) == seeds(1, 1, 4)
+
+
+
+
+def test_trainer_resume_mid_epoch_repeats_worker_draws(tmp_path, make_trainer):
+    """Trainer with 2 DataLoader workers and a random data seed (no Trainer(seed=)): a run
+    stopped at step 5 of 12 (epoch 0 of 2, 6 batches each) and resumed from its checkpoint,
+    after the global RNG was changed, sees exactly the worker draws of the uninterrupted run."""
+    from ember import TrainModule, seed_everything
+    from ember.callbacks import ModelCheckpoint
+    seed_everything(11, workers=True)
+
+    class Recorder(TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(3, 1)
+            self.draws = []
+
+        def training_step(self, batch, batch_idx):
+            self.draws.append(batch[:, 1:].tolist())
+            return self.net(batch[:, 1:]).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def fit(root, ckpt_path=None, **kw):
+        module = Recorder()
+        trainer = make_trainer(default_root_dir=root, max_epochs=2, enable_checkpointing=True,
+                               callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1,
+                                                          save_last=True)], **kw)
+        trainer.fit(module, DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2), ckpt_path=ckpt_path)
+        return module.draws
+
+    torch.manual_seed(0)
+    full = fit(tmp_path / "full")
+    assert len(full) == 12
+    torch.manual_seed(0)
+    head = fit(tmp_path / "part", max_steps=5)
+    torch.manual_seed(99)          # another random data seed would be drawn: the checkpoint's must win
+    tail = fit(tmp_path / "part", ckpt_path="last")
+    assert head == full[:5] and tail == full[5:]
