@@ -55,6 +55,14 @@ def test_training_matches_single_process_reference(results):
     assert r0["val_loss"] == pytest.approx(r0["val_expected"], rel=1e-5)     # validation loop under FSDP
 
 
+def test_accumulation_keeps_gradients_sharded_by_default(results):
+    r = results("accumulation")
+    # mid-window, every parameter already holds its reduce-scattered shard of the gradient
+    assert r["sharded"]["grad_numel_mid_window"] == r["local_numel"]
+    assert r["unsharded"]["grad_numel_mid_window"] == 0     # full gradients stay inside FSDP
+    assert r["sharded"]["max_diff"] < 1e-5 and r["unsharded"]["max_diff"] < 1e-5
+
+
 def test_activation_checkpointing_and_cpu_offload(results):
     r = results("ac_offload")
     assert r["max_diff"] < 1e-5

@@ -106,6 +106,11 @@ class FSDPStrategy(DDPStrategy):
             ``replicate`` groups, e.g. one group per node). Default: one dimension over
             every rank (plain FSDP).
         hsdp: ``(replicate, shard)`` sizes; the same as ``device_mesh=(replicate, shard)``.
+        shard_accumulated_grads: under gradient accumulation, reduce-scatter after every
+            micro-batch so the accumulated gradients stay sharded (1/N of the gradient
+            memory; default True). False: each rank accumulates full gradients and
+            reduce-scatters once, on the window's last micro-batch (fewer collectives,
+            full gradient memory until then).
         **kwargs: passed to ``fully_shard`` (e.g. ``shard_placement_fn``).
     """
 
@@ -117,7 +122,8 @@ class FSDPStrategy(DDPStrategy):
                  reshard_after_forward: bool | None = None, cpu_offload: bool | None = None,
                  activation_checkpointing=None, mixed_precision=None, state_dict_type: str = "sharded",
                  async_save: bool = False, init_on_meta: bool = True, device_mesh=None,
-                 hsdp: "tuple[int, int] | None" = None, process_group_backend: str | None = None,
+                 hsdp: "tuple[int, int] | None" = None, shard_accumulated_grads: bool = True,
+                 process_group_backend: str | None = None,
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
                  start_method: str = "popen", cluster_environment=None, **kwargs):
         with warnings.catch_warnings():
@@ -139,6 +145,7 @@ class FSDPStrategy(DDPStrategy):
                 raise MisconfigurationError("pass either hsdp=(replicate, shard) or device_mesh, not both")
             device_mesh = hsdp
         self._mesh_request = self._parse_mesh(device_mesh)
+        self.shard_accumulated_grads = bool(shard_accumulated_grads)
         if activation_checkpointing is True and not self._auto_wrap:
             if auto_wrap_policy in (None, False) or callable(auto_wrap_policy) \
                     and not isinstance(auto_wrap_policy, type):
@@ -359,8 +366,8 @@ class FSDPStrategy(DDPStrategy):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         from torch.distributed.fsdp import FSDPModule
-        if not enabled or not isinstance(module, FSDPModule):
-            return _NULL
+        if not enabled or self.shard_accumulated_grads or not isinstance(module, FSDPModule):
+            return _NULL      # reduce-scatter now: the accumulated gradients stay sharded
         return _no_gradient_sync(module)
 
     # -- state dicts ---------------------------------------------------------------------

@@ -132,6 +132,24 @@ elif MODE == "w2":
             res["max_diff"] = sc.max_diff(full, ref)
     sc.write_result(OUT, "ac_offload", res, rank)
 
+    # 1c. accumulation keeps gradients sharded by default (reduce-scatter per micro-batch);
+    #     shard_accumulated_grads=False holds them unsharded inside FSDP until the window ends
+    res = {"local_numel": sum(p.to_local().numel() for p in net.parameters())}
+    for name, kw in (("sharded", {}), ("unsharded", dict(shard_accumulated_grads=False))):
+        seen = []
+
+        class Peek(ember.callbacks.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                if batch_idx % ACC == 0:     # the first micro-batch of a window: no step yet
+                    seen.append(sum(p.grad.to_local().numel() for p in module.parameters() if p.grad is not None))
+        net = sc.make_net()
+        t = trainer(fsdp(**kw), max_steps=STEPS, accumulate_grad_batches=ACC, gradient_clip_val=CLIP,
+                    callbacks=[Peek()])
+        t.fit(net, sc.loader())
+        full = t.strategy.module_state_dict(t.model)
+        res[name] = {"grad_numel_mid_window": seen[0], "max_diff": sc.max_diff(full, ref) if rank == 0 else None}
+    sc.write_result(OUT, "accumulation", res, rank)
+
     # 2. resume from a mid-epoch sharded checkpoint is bit-identical (shuffled data)
     ck_dir = os.path.join(OUT, "resume_ckpts")
     t = trainer(fsdp(), max_steps=6, accumulate_grad_batches=ACC, enable_checkpointing=True,
