@@ -381,6 +381,8 @@ def dataloader_options(split_batches, even_batches, dataloader_config, gradient_
                           "a global RNG synchronised across processes; 'generator' (the default) is the only "
                           "choice; seed each process's global RNG yourself (ember.utils.set_seed)")
     gas = gradient_accumulation_steps
+    if gas == 1 and gradient_accumulation_plugin is None:   # set by `ember launch` / `accelerate launch`
+        gas = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1))
     if gradient_accumulation_plugin is not None:
         p = gradient_accumulation_plugin
         if gas != 1:

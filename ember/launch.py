@@ -101,6 +101,10 @@ def read_yaml(path: "str | Path", flag: str) -> Any:
 def load_launch_config(path: "str | Path") -> dict:
     """Read and validate a launch config file (the one ``ember config`` writes)."""
     data = read_yaml(path, "--config_file") or {}
+    from ember.launch_accelerate import from_accelerate_config, is_accelerate_config
+    extras: dict = {}
+    if is_accelerate_config(data):   # a file written by `accelerate config`
+        data, extras = from_accelerate_config(data)
     if not isinstance(data, dict):
         raise UsageError(f"--config_file: {str(path)!r} must hold a mapping, got {type(data).__name__}")
     _check_keys("config_file: ", data, DEFAULTS)
@@ -116,6 +120,7 @@ def load_launch_config(path: "str | Path") -> dict:
         if out[key] is False:      # YAML 1.1 reads an unquoted `no` as false
             out[key] = "no"
     out["_given"] = set(data)      # keys the file sets (precision/strategy are exported only then)
+    out["_accelerate"] = extras
     return out
 
 
@@ -204,6 +209,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no_python", "--no-python", action="store_true",
                    help="run SCRIPT directly as an executable")
     g.add_argument("--log_dir", "--log-dir", default=None, help="torchrun's log directory")
+    from ember.launch_accelerate import add_accelerate_arguments
+    add_accelerate_arguments(p)
     p.add_argument("training_script", metavar="SCRIPT", help="the script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
                    help="arguments for the script")
@@ -256,6 +263,8 @@ def resolve_launch_config(args: argparse.Namespace) -> dict:
     for flag in ("zero_stage", "offload_optimizer_device", "offload_param_device"):
         if getattr(args, flag) is not None:
             cfg["deepspeed_config"][flag] = getattr(args, flag)
+    from ember.launch_accelerate import apply_accelerate_flags
+    apply_accelerate_flags(cfg, args)
     if cfg["num_machines"] > 1:
         cfg["compute_environment"] = "multi_machine"
     return validate_launch_config(cfg)
@@ -291,7 +300,8 @@ def launch(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
         raise UsageError(f"launch: script {args.training_script!r} not found "
                          "(use -m to run a module)")
-    for key, value in worker_env(cfg).items():
+    from ember.launch_accelerate import accelerate_env
+    for key, value in {**worker_env(cfg), **accelerate_env(cfg)}.items():
         if value is None:
             os.environ.pop(key, None)
         else:
