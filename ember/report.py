@@ -160,32 +160,51 @@ def group_charts(runs: list[RunData]) -> dict[str, list[str]]:
             names = charts.setdefault(chart_key(name), [])
             if name not in names:
                 names.append(name)
-    return charts
+    return {k: sorted(v, key=_split_rank) for k, v in charts.items()}   # train, val, test, others
 
 
 def _slug(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("_") or "chart"
 
 
+_STYLES = ("-", "--", ":", "-.")
+
+
+def _split_rank(name: str) -> int:
+    low = name.lower()
+    for i, prefixes in enumerate((("train", "training"), ("val", "valid", "validation"), ("test",))):
+        if any(re.search(rf"(^|[/_.-]){p}([/_.-]|$)", low) for p in prefixes):
+            return i
+    return 3
+
+
 def _plot(key: str, names: list[str], runs: list[RunData]) -> bytes:
+    """One chart. One run: a color per series. Several runs: a color per run, a line
+    style per series (train solid, val dashed...). Dotted lines: epoch ends of the runs shown."""
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
     try:
         multi = len(runs) > 1
-        for run in runs:
-            for name in names:
-                if name not in run.scalars:
-                    continue
+        shown = []
+        for r, run in enumerate(runs):
+            present = [n for n in names if n in run.scalars]
+            if present:
+                shown.append((r, run))
+            for j, name in enumerate(present):
                 steps, vals = run.scalars[name]
-                label = f"{run.name}: {name}" if multi else name
-                marker = "o" if len(steps) <= 40 else None
-                ax.plot(steps, vals, marker=marker, markersize=3, linewidth=1.4, label=label)
-        ends = runs[0].epoch_ends()
-        stride = max(1, len(ends) // 30)
-        for j, s in enumerate(ends[::stride]):
-            ax.axvline(s, color="0.45", linestyle=(0, (2, 3)), linewidth=0.9, label="epoch end" if j == 0 else None)
+                kw = dict(color=f"C{r % 10}", linestyle=_STYLES[j % len(_STYLES)]) if multi else {}
+                ax.plot(steps, vals, marker="o" if len(steps) <= 40 else None, markersize=3, linewidth=1.4,
+                        label=f"{run.name}: {name}" if multi else name, **kw)
+        labelled = False
+        for r, run in shown:
+            ends = run.epoch_ends()
+            stride = max(1, len(ends) // 30)
+            for s in ends[::stride]:
+                ax.axvline(s, color=f"C{r % 10}" if multi else "0.45", alpha=0.5 if multi else 1.0,
+                           linestyle=(0, (2, 3)), linewidth=0.9, label=None if labelled else "epoch end")
+                labelled = True
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)

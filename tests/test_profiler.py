@@ -100,6 +100,12 @@ def test_pytorch_profiler_writes_tensorboard_trace(tmp_path):
     assert {"training_step", "backward", "optimizer_step"} <= names
     assert "ProfilerStep#2" in names and "ProfilerStep#3" in names   # the 2 active steps
     assert "ProfilerStep#4" not in names
+    try:   # TensorBoard's PyTorch profiler plugin (torch-tb-profiler), where installed, lists the run
+        from torch_tb_profiler.plugin import TorchProfilerPlugin
+    except ImportError:
+        return
+    from types import SimpleNamespace
+    assert list(TorchProfilerPlugin._get_run_dirs(SimpleNamespace(logdir=trainer.log_dir))) == run_dirs
 
 
 def test_profiler_off_wraps_nothing(tmp_path):

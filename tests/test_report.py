@@ -137,3 +137,15 @@ def test_run_record_with_a_logger_without_folder(tmp_path):
         trainer = _digits_run(tmp_path, logger, epochs=1, max_steps=4, report=True, enable_checkpointing=False)
     assert trainer.global_step == 4 and logger.rows and trainer.report_path is None
     assert not glob.glob(str(tmp_path / "**" / "run.json"), recursive=True)
+
+
+def test_cli_run_report_shows_the_config(tmp_path, monkeypatch, capsys):
+    cfg = os.path.join(os.path.dirname(__file__), "..", "examples", "cli", "config.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["fit", "-c", cfg, "--trainer.report", "true", "--trainer.profiler", "simple",
+                     "--trainer.max_epochs", "1"]) == 0
+    (page,) = glob.glob(str(tmp_path / "runs" / "toy" / "**" / "report.html"), recursive=True)
+    text = open(page, encoding="utf-8").read()
+    assert "<h2>Config</h2>" in text and "toy.ToyRegressor" in text   # the CLI's config.yaml
+    assert "<h2>Profile</h2>" in text and "training_step" in text     # the simple profiler's table
+    assert sorted(n for _, ns in _parse(page).figures for n in ns) == ["train/loss", "val/loss"]
