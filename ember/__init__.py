@@ -4,7 +4,16 @@
 """
 from __future__ import annotations
 
+TYPE_CHECKING = False   # (not typing.TYPE_CHECKING: importing typing would cost more than ember itself)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    # what IDEs and type checkers (pyright, mypy, jedi) read: these names resolve
+    # statically. At run time they are imported on first use (``__getattr__`` below),
+    # so ``import ember`` stays cheap (no torch import) for the CLI and the launcher.
+    from ember.accelerator import Accelerator
+    from ember.module import DataModule, TrainModule
+    from ember.trainer import Trainer
 
 __all__ = ["Trainer", "TrainModule", "DataModule", "Accelerator", "seed_everything", "__version__"]
 
@@ -38,7 +47,11 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     return seed
 
 
-def __getattr__(name):
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def __getattr__(name: str):
     if name == "Trainer":
         from ember.trainer import Trainer
         return Trainer

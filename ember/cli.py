@@ -55,14 +55,60 @@ class _RunHelp(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         try:
             from ember import Trainer
-            names = [n for n in inspect.signature(Trainer).parameters if n != "self"]
-            import textwrap
-            parser.epilog = _RUN_EPILOG + "\ntrainer keys:\n  " + "\n  ".join(
-                textwrap.wrap(", ".join(names), 76))
+            parser.epilog = _RUN_EPILOG + "\n" + arguments_help(Trainer, "trainer")
         except Exception:  # the Trainer failing to import must not break --help
             pass
         parser.print_help()
         parser.exit()
+
+
+def arg_docs(obj) -> dict[str, str]:
+    """``name -> description`` from the ``Args:`` section of ``obj``'s docstring
+    (continuation lines joined)."""
+    doc = inspect.getdoc(obj) or ""
+    out: dict[str, str] = {}
+    inside, name, indent, names = False, None, None, []
+    for line in doc.splitlines():
+        if line.strip() in ("Args:", "Arguments:", "Parameters:"):
+            inside, indent = True, None
+            continue
+        if not inside:
+            continue
+        if not line.strip():
+            continue
+        lead = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = lead
+        if lead < indent:
+            break
+        m = re.match(r"\s*(\*{0,2}\w+(?:\s*/\s*\w+)*)\s*(\([^)]*\))?:\s*(.*)", line)
+        if lead == indent and m:
+            names = [n.strip().lstrip("*") for n in m.group(1).split("/")]   # "monitor / mode: ..."
+            for name in names:
+                out[name] = m.group(3).strip()
+        elif name is not None:
+            for name in names:
+                out[name] = (out[name] + " " + line.strip()).strip()
+    return out
+
+
+def arguments_help(cls, section: str) -> str:
+    """The ``--help`` listing of ``cls``'s init arguments: type, default and the
+    description from its docstring, one argument per entry."""
+    import textwrap
+    sig = inspect.signature(cls)
+    docs = arg_docs(cls)
+    lines = [f"{section} arguments (--{section}.KEY VALUE or `{section}:` in a config file):"]
+    for name, p in sig.parameters.items():
+        if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        tp = p.annotation if p.annotation is not p.empty else "any"
+        tp = tp if isinstance(tp, str) else _type_name(tp)
+        default = "required" if p.default is p.empty else f"default {p.default!r}"
+        lines.append(f"  {name} ({tp}; {default})")
+        if docs.get(name):
+            lines += textwrap.wrap(docs[name], 76, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -513,9 +559,8 @@ class _CLI:
             raise UsageError(f"{('trainer', 'model', 'data')[len(built)]}: {err}")
         trainer, model, data = built["trainer"], built["model"], built["data"]
         trainer.callbacks.append(SaveConfigCallback(to_yaml_safe(resolved)))
+        # validate()/test() print their results table themselves (rank 0)
         out = getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
-        if command in ("validate", "test") and trainer.is_global_zero:
-            _print_results(command, out or [])
         if command == "predict" and trainer.is_global_zero:   # every rank holds all predictions
             import torch
             path = self.output or os.path.join(trainer.default_root_dir, "predictions.pt")
@@ -523,16 +568,6 @@ class _CLI:
             torch.save(out, path)
             print(f"predictions: {path}")
         return 0
-
-
-def _print_results(stage: str, results: list) -> None:
-    for i, metrics in enumerate(results):
-        title = f"{stage} metrics" + (f" (dataloader {i})" if len(results) > 1 else "")
-        width = max([len(k) for k in metrics] + [len(title)])
-        print(title)
-        for key, value in metrics.items():
-            value = value.item() if hasattr(value, "item") else value
-            print(f"  {key:<{width}}  {value:.6g}" if isinstance(value, float) else f"  {key:<{width}}  {value}")
 
 
 def _shared_random_seed() -> int:

@@ -71,7 +71,8 @@ class TrainModule(nn.Module):
 
     # -- context ---------------------------------------------------------------
     @property
-    def trainer(self):
+    def trainer(self) -> Any:
+        """The Trainer running this module (an error outside one)."""
         if self._trainer is None:
             raise MisconfigurationError(f"{type(self).__name__} is not attached to a Trainer")
         return self._trainer
@@ -101,40 +102,58 @@ class TrainModule(nn.Module):
         return self._trainer.current_epoch if self._trainer is not None else 0
 
     # -- logging -----------------------------------------------------------------
-    def log(self, name: str, value, prog_bar: bool = False, logger: bool = True, on_step=None,
-            on_epoch=None, reduce_fx="mean", sync_dist: bool = False, batch_size: int | None = None,
-            **_ignored) -> None:
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,
+            on_epoch: bool | None = None, reduce_fx: str | Any = "mean", sync_dist: bool = False,
+            batch_size: int | None = None, **_ignored: Any) -> None:
         """Log a scalar tensor, number or ``torchmetrics.Metric``. Costs a dict lookup
-        per call; values reach the host only when a logger or the progress bar emits."""
+        per call; values reach the host only when a logger or the progress bar emits.
+
+        Args:
+            name: the metric's name (``"val/loss"``).
+            value: a scalar tensor, a number or a torchmetrics Metric (computed at epoch end).
+            prog_bar: show it on the progress bar (epoch values: the value logged at epoch end).
+            logger: send it to the loggers.
+            on_step: log the value of each step (default: True in training, False elsewhere).
+            on_epoch: log the epoch value (default: False in training, True elsewhere).
+            reduce_fx: how the epoch value is made: "mean" (batch-size weighted), "sum", "max", "min".
+            sync_dist: reduce the epoch value across processes (needed under DDP for a value
+                that differs per rank).
+            batch_size: weight of this value in the epoch mean (default: inferred from the batch).
+        """
         results = self._results
         if results is None:
             return  # outside a loop (e.g. a plain forward): nothing to record
         results.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
 
-    def log_dict(self, values: dict, **kwargs) -> None:
+    def log_dict(self, values: dict, **kwargs: Any) -> None:
+        """``self.log(name, value, **kwargs)`` for each item."""
         for k, v in values.items():
             self.log(k, v, **kwargs)
 
-    def print(self, *args, **kwargs) -> None:
+    def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank zero only."""
         if self._trainer is None or self._trainer.is_global_zero:
             print(*args, **kwargs)
 
     # -- optimizers (manual optimization) -----------------------------------------
-    def optimizers(self):
+    def optimizers(self) -> Any:
+        """Manual optimization: the optimizer (or the list of them), wrapped so
+        ``step()`` goes through the strategy and precision."""
         opts = self.trainer._manual_optimizers
         return opts[0] if len(opts) == 1 else opts
 
-    def lr_schedulers(self):
+    def lr_schedulers(self) -> Any:
+        """The schedulers from ``configure_optimizers`` (one, a list, or None)."""
         s = [c["scheduler"] for c in self.trainer.lr_scheduler_configs]
         return None if not s else (s[0] if len(s) == 1 else s)
 
-    def manual_backward(self, loss: torch.Tensor, **kwargs) -> None:
+    def manual_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Manual optimization: ``loss.backward()`` through the strategy (loss scaling, DDP sync)."""
         t = self.trainer
         t.strategy.backward(loss, t.model, **kwargs)
 
     # -- collectives ----------------------------------------------------------------
-    def all_gather(self, data, sync_grads: bool = False):
+    def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
         """Stack ``data`` from every rank: tensors get a leading world dim."""
         gather = self.trainer.strategy.all_gather
 
@@ -148,7 +167,7 @@ class TrainModule(nn.Module):
             return gather(torch.as_tensor(d, device=self.device))
         return apply(data)
 
-    def gather_for_metrics(self, data):
+    def gather_for_metrics(self, data: Any) -> Any:
         """Gather ``data`` (tensors, dicts/lists/tuples of them, lists of strings; dim 0 =
         samples) from every rank in dataset order, dropping the distributed sampler's
         duplicates so that exactly the dataset comes back. Called per batch in an
@@ -161,10 +180,16 @@ class TrainModule(nn.Module):
         return distributed.gather_for_metrics(data, num_padded=t._current_padding(), strategy=t.strategy)
 
     # -- steps --------------------------------------------------------------------------
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """Required: compute and return the loss of one batch (a tensor, or a dict with
+        ``"loss"``; None skips the batch). Define ``validation_step``, ``test_step`` and
+        ``predict_step(batch, batch_idx)`` the same way for the other loops."""
         raise MisconfigurationError(f"{type(self).__name__} must implement training_step(batch, batch_idx)")
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> Any:
+        """Required for automatic optimization: return an optimizer, a list of them, or
+        ``{"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": "step"|"epoch",
+        "frequency": 1, "monitor": "val/loss"}}``."""
         raise MisconfigurationError(
             f"{type(self).__name__}.configure_optimizers is missing: return an optimizer, a list of "
             "optimizers, or {'optimizer': opt, 'lr_scheduler': ...}")
@@ -173,28 +198,64 @@ class TrainModule(nn.Module):
         """Build large layers here: called inside the strategy's init context (meta device
         under FSDP), after the strategy is set up and before the optimizers."""
 
-    # Lightning-style hooks; the loop calls only those a subclass overrides.
-    def on_fit_start(self): ...
-    def on_fit_end(self): ...
-    def on_train_start(self): ...
-    def on_train_end(self): ...
-    def on_train_epoch_start(self): ...
-    def on_train_epoch_end(self): ...
-    def on_train_batch_start(self, batch, batch_idx): ...
-    def on_train_batch_end(self, outputs, batch, batch_idx): ...
-    def on_validation_epoch_start(self): ...
-    def on_validation_epoch_end(self): ...
-    def on_test_epoch_start(self): ...
-    def on_test_epoch_end(self): ...
-    def on_predict_epoch_start(self): ...
-    def on_predict_epoch_end(self): ...
-    def on_before_optimizer_step(self, optimizer): ...
-    def on_save_checkpoint(self, checkpoint: dict): ...
-    def on_load_checkpoint(self, checkpoint: dict): ...
+    # Lightning-style hooks; the loop calls only those a subclass overrides (a hook
+    # nobody overrides costs nothing). The order of events is in ember/trainer/loops.py.
+    def on_fit_start(self) -> None:
+        """Called once at the start of ``fit``, after setup and any checkpoint restore."""
+
+    def on_fit_end(self) -> None:
+        """Called once at the end of a ``fit`` that was not interrupted."""
+
+    def on_train_start(self) -> None:
+        """Called before the first training epoch (after the sanity check)."""
+
+    def on_train_end(self) -> None:
+        """Called after the last training epoch."""
+
+    def on_train_epoch_start(self) -> None:
+        """Called at the start of each training epoch."""
+
+    def on_train_epoch_end(self) -> None:
+        """Called at the end of each training epoch, after validation; values logged here
+        are epoch values by default."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Called before each ``training_step``; return -1 to end the epoch early."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Called after each training batch (and its optimizer step, on the last micro-batch)."""
+
+    def on_validation_epoch_start(self) -> None:
+        """Called before the first batch of a validation pass."""
+
+    def on_validation_epoch_end(self) -> None:
+        """Called after the last batch of a validation pass; ``self.log`` still works here."""
+
+    def on_test_epoch_start(self) -> None:
+        """Called before the first batch of the test loop."""
+
+    def on_test_epoch_end(self) -> None:
+        """Called after the last batch of the test loop; ``self.log`` still works here."""
+
+    def on_predict_epoch_start(self) -> None:
+        """Called before the first batch of ``predict``."""
+
+    def on_predict_epoch_end(self) -> None:
+        """Called after the last batch of ``predict``."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called before each optimizer step, with unscaled gradients (also under 16-mixed)."""
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Add entries to ``checkpoint`` (a dict of tensors and plain values) before it is written."""
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Read back what ``on_save_checkpoint`` added, when a checkpoint is restored."""
 
     # -- checkpoints ----------------------------------------------------------------------
     @classmethod
-    def load_from_checkpoint(cls, path: str, map_location="cpu", strict: bool = True, **overrides):
+    def load_from_checkpoint(cls, path: str, map_location: str | torch.device = "cpu", strict: bool = True,
+                             **overrides: Any) -> TrainModule:
         """Rebuild the module from the hparams saved in ``path`` (updated by
         ``overrides``) and load its weights. No trainer state is unpickled. Sharded
         checkpoints (FSDP, DeepSpeed) are consolidated in this one process."""
@@ -227,9 +288,15 @@ class DataModule:
     def __init__(self) -> None:
         self.trainer = None
 
-    def prepare_data(self) -> None: ...
-    def setup(self, stage: str) -> None: ...
-    def teardown(self, stage: str) -> None: ...
+    def prepare_data(self) -> None:
+        """Download or write data once per machine (local rank 0), before ``setup``."""
+
+    def setup(self, stage: str) -> None:
+        """Build the datasets on every rank; ``stage`` is "fit", "validate", "test" or "predict"."""
+
+    def teardown(self, stage: str) -> None:
+        """Release what ``setup`` built, at the end of the stage."""
+
     def train_dataloader(self): raise NotImplementedError
     def val_dataloader(self): return None
     def test_dataloader(self): raise NotImplementedError

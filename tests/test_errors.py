@@ -67,10 +67,10 @@ def test_good_argument_forms_are_accepted(tmp_path):
     assert ember.Trainer(default_root_dir=tmp_path, devices=1, strategy="single").world_size == 1
 
 
-def test_bad_logger_argument(make_trainer, data):
-    trainer = make_trainer(logger="not-a-logger")
+def test_bad_logger_argument(make_trainer):
+    # checked at construction, before any work
     with pytest.raises(MisconfigurationError, match=r"logger='not-a-logger' is not valid.*True.*False.*Logger"):
-        trainer.fit(LinearModule(), data())
+        make_trainer(logger="not-a-logger")
 
 
 class Returns(LinearModule):

@@ -328,6 +328,8 @@ def wandb_runs(tmp_path_factory):
         all_.after_save_checkpoint(str(ckpt_file), score=0.125)
         log_dir = all_.log_dir
         all_.finalize("success")
+        # reading log_dir after the run finished returns its folder; it never starts a second run
+        assert all_.log_dir == log_dir and all_._experiment is None
         runs["all"] = (all_, log_dir)
 
         last = WandbLogger(project="ember-test", save_dir=root / "save", log_model=True)

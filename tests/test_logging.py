@@ -115,7 +115,9 @@ def test_train_epoch_value_and_step_epoch_naming(make_trainer):
     assert cm["v_step"].item() == pytest.approx(last_batch.mean().item(), rel=1e-6)
     assert lm["only_epoch"] == pytest.approx(v.max().item())
     assert "only_epoch_step" not in lm and "only_epoch_epoch" not in lm
-    assert trainer.progress_bar_metrics == {"v": pytest.approx(last_batch.mean().item(), rel=1e-6)}
+    # the bar shows the latest step value and the logged epoch value, as named in the logs
+    assert trainer.progress_bar_metrics == {"v_step": pytest.approx(last_batch.mean().item(), rel=1e-6),
+                                            "v_epoch": cm["v_epoch"].item()}
 
 
 def test_log_dict(make_trainer):

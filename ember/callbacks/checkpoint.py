@@ -12,6 +12,7 @@ import shutil
 import time
 import uuid
 import warnings
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class ModelCheckpoint(Callback):
         save_weights_only: write plain ``.safetensors`` files of the weights (no trainer
             state: they cannot be resumed from, but load with ``Module.load_from_checkpoint``).
         save_on_train_epoch_end: True: never save after a mid-epoch validation.
+        auto_insert_metric_name: write ``name=value`` for each filename field (False: just the value).
+        verbose: print a line at each save.
     """
 
     CHECKPOINT_NAME_LAST = "last"
@@ -47,7 +50,7 @@ class ModelCheckpoint(Callback):
     def __init__(self, dirpath: str | None = None, filename: str | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool | None = None,
                  every_n_train_steps: int | None = None, every_n_epochs: int | None = None,
-                 train_time_interval=None, save_weights_only: bool = False, save_on_train_epoch_end: bool | None = None,
+                 train_time_interval: float | Any = None, save_weights_only: bool = False, save_on_train_epoch_end: bool | None = None,
                  auto_insert_metric_name: bool = True, verbose: bool = False):
         if mode not in ("min", "max"):
             raise invalid_choice("ModelCheckpoint(mode)", mode, ["min", "max"])

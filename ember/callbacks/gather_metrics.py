@@ -61,8 +61,8 @@ class GatherMetrics(Callback):
         prog_bar: also show the values on the progress bar.
     """
 
-    def __init__(self, metrics: dict[str, Callable] | None = None, keys=("preds", "target"),
-                 stages=("validate", "test"), prog_bar: bool = False):
+    def __init__(self, metrics: dict[str, Callable] | None = None, keys: tuple[str, ...] = ("preds", "target"),
+                 stages: tuple[str, ...] | str = ("validate", "test"), prog_bar: bool = False) -> None:
         metrics = dict(metrics or {})
         for name, fn in metrics.items():
             if not isinstance(name, str) or not callable(fn):

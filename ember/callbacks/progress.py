@@ -1,35 +1,93 @@
 """Progress display. Nothing runs per training step: a background thread (rich's
-own auto-refresh on a terminal, a plain timer otherwise) reads the trainer's
-counters a few times a second and draws."""
+own auto-refresh on a terminal or in Jupyter, a plain timer otherwise) reads the
+trainer's counters a few times a second and draws.
+
+What it shows is what is logged: ``trainer.progress_bar_metrics`` holds the
+latest step value of each ``prog_bar`` step metric and the emitted value of each
+``prog_bar`` epoch metric (the one loggers and checkpoints see), never a
+per-batch partial value.
+"""
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
+from typing import Any
 
 from ember.callbacks.base import Callback
+
+_EVAL_LABEL = {"validate": "Validation", "test": "Testing", "predict": "Predicting", "sanity": "Sanity check"}
 
 
 def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
+def metrics_text(metrics: dict[str, float]) -> str:
+    """``name=value`` pairs, four significant digits, in logging order."""
+    return " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+
+
+def _epoch_total(t) -> float:
+    """Batches this epoch will run: the (limited) loader length, cut short by ``max_steps``."""
+    total = t.num_training_batches
+    if t.max_steps is not None and t.max_steps >= 0:
+        left = max(t.max_steps - t.global_step, 0) * max(t.accumulate_grad_batches, 1)
+        total = min(total, t._batches_done + left)
+    return total
+
+
+def _eval_total(t, stage: str) -> float | None:
+    """Batches of a validation/test/predict pass (None when a loader has no length)."""
+    loaders = t._val_loaders if stage == "validate" and t.stage == "fit" else getattr(t, "_eval_loaders", [])
+    limit = t.limit_val_batches if stage == "validate" else None
+    total = 0
+    for loader in loaders:
+        try:
+            n = t._limit_batches(loader, limit)
+        except Exception:   # an exotic loader: show a count without a total
+            return None
+        if n == float("inf"):
+            return None
+        total += n
+    return total
+
+
 class ProgressBar(Callback):
-    """Base class of progress displays (the trainer adds a RichProgressBar unless one is given)."""
+    """Base class of progress displays (the trainer adds a RichProgressBar unless one is given).
+
+    The trainer prints its end-of-fit summary and the ``validate()``/``test()``
+    results table through :meth:`print`, so a subclass decides where text goes.
+    """
+
+    def print(self, *objects: Any) -> None:
+        """Print text (or rich renderables) above the live display, on stderr."""
+        print(*objects, file=sys.stderr, flush=True)
 
 
 class RichProgressBar(ProgressBar):
-    """A rich progress bar showing epoch, step, rate, ETA and the ``prog_bar`` metrics.
+    """A rich progress bar: epoch, bar, batches done/total, elapsed time, ETA and
+    rate on the first line; the global step and the ``prog_bar`` metrics on the
+    second (wrapped when the terminal is narrow), so nothing vital is cut at 80
+    columns. Validation, test and predict passes show a second, transient bar.
 
-    On a terminal it refreshes ``refresh_per_second`` times a second from rich's
-    refresh thread; without one (CI, logs) it prints a plain line every
-    ``plain_interval`` seconds and at each epoch end.
+    On a terminal or in Jupyter it refreshes ``refresh_per_second`` times a
+    second from rich's refresh thread (a live widget in notebooks); elsewhere
+    (CI, log files) it prints a plain line every ``plain_interval`` seconds and at
+    each epoch end. Only global rank 0 draws.
+
+    Args:
+        refresh_per_second: redraws per second of the live display.
+        plain_interval: seconds between plain lines when there is no terminal.
+        leave: keep the final bar on screen after the fit.
+        console: a ``rich.console.Console`` to draw on (default: stderr).
     """
 
-    inactive_hooks = frozenset()
+    inactive_hooks: frozenset = frozenset()
 
     def __init__(self, refresh_per_second: float = 4, plain_interval: float = 10.0, leave: bool = True,
-                 console=None):
+                 console: Any = None) -> None:
         self.refresh_per_second = refresh_per_second
         self.plain_interval = plain_interval
         self.leave = leave
@@ -39,122 +97,219 @@ class RichProgressBar(ProgressBar):
         self._stop = threading.Event()
         self._trainer = None
         self._task = None
+        self._eval_task = None
+        self._eval_stage = None
+        self._eval_done = 0
+        self._owns_progress = False   # started for a standalone validate/test/predict
         self._t0 = 0.0
         self._start_batch = 0
+        self._epoch = 0
+        self._done = 0
+        self._total: float = 0
+        self._in_epoch = False
 
-    # -- lifecycle ---------------------------------------------------------------------
-    def _console_(self):
+    # -- output ----------------------------------------------------------------------
+    @property
+    def console(self):
+        """The rich Console this bar draws on."""
         if self._console is None:
             from rich.console import Console
             self._console = Console(file=sys.stderr)
         return self._console
 
+    def _live(self) -> bool:
+        c = self.console
+        return bool(c.is_terminal or getattr(c, "is_jupyter", False))
+
+    def print(self, *objects: Any) -> None:
+        """Print above the live bar (rich keeps the bar at the bottom)."""
+        self.console.print(*objects, highlight=False, soft_wrap=True, markup=False)
+
+    # -- fit lifecycle ---------------------------------------------------------------
     def on_train_start(self, trainer, module):
         if not trainer.is_global_zero:
             return
         self._trainer = trainer
-        if self._console_().is_terminal:
-            self._start_rich(trainer)
+        self._epoch, self._done, self._in_epoch = trainer.current_epoch, trainer._batches_done, False
+        self._total = _epoch_total(trainer)
+        if self._live():
+            self._start_rich()
+            self._task = self._progress.add_task(self._describe(), total=self._task_total(), rate="")
         else:
             self._stop.clear()
             self._thread = threading.Thread(target=self._plain_loop, name="ember-progress", daemon=True)
             self._thread.start()
 
     def on_train_epoch_start(self, trainer, module):
+        if not trainer.is_global_zero:
+            return
         self._t0 = time.monotonic()
-        self._start_batch = trainer._batches_done
-        if self._progress is not None:
-            total = trainer.num_training_batches
-            self._progress.reset(self._task, total=None if total == float("inf") else total,
-                                 completed=self._start_batch,
-                                 description=f"Epoch {trainer.current_epoch}")
+        self._start_batch = self._done = trainer._batches_done
+        self._epoch = trainer.current_epoch
+        self._total = _epoch_total(trainer)
+        self._in_epoch = True
+        if self._progress is not None and self._task is not None:
+            self._progress.reset(self._task, total=self._task_total(), completed=self._start_batch,
+                                 description=self._describe(), rate="")
 
     def on_train_epoch_end(self, trainer, module):
         if not trainer.is_global_zero:
             return
+        self._done = trainer._batches_done   # an epoch cut short (max_steps, should_stop) shows where
+        self._in_epoch = False
         if self._progress is None:
-            self._print_line(trainer, final=True)
+            self._print_line(trainer)
+        else:
+            self._sync()
 
     def on_train_end(self, trainer, module):
+        if trainer.is_global_zero and self._in_epoch:   # stopped mid-epoch (preemption): freeze where it was
+            self._done, self._in_epoch = trainer._batches_done, False
         self._shutdown()
 
     def on_exception(self, trainer, module, exception):
+        self._in_epoch = False
         self._shutdown()
 
     def teardown(self, trainer, module, stage):
         self._shutdown()
 
+    # -- validation / test / predict -------------------------------------------------
+    def _eval_start(self, trainer, stage: str) -> None:
+        if not trainer.is_global_zero or not self._live():
+            return
+        if self._progress is None:      # trainer.validate()/test()/predict(): a bar of its own
+            self._trainer = trainer
+            self._start_rich(transient=True)
+            self._owns_progress = True
+        self._eval_stage, self._eval_done = stage, 0
+        total = _eval_total(trainer, stage)
+        self._eval_task = self._progress.add_task(_EVAL_LABEL[stage], total=total, rate="")
+
+    def _eval_end(self, trainer) -> None:
+        if self._progress is None or self._eval_task is None:
+            return
+        self._progress.remove_task(self._eval_task)
+        self._eval_task = self._eval_stage = None
+        if self._owns_progress:
+            self._owns_progress = False
+            self._shutdown()
+
+    def on_validation_start(self, trainer, module):
+        self._eval_start(trainer, "validate")
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._eval_done += 1
+
     def on_validation_end(self, trainer, module):
-        if trainer.is_global_zero and trainer.stage in ("validate", "test") and self._progress is None:
-            pass
+        self._eval_end(trainer)
 
-    def _shutdown(self):
-        self._stop.set()
-        if self._progress is not None:
-            self._progress.refresh()
-            self._progress.stop()
-            self._progress = None
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-            self._thread = None
+    def on_test_start(self, trainer, module):
+        self._eval_start(trainer, "test")
 
-    # -- rich (terminal) ------------------------------------------------------------------
-    def _start_rich(self, trainer):
+    def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._eval_done += 1
+
+    def on_test_end(self, trainer, module):
+        self._eval_end(trainer)
+
+    def on_predict_start(self, trainer, module):
+        self._eval_start(trainer, "predict")
+
+    def on_predict_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._eval_done += 1
+
+    def on_predict_end(self, trainer, module):
+        self._eval_end(trainer)
+
+    # -- rich ------------------------------------------------------------------------
+    def _start_rich(self, transient: bool | None = None) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
             TimeRemainingColumn
+        from rich.text import Text
 
         bar = self
 
         class _Progress(Progress):
             def get_renderables(self):
                 bar._sync()
-                yield from super().get_renderables()
+                yield self.make_tasks_table(self.tasks)
+                line = bar._metrics_line()
+                if line:
+                    yield Text(line, style="dim", overflow="fold")
 
         self._progress = _Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("<"), TimeRemainingColumn(),
-            TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[metrics]}"),
-            console=self._console_(), refresh_per_second=self.refresh_per_second, transient=not self.leave)
-        total = trainer.num_training_batches
-        self._task = self._progress.add_task(f"Epoch {trainer.current_epoch}", total=None if total == float("inf") else total,
-                                             rate="", metrics="")
+            TextColumn("[bold]{task.description}"), BarColumn(bar_width=None), MofNCompleteColumn(),
+            TimeElapsedColumn(), TextColumn("<"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
+            console=self.console, refresh_per_second=self.refresh_per_second, expand=True,
+            transient=(not self.leave) if transient is None else transient)
         self._progress.start()
 
-    def _sync(self):
-        """Runs on rich's refresh thread: copy the trainer's counters into the task."""
+    def _task_total(self):
+        return None if self._total == float("inf") else self._total
+
+    def _describe(self) -> str:
         t = self._trainer
-        if t is None or self._task is None:
+        me = getattr(t, "max_epochs", None)
+        return f"Epoch {self._epoch}" + (f"/{me - 1}" if isinstance(me, int) and me > 0 else "")
+
+    def _sync(self) -> None:
+        """Runs on rich's refresh thread: copy the trainer's counters into the tasks."""
+        t, p = self._trainer, self._progress
+        if t is None or p is None:
             return
-        done = t._batches_done
-        rate = (done - self._start_batch) / max(time.monotonic() - self._t0, 1e-9)
-        metrics = self._metrics_text(t)
-        self._progress.update(self._task, completed=done, rate=f"{rate:.1f} it/s",
-                              metrics=f"step {t.global_step} " + metrics, description=f"Epoch {t.current_epoch}")
+        if self._task is not None:
+            if self._in_epoch:
+                self._done = t._batches_done
+            el = max(time.monotonic() - self._t0, 1e-9)
+            rate = (self._done - self._start_batch) / el
+            p.update(self._task, completed=self._done, description=self._describe(),
+                     rate=f"{rate:.1f} it/s" if self._t0 else "")
+        if self._eval_task is not None:
+            p.update(self._eval_task, completed=self._eval_done)
+
+    def _metrics_line(self) -> str:
+        t = self._trainer
+        if t is None:
+            return ""
+        text = metrics_text(self._metrics(t))
+        step = f"step {t.global_step}" if self._task is not None else ""
+        return (step + " " + text).strip()
 
     @staticmethod
-    def _metrics_text(t) -> str:
+    def _metrics(t) -> dict[str, float]:
         try:
-            vals = t.progress_bar_metrics
+            return t.progress_bar_metrics
         except Exception:  # a tensor freed mid-read: skip this refresh
-            return ""
-        return " ".join(f"{k}={_fmt(v)}" for k, v in vals.items())
+            return {}
 
-    # -- plain lines (no terminal) -----------------------------------------------------------
-    def _plain_loop(self):
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._progress is not None:
+            self._progress.refresh()
+            self._progress.stop()
+            self._progress = None
+            self._task = self._eval_task = None
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    # -- plain lines (no terminal) ---------------------------------------------------------
+    def _plain_loop(self) -> None:
         while not self._stop.wait(self.plain_interval):
             self._print_line(self._trainer)
 
-    def _print_line(self, t, final: bool = False):
+    def _print_line(self, t) -> None:
         if t is None:
             return
-        total = t.num_training_batches
-        done = t._batches_done   # at epoch end too: an epoch stopped early (max_steps, should_stop) shows where
+        done = t._batches_done if self._in_epoch else self._done
         el = time.monotonic() - self._t0
         rate = (done - self._start_batch) / max(el, 1e-9)
-        eta = (total - done) / rate if rate > 0 and total != float("inf") else float("nan")
+        total = self._total
+        eta = (total - done) / rate if rate > 0 and total != float("inf") else math.nan
         tot = "?" if total == float("inf") else total
-        line = (f"Epoch {t.current_epoch}: {done}/{tot} batches, step {t.global_step}, {rate:.1f} it/s, "
-                f"elapsed {el:.0f}s, eta {eta:.0f}s {self._metrics_text(t)}")
+        line = (f"{self._describe()}: {done}/{tot} batches, step {t.global_step}, {rate:.1f} it/s, "
+                f"elapsed {el:.0f}s, eta {eta:.0f}s {metrics_text(self._metrics(t))}")
         err = sys.stderr
         err.write(line.rstrip() + "\n")   # one write: the timer thread and the epoch end may print at once
         err.flush()

@@ -3,6 +3,7 @@ printed once at the start of fit."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from torch import nn
 
@@ -37,7 +38,15 @@ def summarize(module: nn.Module, max_depth: int = 1) -> dict:
 
 
 class ModelSummary(Callback):
-    def __init__(self, max_depth: int = 1, console=None):
+    """Print a table of the module's layers (name, type, parameters, train/eval mode), the
+    parameter totals and the size at the start of ``fit`` (global rank 0).
+
+    Args:
+        max_depth: how deep to list submodules (1: direct children; -1: no table).
+        console: a ``rich.console.Console`` to print on (default: stderr).
+    """
+
+    def __init__(self, max_depth: int = 1, console: Any = None) -> None:
         self.max_depth = max_depth
         self._console = console
 

@@ -50,7 +50,7 @@ class Timer(Callback):
     are ``time.monotonic()`` values.
     """
 
-    def __init__(self, duration=None, interval: str = "step", verbose: bool = True):
+    def __init__(self, duration: float | str | _dt.timedelta | dict | None = None, interval: str = "step", verbose: bool = True) -> None:
         if interval not in ("step", "epoch"):
             raise invalid_choice("Timer(interval)", interval, ["step", "epoch"])
         self._duration = parse_duration(duration)

@@ -92,7 +92,7 @@ class CSVLogger(FileLogger):
         prefix: prepended to every metric name as ``"{prefix}-{name}"``.
     """
 
-    def __init__(self, save_dir, name: str | None = DEFAULT_NAME, version: int | str | None = None,
+    def __init__(self, save_dir: str | os.PathLike, name: str | None = DEFAULT_NAME, version: int | str | None = None,
                  flush_logs_every_n_steps: int = 100, prefix: str = ""):
         super().__init__(save_dir, name=name, version=version, prefix=prefix)
         if not isinstance(flush_logs_every_n_steps, int) or flush_logs_every_n_steps < 1:

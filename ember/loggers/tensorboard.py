@@ -22,7 +22,7 @@ class TensorBoardLogger(FileLogger):
             (``max_queue``, ``flush_secs``, ``filename_suffix``...).
     """
 
-    def __init__(self, save_dir, name: str | None = DEFAULT_NAME, version: int | str | None = None,
+    def __init__(self, save_dir: str | os.PathLike, name: str | None = DEFAULT_NAME, version: int | str | None = None,
                  default_hp_metric: bool = False, prefix: str = "", **writer_kwargs: Any):
         super().__init__(save_dir, name=name, version=version, prefix=prefix)
         self._default_hp_metric = default_hp_metric

@@ -45,9 +45,9 @@ class WandbLogger(Logger):
     goes back never has its rows dropped by W&B's own monotone ``_step``.
     """
 
-    def __init__(self, project: str | None = None, name: str | None = None, save_dir=None,
+    def __init__(self, project: str | None = None, name: str | None = None, save_dir: str | os.PathLike | None = None,
                  version: str | None = None, offline: bool = False, log_model: bool | str = False,
-                 prefix: str = "", experiment=None, **init_kwargs: Any):
+                 prefix: str = "", experiment: Any = None, **init_kwargs: Any) -> None:
         if experiment is None and importlib.util.find_spec("wandb") is None:
             raise ModuleNotFoundError(_INSTALL_HINT)
         if log_model not in (True, False, "all"):
@@ -68,6 +68,7 @@ class WandbLogger(Logger):
         # checkpoints seen so far, for log_model=True: path -> (aliases, score)
         self._checkpoints: dict[str, tuple[tuple[str, ...], float | None]] = {}
         self._logged_artifacts: list[Any] = []
+        self._run_dir: str | None = None
 
     # -- identity ---------------------------------------------------------
     @property
@@ -91,8 +92,11 @@ class WandbLogger(Logger):
         """The W&B run folder, ``save_dir/wandb/[offline-]run-<time>-<id>``
         (the parent of ``run.dir``); creates the run. Files put here are *not*
         uploaded: W&B uploads only what is in ``run.dir`` (``.../files``)."""
+        if self._run_dir is not None:   # the run's folder, also after finalize(): never a second run
+            return self._run_dir
         files_dir = getattr(self.experiment, "dir", None)
-        return os.path.dirname(os.path.normpath(files_dir)) if files_dir else self._save_dir
+        self._run_dir = os.path.dirname(os.path.normpath(files_dir)) if files_dir else self._save_dir
+        return self._run_dir
 
     @property
     def experiment(self):
@@ -111,6 +115,8 @@ class WandbLogger(Logger):
                 self._experiment = wandb.init(**kwargs)
                 self._owns_run = True
             self._id = self._experiment.id
+            files_dir = getattr(self._experiment, "dir", None)
+            self._run_dir = os.path.dirname(os.path.normpath(files_dir)) if files_dir else self._run_dir
             self._defined_metrics = False
         if not self._defined_metrics and hasattr(self._experiment, "define_metric"):
             self._experiment.define_metric(STEP_METRIC)

@@ -38,6 +38,24 @@ def _launched_world_size() -> int:
     return 1
 
 
+def _check_available(devices, dtype: str, index: int | None = None) -> None:
+    """``devices="cuda"`` / ``"cuda:N"`` / ``"mps"``: fail at construction on a machine without them."""
+    if dtype == "cuda":
+        if not torch.cuda.is_available():
+            raise MisconfigurationError(f"devices={devices!r} but CUDA is not available on this machine "
+                                        f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+                                        "use devices='cpu' or 'auto'")
+        n = torch.cuda.device_count()
+        if index is not None and index >= n:
+            raise MisconfigurationError(f"devices={devices!r}: CUDA device {index} does not exist "
+                                        f"({n} device(s): cuda:0..cuda:{n - 1})")
+    elif dtype == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise MisconfigurationError(f"devices={devices!r} but MPS (Apple GPU) is not available on this machine; "
+                                        "use devices='cpu' or 'auto'")
+
+
 def parse_devices(devices) -> tuple[str, int, list[int] | None]:
     """-> (device type, number of processes on this node, explicit indices or None)."""
     if isinstance(devices, bool) or devices is None:
@@ -49,8 +67,10 @@ def parse_devices(devices) -> tuple[str, int, list[int] | None]:
         if d == "auto":
             return auto_device().type, 1, None
         if d.startswith("cuda:") and d[5:].isdigit():
+            _check_available(devices, "cuda", int(d[5:]))
             return "cuda", 1, [int(d[5:])]
         if d in _DEVICE_TYPES:
+            _check_available(devices, d)
             return d, 1, None
         raise invalid_choice("devices", devices, ["auto", "cpu", "cuda", "cuda:N", "mps", "a positive int", "a list of ints"])
     if isinstance(devices, int):

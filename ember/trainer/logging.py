@@ -144,11 +144,21 @@ class Results:
                     out[e.name + "_epoch" if e.on_step else e.name] = (e, v)
         return out
 
-    def prog_bar_values(self) -> dict:
+    def prog_bar_values(self, emitted: dict) -> dict:
+        """What the progress bar shows for this stage: the latest value of each
+        ``prog_bar`` step metric, and the *emitted* value of each ``prog_bar`` epoch
+        metric (taken from ``emitted``, the trainer's ``callback_metrics``), never
+        a partial per-batch value of an epoch metric."""
         out = {}
         for e in list(self.entries.values()):
-            if e.prog_bar and e.last is not None:
-                out[e.name] = e.last
+            if not e.prog_bar:
+                continue
+            if e.on_step and e.last is not None:
+                out[e.name + "_step" if e.on_epoch else e.name] = e.last
+            if e.on_epoch:
+                key = e.name + "_epoch" if e.on_step else e.name
+                if key in emitted:
+                    out[key] = emitted[key]
         return out
 
     def reset(self) -> None:

@@ -59,6 +59,10 @@ def default_callbacks(callbacks, checkpointing, progress_bar, summary) -> list:
 def build_loggers(t) -> list:
     from ember.loggers import Logger, TensorBoardLogger
     arg = t._logger_arg
+    if isinstance(arg, str) or (isinstance(arg, (list, tuple)) and any(isinstance(x, str) for x in arg)):
+        from ember.trainer.checks import logger_from_name   # "tensorboard" / "csv" / "wandb"
+        arg = [logger_from_name(x, t.default_root_dir) if isinstance(x, str) else x
+               for x in (arg if isinstance(arg, (list, tuple)) else [arg])]
     if arg is True:
         out = [TensorBoardLogger(save_dir=t.default_root_dir)]
     elif arg is False or arg is None:

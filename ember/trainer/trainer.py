@@ -7,13 +7,16 @@ import datetime as _dt
 import os
 import re
 import time
+from typing import Any
 
 import torch
 
 from ember.callbacks.base import Callback, hook_table
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.module import DataModule, TrainModule, overrides
+from ember.trainer import checks as _checks
 from ember.trainer import state as _state
+from ember.trainer import summary as _summary
 from ember.trainer.logging import Results, to_host
 from ember.trainer.loops import EvalLoop, FitLoop, limit_batches
 from ember.trainer.optim import ManualOptimizer, configure_optimizers, step_schedulers
@@ -49,20 +52,56 @@ def _check_limit(name, v):
 class Trainer:
     """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
 
-    See ``ember/trainer/loops.py`` for the order of events.
+    See ``ember/trainer/loops.py`` for the order of events and docs/trainer.md.
+
+    Args:
+        max_epochs: stop after this many epochs (None with no other limit: 1000; -1: no limit).
+        max_steps: stop after this many optimizer steps (-1: no limit).
+        max_time: stop after this wall time: seconds, "DD:HH:MM:SS", a timedelta or a dict like {"hours": 2}.
+        devices: "auto", "cpu", "cuda", "cuda:N", "mps", a number of processes, or a list of CUDA indices.
+        strategy: "auto", "single", "ddp", "fsdp", "deepspeed", "model_parallel" or a Strategy instance.
+        num_nodes: number of machines (each runs ``devices`` processes).
+        precision: "32-true" (default), "64-true", "16-mixed", "bf16-mixed", "16-true" or "bf16-true".
+        accumulate_grad_batches: micro-batches per optimizer step.
+        gradient_clip_val: clip gradients to this norm (or value); None: no clipping.
+        gradient_clip_algorithm: "norm" (total norm) or "value" (each element).
+        val_check_interval: validate every fraction of an epoch (float) or every N training batches (int).
+        check_val_every_n_epoch: validate every N epochs (None: only by val_check_interval batches).
+        num_sanity_val_steps: validation batches run before training to catch bugs (-1: all, 0: none).
+        limit_train_batches: training batches per epoch: an int, a fraction (float) or None for all.
+        limit_val_batches: validation batches per pass: an int, a fraction (float) or None for all.
+        log_every_n_steps: send step metrics to the loggers every N optimizer steps.
+        callbacks: a Callback or a list of them (checkpointing, progress bar and summary are added by default).
+        logger: True (TensorBoard), False, "tensorboard", "csv", "wandb", a Logger, or a list of those.
+        enable_checkpointing: add a ModelCheckpoint (one checkpoint per epoch) unless one is given.
+        enable_progress_bar: add a RichProgressBar (and print the end-of-fit summary) unless one is given.
+        enable_model_summary: print a table of the module's layers at the start of fit.
+        default_root_dir: folder for logs and checkpoints when no logger or callback says otherwise (default: cwd).
+        deterministic: use deterministic algorithms ("warn": only warn about non-deterministic ones).
+        seed: seed every RNG (python, numpy, torch) and the data order.
+        compile: torch.compile each block of the module (True, or a dict of torch.compile arguments).
+        fast_dev_run: run N (True: 1) training and validation batches, no logger or checkpoints: a smoke test.
+        detect_anomaly: torch.autograd anomaly detection during this trainer's runs (slow; for debugging).
+        activation_checkpointing: recompute activations of these blocks in backward (a class, classes or a policy).
+        profiler: None, "simple" (a table of time per hook and step), "pytorch" (torch.profiler traces) or a Profiler.
+        report: write report.html (every logged scalar's curve) and PNGs into the log folder after fit.
     """
 
-    def __init__(self, *, max_epochs: int | None = None, max_steps: int = -1, max_time=None,
-                 devices="auto", strategy="auto", num_nodes: int = 1, precision=None,
+    def __init__(self, *, max_epochs: int | None = None, max_steps: int = -1,
+                 max_time: float | str | _dt.timedelta | dict | None = None,
+                 devices: int | str | list[int] = "auto", strategy: str | Any = "auto", num_nodes: int = 1,
+                 precision: str | int | None = None,
                  accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
                  gradient_clip_algorithm: str = "norm", val_check_interval: float | int = 1.0,
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
-                 limit_train_batches=None, limit_val_batches=None, log_every_n_steps: int = 50,
-                 callbacks: list | Callback | None = None, logger=True, enable_checkpointing: bool = True,
+                 limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
+                 log_every_n_steps: int = 50, callbacks: list[Callback] | Callback | None = None,
+                 logger: bool | str | Any | list | None = True, enable_checkpointing: bool = True,
                  enable_progress_bar: bool = True, enable_model_summary: bool = True,
-                 default_root_dir: str | None = None, deterministic: bool = False, seed: int | None = None,
-                 compile: bool | dict = False, fast_dev_run: bool | int = False, detect_anomaly: bool = False,
-                 activation_checkpointing=None, profiler=None, report: bool = False):
+                 default_root_dir: str | os.PathLike | None = None, deterministic: bool | str = False,
+                 seed: int | None = None, compile: bool | dict = False, fast_dev_run: bool | int = False,
+                 detect_anomaly: bool = False, activation_checkpointing: type | tuple | Any = None,
+                 profiler: str | Any = None, report: bool = False) -> None:
         from ember.precision import Precision
         from ember.strategies import build_strategy
         if precision in ("auto", None):
@@ -126,6 +165,7 @@ class Trainer:
         self.profiler = build_profiler(profiler, self)   # None: nothing is wrapped, no cost
         self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
         self.report_path: str | None = None
+        _checks.check_logger_arg(logger)
         self._logger_arg = logger
         self.loggers = []
         # state
@@ -192,10 +232,13 @@ class Trainer:
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
-        """Latest prog_bar values as floats (read by the progress bar on its timer)."""
+        """What the progress bar shows, as floats: the latest value of each ``prog_bar``
+        step metric and, for each ``prog_bar`` epoch metric, the value that was logged
+        (equal to ``callback_metrics[name]``); read by the progress bar on its timer."""
         out = {}
-        for stage in ("train", "validate"):
-            for k, v in self._results[stage].prog_bar_values().items():
+        emitted = dict(self.callback_metrics)
+        for stage in ("train", "validate", "test"):
+            for k, v in self._results[stage].prog_bar_values(emitted).items():
                 out[k] = float(v) if not isinstance(v, torch.Tensor) else v.item()
         return out
 
@@ -215,23 +258,37 @@ class Trainer:
         return int(total)
 
     # ------------------------------------------------------------------ entry points
-    def fit(self, module: TrainModule, train_dataloaders=None, val_dataloaders=None,
+    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
             datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
+        """Train ``module``. Data: ``train_dataloaders``/``val_dataloaders`` (a DataLoader or a
+        list), a ``datamodule``, or the module's ``train_dataloader()``/``val_dataloader()``.
+        ``ckpt_path``: a checkpoint folder, "last" or "best" to resume from (exactly)."""
         self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, val=val_dataloaders)
 
-    def validate(self, module: TrainModule | None = None, dataloaders=None, datamodule=None,
-                 ckpt_path: str | None = None) -> list[dict]:
+    def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
+                 datamodule: DataModule | None = None, ckpt_path: str | None = None,
+                 verbose: bool = True) -> list[dict]:
+        """Run one validation pass; returns one dict of epoch metrics per dataloader and
+        (``verbose``, rank 0) prints them as a table. ``module`` defaults to the fitted one."""
+        self._verbose = verbose
         return self._run("validate", module, datamodule, ckpt_path, val=dataloaders)
 
-    def test(self, module: TrainModule | None = None, dataloaders=None, datamodule=None,
-             ckpt_path: str | None = None) -> list[dict]:
+    def test(self, module: TrainModule | None = None, dataloaders: Any = None,
+             datamodule: DataModule | None = None, ckpt_path: str | None = None,
+             verbose: bool = True) -> list[dict]:
+        """Run the test loop (``test_step``); returns one dict of metrics per dataloader and
+        (``verbose``, rank 0) prints them as a table."""
+        self._verbose = verbose
         return self._run("test", module, datamodule, ckpt_path, test=dataloaders)
 
-    def predict(self, module: TrainModule | None = None, dataloaders=None, datamodule=None,
-                ckpt_path: str | None = None) -> list:
+    def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
+                datamodule: DataModule | None = None, ckpt_path: str | None = None) -> list:
+        """Run ``predict_step`` over the data; returns the outputs in dataset order (a list per
+        dataloader when there are several), the same on every rank."""
         return self._run("predict", module, datamodule, ckpt_path, predict=dataloaders)
 
     def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        """Write a checkpoint folder at ``path`` (atomically); ``weights_only``: no trainer state."""
         _state.save_checkpoint(self, path, weights_only=weights_only)
 
     # ------------------------------------------------------------------ running
@@ -261,6 +318,7 @@ class Trainer:
             self._setup(module, datamodule, stage, loaders)
             if ckpt_path is not None:
                 _state.restore(self, ckpt_path, full=(stage == "fit"))
+                _summary.restored(self, ckpt_path)
             if stage == "fit":
                 return self._fit()
             if stage == "predict":
@@ -277,6 +335,8 @@ class Trainer:
             for lg in self.loggers if self.is_global_zero else []:
                 lg.finalize("interrupted" if self.interrupted else "failed")
             self.strategy.on_exception(exc) if hasattr(self.strategy, "on_exception") else None
+            if self.interrupted:
+                _summary.on_keyboard_interrupt(self)   # message + SystemExit(130), outside interactive sessions
             raise
         finally:
             torch.autograd.set_detect_anomaly(anomaly)
@@ -338,14 +398,15 @@ class Trainer:
     def _setup_data(self, stage, loaders):
         dm = self.datamodule
 
-        def pick(given, name):
+        def pick(given, name, arg):
             if given is not None:
-                return given
+                return _checks.check_loader(given, arg)
             if dm is not None and overrides(dm, DataModule, name):
-                return getattr(dm, name)()
+                return _checks.check_loader(getattr(dm, name)(), f"{type(dm).__name__}.{name}()", returned=True)
             if dm is None and overrides(self.module, TrainModule, name) if hasattr(TrainModule, name) else \
                     (dm is None and hasattr(self.module, name)):
-                return getattr(self.module, name)()
+                return _checks.check_loader(getattr(self.module, name)(), f"{type(self.module).__name__}.{name}()",
+                                            returned=True)
             return None
 
         def as_list(x):
@@ -353,7 +414,7 @@ class Trainer:
 
         prep = self._acc.setup_dataloader
         if stage == "fit":
-            train = pick(loaders.get("train"), "train_dataloader")
+            train = pick(loaders.get("train"), "train_dataloader", "train_dataloaders")
             if train is None:
                 raise MisconfigurationError("trainer.fit() needs training data: pass train_dataloaders=, a datamodule, "
                                             "or define train_dataloader() on the module")
@@ -361,7 +422,8 @@ class Trainer:
             self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
             if self.num_training_batches == 0:
                 raise MisconfigurationError("the train dataloader has no batches (limit_train_batches or an empty dataset)")
-            self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in as_list(pick(loaders.get("val"), "val_dataloader"))]
+            self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False)
+                                 for v in as_list(pick(loaders.get("val"), "val_dataloader", "val_dataloaders"))]
             if self.limit_val_batches == 0:
                 self._val_loaders = []
             vci = self.val_check_interval
@@ -373,12 +435,12 @@ class Trainer:
         elif stage in ("validate", "test"):
             name = "val_dataloader" if stage == "validate" else "test_dataloader"
             given = loaders.get("val") if stage == "validate" else loaders.get("test")
-            ls = as_list(pick(given, name))
+            ls = as_list(pick(given, name, "dataloaders"))
             if not ls:
                 raise MisconfigurationError(f"trainer.{stage}() needs data: pass dataloaders=, a datamodule, or define {name}()")
             self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in ls]
         else:
-            ls = as_list(pick(loaders.get("predict"), "predict_dataloader"))
+            ls = as_list(pick(loaders.get("predict"), "predict_dataloader", "dataloaders"))
             if not ls:
                 raise MisconfigurationError("trainer.predict() needs data: pass dataloaders=, a datamodule, or define predict_dataloader()")
             self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in ls]
@@ -398,6 +460,9 @@ class Trainer:
         return p.convert_input(batch) if p.needs_input_cast else batch
 
     def _fit(self):
+        t0 = time.monotonic()
+        _checks.warn_finished(self)
+        _checks.warn_log_interval(self)
         self._deadline = time.monotonic() + self._max_time if self._max_time else None
         _state.install_signal_handlers(self)
         self._call_hook("on_fit_start")
@@ -412,6 +477,7 @@ class Trainer:
         self._call_hook("on_fit_end")
         for lg in self.loggers if self.is_global_zero else []:
             lg.finalize("interrupted" if self.interrupted else "success")
+        _summary.fit_ended(self, t0)
         return None
 
     def _run_validation(self):
@@ -423,6 +489,8 @@ class Trainer:
         out = EvalLoop(self, stage).run(self._eval_loaders, self.limit_val_batches if stage == "validate" else None)
         for lg in self.loggers if self.is_global_zero else []:
             lg.save()
+        if getattr(self, "_verbose", True):
+            _summary.print_results(self, stage, out)
         return out
 
     def _predict(self):
@@ -486,6 +554,8 @@ class Trainer:
         if not vals:
             return {}
         host = to_host(vals, self.strategy)
+        if log and self.world_size > 1:
+            _checks.warn_unsynced(self, results.stage, vals, host)   # once per stage
         for e, _ in vals.values():
             if e.metric is not None:
                 e.metric.reset()   # computed: start clean (the sanity check or another stage may reuse it)
@@ -511,7 +581,7 @@ class Trainer:
             for lg in self.loggers:
                 lg.log_metrics(to_log, step=self.global_step)
 
-    def log_metric(self, name: str, value, logger: bool = True) -> None:
+    def log_metric(self, name: str, value: Any, logger: bool = True) -> None:
         """Record an already-reduced value (used by callbacks such as GatherMetrics)."""
         v = float(value)
         self.callback_metrics[name] = torch.tensor(v)

@@ -1,0 +1,111 @@
+"""Checks that turn silent mistakes into a clear error or a one-time warning,
+each naming the argument or hook and the fix. None of them runs per step."""
+from __future__ import annotations
+
+import warnings
+
+from ember.errors import MisconfigurationError
+
+LOGGER_NAMES = ("tensorboard", "csv", "wandb")
+
+
+def check_logger_arg(arg) -> None:
+    """``Trainer(logger=...)``: checked at construction (the loggers are built at setup)."""
+    from ember.loggers import Logger
+
+    def ok(x):
+        return isinstance(x, Logger) or (isinstance(x, str) and x.lower() in LOGGER_NAMES)
+    items = arg if isinstance(arg, (list, tuple)) else [arg]
+    if arg is True or arg is False or arg is None or ok(arg) or (isinstance(arg, (list, tuple)) and all(map(ok, arg))):
+        if any(isinstance(x, str) and x.lower() == "wandb" for x in items):
+            import importlib.util
+            if importlib.util.find_spec("wandb") is None:
+                raise MisconfigurationError("logger='wandb' needs the wandb package: pip install wandb")
+        return
+    bad = [x for x in arg if not ok(x)] if isinstance(arg, (list, tuple)) else [arg]
+    raise MisconfigurationError(
+        f"logger={arg!r} is not valid ({bad[0]!r}); use True (TensorBoard), False, one of "
+        f"{', '.join(repr(n) for n in LOGGER_NAMES)}, a Logger, or a list of those")
+
+
+def logger_from_name(name: str, save_dir: str):
+    """``"tensorboard"`` / ``"csv"`` / ``"wandb"`` -> the logger with ``save_dir``."""
+    from ember import loggers
+    n = name.lower()
+    if n == "tensorboard":
+        return loggers.TensorBoardLogger(save_dir=save_dir)
+    if n == "csv":
+        return loggers.CSVLogger(save_dir=save_dir)
+    return loggers.WandbLogger(save_dir=save_dir)
+
+
+def check_loader(value, arg: str, returned: bool = False):
+    """A torch ``Dataset`` where a DataLoader is expected would be iterated one
+    unbatched sample at a time: refuse it, naming the argument (``returned``: ``arg``
+    is a hook such as ``MyModule.train_dataloader()``)."""
+    from torch.utils.data import DataLoader, Dataset
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(v, Dataset) and not isinstance(v, DataLoader):
+            what = f"a {type(v).__name__} (a Dataset), not a DataLoader: it would be iterated one unbatched sample at a time"
+            if returned:
+                raise MisconfigurationError(f"{arg} returned {what}. Return DataLoader(dataset, batch_size=...) instead")
+            raise MisconfigurationError(f"{arg}= got {what}. Pass {arg}=DataLoader(dataset, batch_size=...) instead")
+    return value
+
+
+def warn_log_interval(t) -> None:
+    """``log_every_n_steps`` larger than the optimizer steps of an epoch, with a
+    logger: a training epoch logs at most one point (or none). Warned once per Trainer."""
+    if getattr(t, "_warned_log_interval", False):
+        return
+    n = t.num_training_batches
+    if n == float("inf"):
+        return
+    steps = max(1, -(-int(n) // max(t.accumulate_grad_batches, 1)))
+    if t.log_every_n_steps > steps and t.is_global_zero and t.loggers:
+        t._warned_log_interval = True
+        warnings.warn(
+            f"log_every_n_steps={t.log_every_n_steps} is larger than the {steps} optimizer step(s) of a training "
+            f"epoch ({int(n)} batches): step metrics are logged only every {t.log_every_n_steps} steps. Set "
+            f"Trainer(log_every_n_steps=...) to at most {steps} to see them within each epoch.",
+            UserWarning, stacklevel=5)
+
+
+def warn_finished(t) -> bool:
+    """``fit`` on a Trainer whose run already reached its limit trains nothing: say
+    which limit and how to continue. Returns True when that is the case."""
+    if t.max_steps is not None and t.max_steps >= 0 and t.global_step >= t.max_steps:
+        what = f"max_steps={t.max_steps} (global_step={t.global_step})"
+        fix = "max_steps"
+    elif t.max_epochs is not None and t.max_epochs >= 0 and t.current_epoch >= t.max_epochs:
+        what = f"max_epochs={t.max_epochs} (current_epoch={t.current_epoch})"
+        fix = "max_epochs"
+    else:
+        return False
+    if t.is_global_zero:
+        warnings.warn(
+            f"trainer.fit() trains nothing: this run already reached {what}. To train further, raise the limit "
+            f"(trainer.{fix} = N, then fit again) or continue from the checkpoint with a new Trainer: "
+            f"Trainer({fix}=N, ...).fit(module, ..., ckpt_path='last').", UserWarning, stacklevel=5)
+    return True
+
+
+def warn_unsynced(t, stage: str, vals: dict, host: dict) -> None:
+    """Under several processes, at the first epoch emission of each stage: an epoch
+    value logged without ``sync_dist=True`` (and not a torchmetrics Metric, which syncs
+    itself) that differs between ranks is shown and logged as rank 0's value only.
+    One all_gather of those few floats, once per stage and Trainer (every rank
+    reaches the same epoch emissions)."""
+    done = t.__dict__.setdefault("_unsynced_checked", set())
+    if stage in done or t.world_size <= 1:
+        return
+    done.add(stage)
+    names = sorted(k for k, (e, _) in vals.items() if not e.sync_dist and e.metric is None and k in host)
+    gathered = t.strategy.all_gather_object({k: host[k] for k in names})
+    differ = sorted({k for g in gathered for k in g if any(o.get(k) != g[k] for o in gathered)})
+    if differ and t.is_global_zero:
+        warnings.warn(
+            f"{', '.join(repr(n) for n in differ)} logged as epoch value(s) without sync_dist=True differ between "
+            f"the {t.world_size} processes; the progress bar, loggers and checkpoints see rank 0's value only. "
+            f"Use self.log({differ[0]!r}, ..., sync_dist=True) (or a torchmetrics Metric) to reduce across processes.",
+            UserWarning, stacklevel=2)

@@ -1,0 +1,188 @@
+"""What the Trainer tells a person (global rank 0 only): the end-of-fit summary
+(why it stopped, epochs and steps done, wall time, best checkpoint, final
+metrics), the line printed when a checkpoint is restored, the message of a
+Ctrl-C stop, and the results table of ``validate()``/``test()``.
+
+Text goes through the progress bar callback (so it lands above a live bar);
+without a progress bar the summary and restore lines are not printed. The
+results table follows ``verbose=`` of ``validate()``/``test()``.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+def _bar(t):
+    from ember.callbacks.progress import ProgressBar
+    for cb in t.callbacks:
+        if isinstance(cb, ProgressBar):
+            return cb
+    return None
+
+
+def _say(t, text: str) -> None:
+    bar = _bar(t)
+    if bar is not None and t.is_global_zero:
+        bar.print(text)
+
+
+def _fmt(v) -> str:
+    v = float(v)
+    return f"{v:.4g}" if math.isfinite(v) else str(v)
+
+
+def _duration(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f} s"
+    m, s = divmod(int(round(s)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def stop_reason(t) -> str | None:
+    """Why the last fit stopped: ``trainer.stop_reason`` when the trainer records it,
+    otherwise derived from the trainer's counters and callbacks."""
+    r = getattr(t, "stop_reason", None)
+    if isinstance(r, str) and r:
+        return r
+    if getattr(t, "_preempted", False) or getattr(t, "_signal_received", None):
+        return "preempted"
+    if getattr(t, "interrupted", False):
+        return "interrupted"
+    if t.max_steps is not None and t.max_steps >= 0 and t.global_step >= t.max_steps:
+        return "max_steps"
+    if t.max_epochs is not None and t.max_epochs >= 0 and t.current_epoch >= t.max_epochs:
+        return "max_epochs"
+    if t.should_stop:
+        if _early_stopper(t) is not None:
+            return "early_stopping"
+        if any(type(cb).__name__ == "Timer" for cb in t.callbacks):
+            return "timer"
+        if t._deadline is not None and time.monotonic() >= t._deadline:
+            return "max_time"
+        return "should_stop"
+    return None
+
+
+def _early_stopper(t):
+    for cb in t.callbacks:
+        if type(cb).__name__ == "EarlyStopping" and getattr(cb, "stopping_reason", None):
+            return cb
+    return None
+
+
+def _describe_stop(t, reason: str | None) -> str:
+    if reason == "max_epochs":
+        return f"reached max_epochs={t.max_epochs}"
+    if reason == "max_steps":
+        return f"reached max_steps={t.max_steps}"
+    if reason == "max_time":
+        return f"reached max_time ({_duration(t._max_time or 0)})"
+    if reason == "early_stopping":
+        es = _early_stopper(t)
+        why = getattr(es, "stopping_reason", "") if es is not None else ""
+        return f"early stopping on {getattr(es, 'monitor', '?')}" + (f": {why}" if why else "")
+    if reason == "timer":
+        return "the Timer callback's time budget was used up"
+    if reason == "preempted":
+        return "preemption signal (the last checkpoint was saved)"
+    if reason == "interrupted":
+        return "interrupted (Ctrl-C)"
+    if reason == "should_stop":
+        return "trainer.should_stop was set"
+    return reason or "finished"
+
+
+def fit_summary(t, wall_time: float) -> str:
+    """The end-of-fit summary text."""
+    reason = stop_reason(t)
+    epochs = t.current_epoch + (1 if getattr(t, "_batches_done", 0) else 0)
+    lines = [f"Fit stopped: {_describe_stop(t, reason)}",
+             f"  epochs: {epochs}, steps: {t.global_step}, wall time: {_duration(wall_time)}"]
+    cb = t.checkpoint_callback
+    if cb is not None:
+        best, score = getattr(cb, "best_model_path", ""), getattr(cb, "best_model_score", None)
+        if best:
+            mon = getattr(cb, "monitor", None)
+            tail = f" ({mon}={_fmt(score)})" if mon and score is not None else ""
+            lines.append(f"  best checkpoint: {best}{tail}")
+        last = getattr(cb, "last_model_path", "")
+        if last and last != best:
+            lines.append(f"  last checkpoint: {last}")
+    metrics = {k: v for k, v in t.callback_metrics.items()}
+    if metrics:
+        lines.append("  final metrics: " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+    return "\n".join(lines)
+
+
+def fit_ended(t, t0: float) -> None:
+    """Print the summary on rank 0 (through the progress bar)."""
+    _say(t, fit_summary(t, time.monotonic() - t0))
+
+
+def restored(t, path: str) -> None:
+    """The line printed after a checkpoint is loaded."""
+    _say(t, f"ember: restored {path} (epoch {t.current_epoch}, step {t.global_step})")
+
+
+def last_checkpoint(t) -> str | None:
+    """Where the newest checkpoint of this run is (for messages)."""
+    cb = t.checkpoint_callback
+    path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "") if cb is not None else ""
+    if path:
+        return path
+    try:
+        from ember.trainer.state import find_last
+        return find_last(t)
+    except Exception:   # a message must never fail
+        return None
+
+
+def interrupted_message(t) -> str:
+    path = last_checkpoint(t)
+    where = (f"the last checkpoint is {path} (resume with trainer.fit(..., ckpt_path='last'))" if path
+             else "no checkpoint was saved")
+    return (f"ember: interrupted (Ctrl-C) at epoch {t.current_epoch}, step {t.global_step}; loggers were "
+            f"flushed; {where}.")
+
+
+def on_keyboard_interrupt(t) -> None:
+    """After the on_exception hooks ran and the loggers were finalized: say where the
+    last checkpoint is and end the process with exit status 130 (128 + SIGINT), as a
+    shell does. In an interactive session (IPython/Jupyter, ``python -i``) the
+    KeyboardInterrupt propagates instead, so the kernel survives."""
+    if t.is_global_zero:
+        print(interrupted_message(t), file=sys.stderr, flush=True)
+    if _interactive():
+        return
+    raise SystemExit(130)
+
+
+def _interactive() -> bool:
+    if sys.flags.interactive or hasattr(sys, "ps1"):
+        return True
+    ipy = sys.modules.get("IPython")
+    try:
+        return ipy is not None and ipy.get_ipython() is not None
+    except Exception:
+        return False
+
+
+def format_results(stage: str, results: list[dict]) -> str:
+    """The ``validate()``/``test()`` results table (one block per dataloader)."""
+    out = []
+    for i, metrics in enumerate(results):
+        title = f"{stage} metrics" + (f" (dataloader {i})" if len(results) > 1 else "")
+        width = max([len(k) for k in metrics] + [len(title)])
+        out.append(title)
+        for key, value in metrics.items():
+            value = value.item() if hasattr(value, "item") else value
+            out.append(f"  {key:<{width}}  {value:.6g}" if isinstance(value, float) else f"  {key:<{width}}  {value}")
+    return "\n".join(out)
+
+
+def print_results(t, stage: str, results: list[dict]) -> None:
+    """Print the results table on rank 0 (stdout, as the CLI did)."""
+    if t.is_global_zero and results and any(results):
+        print(format_results(stage, results), flush=True)
