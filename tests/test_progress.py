@@ -7,7 +7,6 @@ import io
 import re
 
 import pytest
-import torch
 from rich.console import Console
 
 import ember

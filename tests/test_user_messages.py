@@ -155,3 +155,15 @@ def test_public_api_is_static_typed_and_documented():
             assert all(p.annotation is not inspect.Parameter.empty for n, p in hints.items()
                        if n not in ("self",) and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)), name
             assert inspect.getdoc(fn), name
+
+
+def test_fit_help_lists_types_defaults_and_descriptions():
+    proc = subprocess.run([sys.executable, "-m", "ember", "fit", "--help"], env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    i = out.index("  max_epochs (int | None; default None)")
+    assert out[i + 1].strip().startswith("stop after this many epochs")
+    j = out.index("  log_every_n_steps (int; default 50)")
+    assert "every N optimizer steps" in out[j + 1]
+    assert "  accumulate_grad_batches (int; default 1)" in out
