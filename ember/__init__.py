@@ -12,8 +12,11 @@ if TYPE_CHECKING:
     # statically. At run time they are imported on first use (``__getattr__`` below),
     # so ``import ember`` stays cheap (no torch import) for the CLI and the launcher.
     from ember.accelerator import Accelerator
+    from ember.accelerator_compat import AcceleratorState, DistributedType, PartialState
     from ember.module import DataModule, TrainModule
+    from ember.notebook import notebook_launcher
     from ember.trainer import Trainer
+    from ember.utils import find_executable_batch_size
 
 __all__ = ["Trainer", "TrainModule", "DataModule", "Accelerator", "seed_everything", "__version__"]
 
@@ -48,7 +51,8 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    lazy = ("PartialState", "AcceleratorState", "DistributedType", "notebook_launcher", "find_executable_batch_size")
+    return sorted(set(globals()) | set(__all__) | set(lazy))
 
 
 def __getattr__(name: str):
