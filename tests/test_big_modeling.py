@@ -84,6 +84,24 @@ def test_infer_auto_device_map_hand_computed():
     assert infer_auto_device_map(model, max_memory={"cpu": 10_000}) == {"": "cpu"}
 
 
+def test_infer_auto_device_map_fills_gpus_then_cpu_then_disk(monkeypatch):
+    """Planning only (no tensor touches a GPU): two GPUs are declared so the map can name them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with init_empty_weights():
+        model = Toy()
+    # GPU 0 (main device) keeps 800 B free for offloaded blocks: 1200 B -> emb + head;
+    # GPU 1: 1600 B -> blocks.0, blocks.1; cpu (also keeps 800 B): 1600 B -> blocks.2, blocks.3
+    got = infer_auto_device_map(model, max_memory={0: 2000, "cuda:1": 1600, "cpu": 2400},
+                                no_split_module_classes=["Block"])
+    assert got == OrderedDict([("emb", 0), ("head", 0), ("blocks.0", 1), ("blocks.1", 1), ("blocks.2", "cpu"),
+                               ("blocks.3", "cpu")])
+    got = infer_auto_device_map(model, max_memory={0: 2000, 1: 1600, "cpu": 1600}, no_split_module_classes=["Block"])
+    assert list(got.values()) == [0, 0, 1, 1, "cpu", "disk"]
+    with pytest.raises(DeviceMapError, match=r"max_memory\[0\] = 700 bytes is too small"):
+        infer_auto_device_map(model, max_memory={0: 700, 1: 5000, "cpu": 5000}, no_split_module_classes=["Block"])
+
+
 def test_tied_weights_stay_together_even_when_defined_last():
     class Late(nn.Module):       # the tied head comes after blocks that go to disk
         def __init__(self):

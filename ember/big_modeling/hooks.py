@@ -169,6 +169,7 @@ def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Modu
                 h.remove()
     if recurse:
         module.__dict__.pop("hf_device_map", None)
+        module.__dict__.pop("_ember_dispatch", None)
     return module
 
 
@@ -212,12 +213,17 @@ def dispatch_model(model: nn.Module, device_map: dict | str = "auto", main_devic
         offload_index: name -> :class:`DiskRef` for weights that already sit in safetensors
             files (what :func:`load_checkpoint_in_model` returns); they are read from there.
         state_dict: weights to use instead of the module's own (same names).
+        offload_buffers, skip_keys, preload_module_classes: Accelerate's; only their defaults
+            are supported (buffers stay on the execution device; every output tensor moves).
 
     Blocks on ``"cpu"`` while an accelerator runs them stay in CPU memory (pinned when CUDA is
     present) and are copied to the execution device just for their forward; with no
     accelerator they simply run on the CPU. Buffers stay on the execution device.
     ``model.hf_device_map`` is set. Returns ``model``.
     """
+    if offload_buffers or skip_keys is not None or preload_module_classes:
+        raise DeviceMapError("dispatch_model: offload_buffers=True, skip_keys and preload_module_classes are not "
+                             "supported here; leave them at their defaults (buffers stay on the execution device)")
     if hasattr(model, "_ember_dispatch"):
         raise DeviceMapError(f"{type(model).__name__} is already dispatched (model.hf_device_map = "
                              f"{model.hf_device_map}); build or load the model again to use another map")
