@@ -352,3 +352,14 @@ def test_env_reports_big_model_placement():
     from ember.launch import env_report
     line = next(l for l in env_report().splitlines() if l.startswith("- Big models:"))
     assert "device_map='auto' places on" in line and "cpu" in line and "GiB" in line and "disk" in line
+
+
+def test_max_memory_defaults_and_sizes():
+    import psutil
+    from ember.big_modeling import get_max_memory
+    avail = psutil.virtual_memory().available
+    mem = get_max_memory()
+    assert list(mem)[-1] == "cpu" and 0.8 * avail < mem["cpu"] < 0.95 * avail    # 90%: headroom kept
+    assert get_max_memory({"disk": "10GB", "cpu": "1GiB"}) == OrderedDict([("cpu", 2**30), ("disk", 10 * 10**9)])
+    with pytest.raises(Exception, match=r"max_memory\['cpu'\]='lots' is not a size"):
+        get_max_memory({"cpu": "lots"})
