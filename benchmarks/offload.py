@@ -6,8 +6,10 @@ its blocks offloaded to disk: ember.big_modeling and Accelerate's own
     python benchmarks/offload.py --layers 4 --reps 1  # a quick look
 
 For each setup: greedy ``generate()`` of ``--new-tokens`` tokens after a 32-token prompt
-(batch 1; tokens/s of the decoding) and one 256-token forward (prefill tokens/s); the
-median of ``--reps`` runs. Every setup must produce the same tokens as the in-memory model.
+(batch 1; tokens/s of the decoding) and one 256-token forward (prefill tokens/s), per
+wall-clock second and per CPU second of the process (steadier on a shared machine); the
+median of ``--reps`` rounds, each round running every setup once. Every setup must
+produce the same tokens as the in-memory model.
 """
 from __future__ import annotations
 
@@ -42,20 +44,17 @@ def disk_map(n_layer: int) -> dict:
     return dmap
 
 
-def measure(model, prompt, long_ids, new_tokens: int, reps: int) -> tuple[float, float, torch.Tensor]:
-    gen = None
-    dec, pre = [], []
+def measure_once(model, prompt, long_ids, new_tokens: int) -> tuple[list[float], torch.Tensor]:
+    """[decode tokens per wall s, per CPU s, prefill tokens per wall s, per CPU s], generated ids."""
     with torch.no_grad():
-        model(long_ids[:, :8])     # warm-up
-        for _ in range(reps):
-            t = time.perf_counter()
-            gen = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 attention_mask=torch.ones_like(prompt))
-            dec.append(new_tokens / (time.perf_counter() - t))
-            t = time.perf_counter()
-            model(long_ids)
-            pre.append(long_ids.numel() / (time.perf_counter() - t))
-    return statistics.median(dec), statistics.median(pre), gen
+        w, c = time.perf_counter(), time.process_time()
+        gen = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             attention_mask=torch.ones_like(prompt))
+        w, c = time.perf_counter() - w, time.process_time() - c
+        w2, c2 = time.perf_counter(), time.process_time()
+        model(long_ids)
+        w2, c2 = time.perf_counter() - w2, time.process_time() - c2
+    return [new_tokens / w, new_tokens / c, long_ids.numel() / w2, long_ids.numel() / c2], gen
 
 
 def main() -> None:
@@ -65,7 +64,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import GPT2Config
@@ -82,32 +81,42 @@ def main() -> None:
     have_acc = importlib.util.find_spec("accelerate") is not None
     print(f"GPT-2 shape: {args.layers} blocks, width {args.width}, vocab {args.vocab}: {n_params / 1e6:.1f}M params "
           f"({n_params * 4 / 2**20:.0f} MiB fp32); torch {torch.__version__}, {args.threads} threads")
-    rows = []
+    models = []          # (setup, library, model); measured in rounds, all setups in each round
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         save_model_sharded(ref.state_dict(), ckpt, max_shard_size="200MB")
-        dec, pre, want = measure(ref, prompt, long_ids, args.new_tokens, args.reps)
-        rows.append(("in memory (plain model)", "-", dec, pre, True))
-        del ref
-        setups = [("cpu", {"": "cpu"}), ("half on disk", disk_map(args.layers))]
+        models.append(("in memory (plain model)", "-", ref))
         libs = [("ember", ebm.init_empty_weights, ebm.load_checkpoint_and_dispatch)]
         if have_acc:
             import accelerate
             libs.append((f"accelerate {accelerate.__version__}", accelerate.init_empty_weights,
                          accelerate.load_checkpoint_and_dispatch))
-        for setup, dmap in setups:
+        for setup, dmap in (("cpu", {"": "cpu"}), ("half on disk", disk_map(args.layers))):
             for lib, init_ctx, load in libs:
-                off = tempfile.mkdtemp(dir=tmp)
                 t = time.perf_counter()
+                off = tempfile.mkdtemp(dir=tmp)
                 model = load(build(cfg, init_ctx), ckpt, device_map=dict(dmap), offload_folder=off,
                              no_split_module_classes=["GPT2Block"]).eval()
-                load_s = time.perf_counter() - t
-                dec, pre, gen = measure(model, prompt, long_ids, args.new_tokens, args.reps)
-                rows.append((f"{setup}", f"{lib} (load {load_s:.2f} s)", dec, pre, torch.equal(gen, want)))
-                del model
-    print(f"\n| setup | library | decode tokens/s | prefill tokens/s | same tokens |\n|---|---|---:|---:|---|")
-    for setup, lib, dec, pre, same in rows:
-        print(f"| {setup} | {lib} | {dec:.1f} | {pre:.0f} | {'yes' if same else 'NO'} |")
+                models.append((setup, f"{lib} (load {time.perf_counter() - t:.2f} s)", model))
+        with torch.no_grad():
+            for _, _, m in models:
+                m(long_ids[:, :8])     # warm-up
+        runs: list[list[list[float]]] = [[] for _ in models]
+        same = [True] * len(models)
+        want = None
+        for _ in range(args.reps):
+            for k, (_, _, m) in enumerate(models):
+                figs, gen = measure_once(m, prompt, long_ids, args.new_tokens)
+                want = gen if want is None else want
+                same[k] &= bool(torch.equal(gen, want))
+                runs[k].append(figs)
+        rows = [(setup, lib, *[statistics.median(r[i] for r in runs[k]) for i in range(4)], same[k])
+                for k, (setup, lib, _) in enumerate(models)]
+    print(f"\nmedians of {args.reps} rounds (each round runs every setup once)\n")
+    print("| setup | library | decode tok/s | decode tok/CPU-s | prefill tok/s | prefill tok/CPU-s | same tokens |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for setup, lib, dw, dc, pw, pc, ok in rows:
+        print(f"| {setup} | {lib} | {dw:.1f} | {dc:.1f} | {pw:.0f} | {pc:.0f} | {'yes' if ok else 'NO'} |")
     if not have_acc:
         print("\n(accelerate is not installed: pip install accelerate to measure it side by side)")
 

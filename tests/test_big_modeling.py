@@ -295,7 +295,7 @@ def test_checkpoint_errors(tmp_path):
 
 
 # -- memory: a model 4x its budget ----------------------------------------------------------------
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_peak_memory_stays_under_budget_plus_one_block(tmp_path):
     """Weights of 256 MiB, max_memory['cpu'] = 64 MiB: the process's peak RSS over its
     baseline stays below 64 MiB + one 8 MiB block + 32 MiB (allocator and activations)."""
@@ -309,7 +309,7 @@ def test_peak_memory_stays_under_budget_plus_one_block(tmp_path):
     bigmodel_rss.make(ckpt)         # here: the weights are in this process only while written
     cap = 64 * 2**20
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bigmodel_rss.py"), "run", ckpt, str(tmp_path / "off"),
-                           str(cap)], capture_output=True, text=True, env=env, timeout=100)
+                           str(cap)], capture_output=True, text=True, env=env, timeout=280)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["equal"] and r["devices"] == ["cpu", "disk"] and r["on_disk"] >= 20
