@@ -257,6 +257,9 @@ def load_state(acc, input_dir, strict: bool = True) -> dict:
     path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
     for hook in getattr(acc, "_load_hooks", ()):
         hook(acc._models, path)
+    from ember.accelerate_import import is_accelerate_checkpoint, load_accelerate_state
+    if is_accelerate_checkpoint(path):   # written by Accelerate's save_state
+        return load_accelerate_state(acc, path, strict)
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
     if strategy.is_sharded or strategy.owns_optimizer_step:   # FSDP, DeepSpeed: the strategy writes
