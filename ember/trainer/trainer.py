@@ -551,11 +551,12 @@ class Trainer:
 
     def _emit_epoch(self, results: Results, log: bool = True, names=None) -> dict:
         vals = results.epoch_values(names)
+        host = to_host(vals, self.strategy)
+        if log and names is None and self.world_size > 1:
+            # once per stage, on every rank (also one that logged nothing: it takes part in the gather)
+            _checks.warn_unsynced(self, results.stage, vals, host)
         if not vals:
             return {}
-        host = to_host(vals, self.strategy)
-        if log and self.world_size > 1:
-            _checks.warn_unsynced(self, results.stage, vals, host)   # once per stage
         for e, _ in vals.values():
             if e.metric is not None:
                 e.metric.reset()   # computed: start clean (the sanity check or another stage may reuse it)

@@ -4,7 +4,8 @@
 
 ``val/rank`` differs per rank and is logged without sync_dist (warned once, by
 name); ``val/same`` is equal on every rank and ``val/synced`` is reduced, so
-neither is named.
+neither is named. ``train/only_rank1`` is logged on rank 1 only: rank 0 emits no
+training epoch value, yet the check must not hang (and names it).
 """
 import sys
 
@@ -23,6 +24,8 @@ class Net(TrainModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.trainer.global_rank == 1:   # rank 0 has no training epoch value at all
+            self.log("train/only_rank1", 1.0, on_step=False, on_epoch=True)
         return F.mse_loss(self.layer(x), y)
 
     def validation_step(self, batch, batch_idx):
