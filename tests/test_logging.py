@@ -373,3 +373,16 @@ def test_torchmetrics_state_does_not_leak_from_the_sanity_check_or_other_stages(
     assert trainer.callback_metrics["val/acc"].item() == pytest.approx(whole(val_x, val_y), rel=1e-6)
     out = trainer.test(module, DataLoader(TensorDataset(x, y), batch_size=32))
     assert out[0]["test/acc"] == pytest.approx(whole(x, y), rel=1e-6)
+
+
+@pytest.mark.parametrize("precision, dtype", [("16-true", torch.float16), ("bf16-true", torch.bfloat16)])
+def test_epoch_means_of_low_precision_values_accumulate_in_fp32(make_trainer, precision, dtype):
+    """200 validation batches of 32 logging 66.14 in fp16 summed to inf (fp16's max is
+    65504), and bf16's 8-bit mantissa stalled the sum: the epoch mean must be the value."""
+    class Const(LinearModule):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/const", torch.tensor(66.14, dtype=dtype))
+
+    loader = DataLoader(TensorDataset(torch.randn(6400, 4), torch.randn(6400, 1)), batch_size=32)
+    out = make_trainer(precision=precision).validate(Const(), loader)
+    assert out[0]["val/const"] == pytest.approx(float(torch.tensor(66.14, dtype=dtype)), rel=1e-6)

@@ -10,6 +10,7 @@ import torch
 from ember.errors import MisconfigurationError, invalid_choice
 
 _REDUCE = ("mean", "sum", "max", "min")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # (on_step, on_epoch) defaults per stage, as in Lightning
 _DEFAULTS = {"train": (True, False), "validate": (False, True), "test": (False, True),
              "predict": (False, False), "sanity": (False, True)}
@@ -82,22 +83,26 @@ class Results:
             e.last = e.metric._forward_cache if e.on_step else None
             e.updated = True
             return
+        acc = value
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if value.numel() != 1:
                 raise MisconfigurationError(
                     f"self.log({name!r}, ...): value must be a scalar, got a tensor of shape {tuple(value.shape)}")
+            # epoch sums in fp32 whatever the value's dtype: 200 batches of 32 at 66.0 overflow
+            # fp16 (max 65504) and lose all precision in bf16 (8-bit mantissa)
+            acc = value.float() if value.dtype in _LOW_PRECISION else value
         e.last = value
         e.updated = True
         if e.on_epoch:
             if e.reduce_fx == "mean":
                 bs = batch_size if batch_size is not None else self._infer_batch_size()
-                e.total = value * bs if e.total is None else e.total + value * bs
+                e.total = acc * bs if e.total is None else e.total + acc * bs
                 e.weight += bs
             elif e.total is None:
-                e.total = value
+                e.total = acc
             elif e.reduce_fx == "sum":
-                e.total = e.total + value
+                e.total = e.total + acc
             elif e.reduce_fx == "max":
                 e.total = torch.maximum(torch.as_tensor(e.total), torch.as_tensor(value))
             else:
