@@ -333,6 +333,8 @@ class PyTorchProfiler(Profiler):
         import torch
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
         run = time.strftime("%Y_%m_%d_%H_%M_%S")
+        if trainer.world_size > 1:   # one run folder for all ranks (decided once, at train start)
+            run = trainer.strategy.broadcast(run)
         self.trace_dir = os.path.join(self._out_dir(trainer), "plugins", "profile", run)
         os.makedirs(self.trace_dir, exist_ok=True)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

@@ -100,6 +100,7 @@ def test_lr_find_same_suggestion_on_every_rank(tmp_path):
     assert r0["losses"] == r1["losses"] and len(r0["losses"]) > 20
     assert r0["local_first_loss"] != r1["local_first_loss"]   # the ranks saw different data
     assert r0["restored"] and r1["restored"]
+    assert r0["fit_steps"] == r1["fit_steps"] == 512 // 16 // 2   # a full epoch after lr_find
 
 
 class SizedModule(LinearModule):

@@ -37,9 +37,11 @@ def main(out):
     loader = DataLoader(regression_data(n=512, dim=8), batch_size=16, shuffle=True)
     res = ember.tuner.lr_find(trainer, module, loader, min_lr=1e-5, max_lr=10.0, num_training=60)
     restored = all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    first = module.first
+    trainer.fit(module, loader)   # the restored trainer trains as usual afterwards
     with open(os.path.join(out, f"lr_rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"suggestion": res.suggestion(), "losses": res.losses, "local_first_loss": module.first,
-                   "restored": restored}, f)
+        json.dump({"suggestion": res.suggestion(), "losses": res.losses, "local_first_loss": first,
+                   "restored": restored, "fit_steps": trainer.global_step}, f)
 
 
 if __name__ == "__main__":
