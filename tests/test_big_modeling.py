@@ -363,3 +363,52 @@ def test_max_memory_defaults_and_sizes():
     assert get_max_memory({"disk": "10GB", "cpu": "1GiB"}) == OrderedDict([("cpu", 2**30), ("disk", 10 * 10**9)])
     with pytest.raises(Exception, match=r"max_memory\['cpu'\]='lots' is not a size"):
         get_max_memory({"cpu": "lots"})
+
+
+def test_balanced_memory_spreads_over_gpus(monkeypatch):
+    """Planning only: two GPUs declared, nothing runs on them."""
+    from ember.big_modeling import get_balanced_memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with init_empty_weights():
+        model = Toy()
+    # 4000 B over 2 GPUs: GPU 0 gets its half + 10% + the largest block (800 B) = 3000 B
+    budgets = get_balanced_memory(model, {0: 10_000, 1: 10_000, "cpu": 10_000}, no_split_module_classes=["Block"])
+    assert dict(budgets) == {0: 3000, 1: 10_000, "cpu": 10_000}
+    dmap = infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=["Block"])
+    assert list(dmap.items()) == [("emb", 0), ("head", 0), ("blocks.0", 0), ("blocks.1", 1), ("blocks.2", 1),
+                                  ("blocks.3", 1)]
+    low = get_balanced_memory(model, {0: 10_000, 1: 10_000, "cpu": 10_000}, ["Block"], low_zero=True)
+    assert low[0] == 800
+
+
+def test_most_specific_entry_wins(tmp_path):
+    torch.manual_seed(0)
+    ref = Toy()
+    ids = torch.randint(0, 20, (2, 4))
+    with torch.no_grad():
+        want = ref(ids)
+    model = Toy()
+    model.load_state_dict(ref.state_dict())
+    dispatch_model(model, {"": "cpu", "blocks.1": "disk", "blocks.2.linear2": "disk"}, offload_dir=tmp_path)
+    assert model.blocks[1].linear2.weight.device.type == "meta"
+    assert model.blocks[2].linear2.weight.device.type == "meta" and model.blocks[2].linear1.weight.device.type == "cpu"
+    with torch.no_grad():
+        assert torch.equal(model(ids), want)
+
+
+def test_dispatch_model_auto_writes_disk_blocks(tmp_path):
+    torch.manual_seed(0)
+    ref = Toy()
+    ids = torch.randint(0, 20, (2, 4))
+    with torch.no_grad():
+        want = ref(ids)
+    model = Toy()
+    model.load_state_dict(ref.state_dict())
+    dispatch_model(model, "auto", max_memory={"cpu": 2800}, no_split_module_classes=["Block"], offload_dir=tmp_path)
+    assert model.hf_device_map["blocks.1"] == "disk"
+    assert sorted(os.listdir(tmp_path)) == ["blocks.1.safetensors", "blocks.2.safetensors", "blocks.3.safetensors"]
+    with torch.no_grad():
+        assert torch.equal(model(ids), want)
+    with pytest.raises(DeviceMapError, match="already dispatched"):
+        dispatch_model(model, {"": "cpu"})
