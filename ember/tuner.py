@@ -279,12 +279,10 @@ def lr_find(trainer, module, train_dataloaders=None, datamodule=None, min_lr: fl
 
 # --------------------------------------------------------------------------- batch-size finder
 def is_oom_error(exc: BaseException) -> bool:
-    """True for out-of-memory errors of CUDA, cuDNN, cuBLAS or the CPU allocator."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    msg = str(exc) if isinstance(exc, RuntimeError) else ""
-    return any(s in msg for s in ("out of memory", "CUDNN_STATUS_NOT_SUPPORTED", "CUBLAS_STATUS_ALLOC_FAILED",
-                                  "can't allocate memory", "DefaultCPUAllocator: not enough memory"))
+    """True for out-of-memory errors of CUDA, cuDNN, MPS or the CPU allocator (the test
+    of ``ember.utils.find_executable_batch_size``)."""
+    from ember.utils import should_reduce_batch_size
+    return should_reduce_batch_size(exc)
 
 
 def _free_memory() -> None:
@@ -327,7 +325,8 @@ def scale_batch_size(trainer, module, train_dataloaders=None, datamodule=None, m
     exceed ``max_val`` (the bound to use on CPU, where memory does not run out
     cleanly); growth also stops at the dataset's length. At most ``max_trials``
     trials. Everything is restored afterwards except the attribute, which is left
-    at the result; returns it. Single process only.
+    at the result; returns it. Single process only. For a custom loop, the decorator
+    ``ember.utils.find_executable_batch_size`` halves a batch size on OOM and retries.
     """
     if mode not in ("power", "binsearch"):
         raise invalid_choice("mode", mode, ["power", "binsearch"])

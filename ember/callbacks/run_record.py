@@ -25,6 +25,8 @@ def _stop_reason(trainer, status: str) -> str | None:
     reason = getattr(trainer, "stop_reason", None)
     if reason:
         return str(reason)
+    if getattr(trainer, "_preempted", False):
+        return "preempted"
     if status == "interrupted":
         return "interrupted"
     if status == "failed":
@@ -36,6 +38,8 @@ def _stop_reason(trainer, status: str) -> str | None:
     for cb in trainer.callbacks:
         if type(cb).__name__ == "EarlyStopping" and getattr(cb, "stopped_epoch", 0):
             return "early_stopping"
+    if trainer.should_stop and any(type(cb).__name__ == "Timer" for cb in trainer.callbacks):
+        return "timer"
     deadline = getattr(trainer, "_deadline", None)
     if deadline is not None and time.monotonic() >= deadline:
         return "max_time"
