@@ -297,12 +297,28 @@ class DataModule:
     def teardown(self, stage: str) -> None:
         """Release what ``setup`` built, at the end of the stage."""
 
-    def train_dataloader(self): raise NotImplementedError
-    def val_dataloader(self): return None
-    def test_dataloader(self): raise NotImplementedError
-    def predict_dataloader(self): raise NotImplementedError
-    def state_dict(self) -> dict: return {}
-    def load_state_dict(self, state: dict) -> None: ...
+    def train_dataloader(self) -> Any:
+        """The training DataLoader (required for ``fit``)."""
+        raise NotImplementedError
+
+    def val_dataloader(self) -> Any:
+        """The validation DataLoader, or a list of them (None: no validation)."""
+        return None
+
+    def test_dataloader(self) -> Any:
+        """The test DataLoader(s), for ``trainer.test``."""
+        raise NotImplementedError
+
+    def predict_dataloader(self) -> Any:
+        """The DataLoader(s) for ``trainer.predict``."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """State saved in checkpoints (plain values and tensors)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
 
 
 def overrides(obj: Any, base: type, name: str) -> bool:

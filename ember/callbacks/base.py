@@ -4,7 +4,11 @@ setup, which callbacks override each hook, so a hook nobody overrides costs
 nothing per step."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:   # for type checkers and IDEs only: callbacks never import the trainer at run time
+    from ember.module import TrainModule
+    from ember.trainer import Trainer
 
 HOOKS = (
     "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",
@@ -36,45 +40,120 @@ class Callback:
         return type(self).__qualname__
 
     def state_dict(self) -> dict[str, Any]:
+        """State saved in checkpoints (plain values and tensors)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore what ``state_dict`` returned."""
 
-    def setup(self, trainer, module, stage: str) -> None: ...
-    def teardown(self, trainer, module, stage: str) -> None: ...
-    def on_fit_start(self, trainer, module) -> None: ...
-    def on_fit_end(self, trainer, module) -> None: ...
-    def on_sanity_check_start(self, trainer, module) -> None: ...
-    def on_sanity_check_end(self, trainer, module) -> None: ...
-    def on_train_start(self, trainer, module) -> None: ...
-    def on_train_end(self, trainer, module) -> None: ...
-    def on_train_epoch_start(self, trainer, module) -> None: ...
-    def on_train_epoch_end(self, trainer, module) -> None: ...
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None: ...
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None: ...
-    def on_before_optimizer_step(self, trainer, module, optimizer) -> None: ...
-    def on_validation_start(self, trainer, module) -> None: ...
-    def on_validation_end(self, trainer, module) -> None: ...
-    def on_validation_epoch_start(self, trainer, module) -> None: ...
-    def on_validation_epoch_end(self, trainer, module) -> None: ...
-    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None: ...
-    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None: ...
-    def on_test_start(self, trainer, module) -> None: ...
-    def on_test_end(self, trainer, module) -> None: ...
-    def on_test_epoch_start(self, trainer, module) -> None: ...
-    def on_test_epoch_end(self, trainer, module) -> None: ...
-    def on_test_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None: ...
-    def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None: ...
-    def on_predict_start(self, trainer, module) -> None: ...
-    def on_predict_end(self, trainer, module) -> None: ...
-    def on_predict_epoch_start(self, trainer, module) -> None: ...
-    def on_predict_epoch_end(self, trainer, module) -> None: ...
-    def on_predict_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0) -> None: ...
-    def on_predict_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None: ...
-    def on_save_checkpoint(self, trainer, module, checkpoint: dict) -> None: ...
-    def on_load_checkpoint(self, trainer, module, checkpoint: dict) -> None: ...
-    def on_exception(self, trainer, module, exception: BaseException) -> None: ...
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        """Called at the start of fit/validate/test/predict (``stage``), after the strategy is set up."""
+
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        """Called at the end of fit/validate/test/predict, also after an error."""
+
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called once at the start of ``fit`` (after any checkpoint restore)."""
+
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called once at the end of a ``fit`` that was not interrupted."""
+
+    def on_sanity_check_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called before the validation sanity check."""
+
+    def on_sanity_check_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after the validation sanity check."""
+
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called before the first training epoch."""
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after the last training epoch."""
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called at the start of each training epoch."""
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called at the end of each training epoch, after its validation (checkpoints and early stopping act here)."""
+
+    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+        """Called before each ``training_step``."""
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Called after each training batch (and its optimizer step on a window's last micro-batch)."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
+        """Called before each optimizer step, with unscaled gradients."""
+
+    def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called at the start of a validation pass (not during the sanity check)."""
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after a validation pass, once its epoch values are emitted."""
+
+    def on_validation_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called before the first batch of a validation pass."""
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after the last batch of a validation pass, before its values are emitted."""
+
+    def on_validation_batch_start(self, trainer: Trainer, module: TrainModule,
+                                  batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each ``validation_step``."""
+
+    def on_validation_batch_end(self, trainer: Trainer, module: TrainModule,
+                                outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each ``validation_step`` with its output."""
+
+    def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called at the start of the test loop."""
+
+    def on_test_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after the test loop, once its values are emitted."""
+
+    def on_test_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called before the first test batch."""
+
+    def on_test_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after the last test batch, before its values are emitted."""
+
+    def on_test_batch_start(self, trainer: Trainer, module: TrainModule,
+                            batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each ``test_step``."""
+
+    def on_test_batch_end(self, trainer: Trainer, module: TrainModule,
+                          outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each ``test_step`` with its output."""
+
+    def on_predict_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called at the start of ``predict``."""
+
+    def on_predict_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called at the end of ``predict``."""
+
+    def on_predict_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called before the first predict batch."""
+
+    def on_predict_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after the last predict batch."""
+
+    def on_predict_batch_start(self, trainer: Trainer, module: TrainModule,
+                               batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each ``predict_step``."""
+
+    def on_predict_batch_end(self, trainer: Trainer, module: TrainModule,
+                             outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each ``predict_step`` with its output."""
+
+    def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict) -> None:
+        """Called when a checkpoint is written; add plain values or tensors to ``checkpoint``."""
+
+    def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict) -> None:
+        """Called when a checkpoint is restored."""
+
+    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        """Called when fit/validate/test/predict raises (also on Ctrl-C), before the loggers are finalized."""
 
 
 def hook_table(callbacks: list) -> dict[str, list]:
