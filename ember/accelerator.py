@@ -182,6 +182,10 @@ class Accelerator(AccelerateNames):
 
     # -- flat verbs (shared with the Trainer) --------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if any(hasattr(m, "hf_device_map") for m in module.modules()):   # placed by a device map: stays
+            from ember.big_modeling import check_prepare
+            if check_prepare(module, self.strategy.name):     # raises under DDP/FSDP/DeepSpeed
+                return module
         return self.strategy.setup_module(module)
 
     def setup_optimizers(self, module: nn.Module, optimizers: list):

@@ -412,3 +412,22 @@ def test_dispatch_model_auto_writes_disk_blocks(tmp_path):
         assert torch.equal(model(ids), want)
     with pytest.raises(DeviceMapError, match="already dispatched"):
         dispatch_model(model, {"": "cpu"})
+
+
+def test_trainer_predict_with_a_dispatched_causal_lm(tmp_path):
+    import ember
+    from ember.integrations.transformers import TransformersModule
+    _, ref = _gpt2(tmp_path)
+    ref.save_pretrained(tmp_path / "m")
+    module = TransformersModule.from_pretrained(tmp_path / "m", task="causal-lm", device_map="auto",
+                                                max_memory={"cpu": 400_000}, offload_folder=tmp_path / "off",
+                                                generate_kwargs={"max_new_tokens": 5, "do_sample": False})
+    assert "disk" in module.model.hf_device_map.values()
+    ids = torch.randint(2, 256, (4, 6), generator=torch.Generator().manual_seed(5))
+    loader = torch.utils.data.DataLoader([{"input_ids": i, "attention_mask": torch.ones_like(i)} for i in ids],
+                                         batch_size=2)
+    trainer = ember.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+    got = torch.cat(trainer.predict(module, loader))
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)[:, 6:]
+    assert torch.equal(got, want)
