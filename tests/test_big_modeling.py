@@ -355,7 +355,7 @@ def test_env_reports_big_model_placement():
 
 
 def test_max_memory_defaults_and_sizes():
-    import psutil
+    psutil = pytest.importorskip("psutil")
     from ember.big_modeling import get_max_memory
     avail = psutil.virtual_memory().available
     mem = get_max_memory()
