@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from ember import Accelerator, DistributedType  # noqa: F401  (from accelerate import ...)
 from ember.local_sgd import LocalSGD  # (from accelerate.local_sgd import LocalSGD)
 from ember.logging import get_logger  # (from accelerate.logging import get_logger)
-from ember.utils import ProfileKwargs, ProjectConfiguration, find_executable_batch_size, set_seed  # (accelerate.utils)
+from ember.utils import ProfileKwargs, find_executable_batch_size, set_seed  # (from accelerate.utils import ...)
 
 logger = get_logger(__name__)
 EVAL_BATCH_SIZE = 8
@@ -214,7 +214,6 @@ def memory(args):
 
     @find_executable_batch_size(starting_batch_size=32)
     def inner_training_loop(batch_size):
-        nonlocal accelerator
         accelerator.free_memory()
         tried.append(batch_size)
         if batch_size > 8:   # stands in for a CUDA OOM of the real script
@@ -238,7 +237,6 @@ def automatic_gradient_accumulation(args):
 
     @find_executable_batch_size(starting_batch_size=observed_batch_size)
     def inner(batch_size):
-        nonlocal accelerator
         accelerator.free_memory()
         if batch_size > 8:
             raise torch.OutOfMemoryError("CUDA out of memory.")
