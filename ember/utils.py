@@ -16,6 +16,7 @@ import torch
 from ember.accelerator_compat import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
                                       GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                       ProfileKwargs, ProjectConfiguration, TorchDynamoPlugin)
+from ember.lightning_compat import convert_lightning_checkpoint  # noqa: F401  (Lightning checkpoints)
 from ember.strategies.base import move_to_device
 
 __all__ = ["set_seed", "ProjectConfiguration", "gather", "gather_object", "broadcast", "broadcast_object_list",

@@ -67,3 +67,64 @@ def test_rank_zero_info_warn_debug(rank, caplog):
         rank_zero_info("info")
     assert w == [] and caplog.records == []
     assert utilities.rank_prefixed_message("m", 2) == "[rank: 2] m"
+
+
+# ----------------------------------------------------------------------------- convert_lightning_checkpoint
+import json  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+
+import torch  # noqa: E402
+
+from ember.errors import CheckpointError  # noqa: E402
+from ember.utils import convert_lightning_checkpoint  # noqa: E402
+from conftest import LinearModule  # noqa: E402
+
+
+def _lightning_ckpt(module, **extra):
+    """The dict Lightning's Trainer.save_checkpoint writes (2.x layout)."""
+    return {"epoch": 4, "global_step": 120, "pytorch-lightning_version": "2.6.0",
+            "state_dict": OrderedDict(module.state_dict()),
+            "loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"current": {"completed": 4}}}},
+            "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_score": torch.tensor(0.5)}},
+            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}],
+            "lr_schedulers": [], "hparams_name": "kwargs",
+            "hyper_parameters": {"dim": 3, "lr": 0.25}, **extra}
+
+
+def test_convert_lightning_checkpoint_loads_into_module(tmp_path):
+    torch.manual_seed(0)
+    src = LinearModule(dim=3, lr=0.25)
+    torch.save(_lightning_ckpt(src), tmp_path / "last.ckpt")
+    out = convert_lightning_checkpoint(tmp_path / "last.ckpt", tmp_path / "converted")
+    m = LinearModule.load_from_checkpoint(out)
+    assert m.lr == 0.25 and m.net.in_features == 3     # rebuilt from the hparams
+    for (k, a), (k2, b) in zip(src.state_dict().items(), m.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    meta = json.loads((tmp_path / "converted" / "meta.json").read_text())
+    assert meta["epoch"] == 4 and meta["global_step"] == 120
+    assert meta["converted_from"]["version"] == "2.6.0"
+
+
+def test_convert_refuses_files_needing_unpickling(tmp_path):
+    import argparse
+    src = LinearModule(dim=3)      # an argparse.Namespace needs unpickling a class: refused
+    torch.save(_lightning_ckpt(src, extra_object=argparse.Namespace(lr=1)), tmp_path / "evil.ckpt")
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        convert_lightning_checkpoint(tmp_path / "evil.ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    torch.save({"model": src.state_dict()}, tmp_path / "plain.ckpt")
+    with pytest.raises(CheckpointError, match="state_dict"):
+        convert_lightning_checkpoint(tmp_path / "plain.ckpt", tmp_path / "out")
+    with pytest.raises(CheckpointError, match="not a file"):
+        convert_lightning_checkpoint(tmp_path / "missing.ckpt", tmp_path / "out")
+
+
+def test_convert_warns_for_hparams_json_cannot_hold(tmp_path):
+    src = LinearModule(dim=3)
+    ck = _lightning_ckpt(src)
+    ck["hyper_parameters"]["init"] = torch.zeros(2)
+    torch.save(ck, tmp_path / "a.ckpt")
+    with pytest.warns(UserWarning, match=r"\['init'\]"):
+        out = convert_lightning_checkpoint(tmp_path / "a.ckpt", tmp_path / "c")
+    assert "init" not in json.loads((tmp_path / "c" / "meta.json").read_text())["hparams"]
+    assert LinearModule.load_from_checkpoint(out).net.in_features == 3

@@ -1,0 +1,73 @@
+"""Moving existing Lightning runs over: :func:`convert_lightning_checkpoint` turns a
+Lightning ``.ckpt`` file into an ember checkpoint directory (weights only) that
+``TrainModule.load_from_checkpoint`` reads. Re-exported as
+``ember.utils.convert_lightning_checkpoint``."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from ember.errors import CheckpointError
+
+__all__ = ["convert_lightning_checkpoint"]
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def convert_lightning_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> str:
+    """Convert the Lightning checkpoint file ``path`` into the ember checkpoint
+    directory ``out_dir`` and return its path.
+
+    The file is read with ``torch.load(weights_only=True)``: nothing is unpickled
+    beyond tensors and plain containers, and a file that needs more is refused with
+    a :class:`~ember.errors.CheckpointError`. ``state_dict`` becomes
+    ``model.safetensors``; ``hyper_parameters`` become the ``hparams`` in
+    ``meta.json`` (with ``epoch`` and ``global_step``). Hyperparameters that JSON
+    cannot hold are left out with a warning naming them: pass them as keywords to
+    ``load_from_checkpoint``. Optimizer, scheduler and loop states are not carried
+    over (continue with a fresh optimizer)::
+
+        from ember.utils import convert_lightning_checkpoint
+        convert_lightning_checkpoint("epoch=9-step=1000.ckpt", "converted")
+        model = MyModel.load_from_checkpoint("converted")
+    """
+    from ember import checkpoint_io as cio
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"convert_lightning_checkpoint: {path} is not a file (expected a Lightning .ckpt)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError... by cause
+        raise CheckpointError(
+            f"convert_lightning_checkpoint: {path} cannot be read with torch.load(weights_only=True), so it "
+            f"is refused (reading it otherwise would run arbitrary code from the file): {err}") from err
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise CheckpointError(f"convert_lightning_checkpoint: {path} is not a Lightning checkpoint "
+                              f"(no 'state_dict' dict; keys: {sorted(ckpt)[:10] if isinstance(ckpt, dict) else type(ckpt).__name__})")
+    weights = {}
+    for k, v in ckpt["state_dict"].items():
+        if not isinstance(v, torch.Tensor):
+            raise CheckpointError(f"convert_lightning_checkpoint: state_dict[{k!r}] in {path} is a "
+                                  f"{type(v).__name__}, not a tensor")
+        weights[k] = v
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    dropped = sorted(k for k, v in hparams.items() if not _json_ok(v))
+    if dropped:
+        warnings.warn(f"convert_lightning_checkpoint: hyperparameters {dropped} of {path} cannot be stored in "
+                      f"meta.json and were left out; pass them to load_from_checkpoint(..., name=value)",
+                      stacklevel=2)
+    meta = {"hparams": {k: v for k, v in hparams.items() if k not in dropped},
+            "epoch": ckpt.get("epoch"), "global_step": ckpt.get("global_step"),
+            "converted_from": {"format": "lightning", "file": os.path.basename(path),
+                               "version": ckpt.get("pytorch-lightning_version")}}
+    return cio.write_checkpoint(out_dir, weights, None, meta)
