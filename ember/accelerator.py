@@ -32,6 +32,20 @@ _NULL = contextlib.nullcontext()
 _REDUCTIONS = ("sum", "mean", "max", "min", "none")
 
 
+def accumulation_window(index: int, total: int | None, steps: int) -> tuple[bool, int]:
+    """The accumulation rule of the Trainer and the Accelerator (docs/accelerator.md,
+    "The optimizer step"): for micro-batch ``index`` (0-based, counted from the start
+    of the epoch) of ``total`` (None: unknown length), return whether the optimizer
+    steps after it and the size of its window. Windows hold ``steps`` micro-batches;
+    the last window of an epoch of known length may be shorter and its losses are
+    divided by its own size, so every step equals one big batch of its samples."""
+    if total is not None:
+        last = total - total % steps   # where a short last window starts
+        if index >= last:
+            return index + 1 == total, total - last
+    return (index + 1) % steps == 0, steps
+
+
 class Accelerator(AccelerateNames):
     """Prepare models, optimizers, dataloaders and schedulers for the chosen
     strategy (single device, DDP, FSDP, DeepSpeed) and precision, and give a
@@ -117,10 +131,12 @@ class Accelerator(AccelerateNames):
 
     def _init(self, strategy) -> None:
         self.strategy = strategy
+        self._bind_strategy()
         strategy.setup_environment()
         self.gradient_accumulation_steps = 1
         self.step_scheduler_with_optimizer = True
         self.sync_gradients = True
+        self._loss_div = 1   # backward() divides the loss by the size of the accumulation window
         self.debug = False
         self.seed = None
         self._step = 0
@@ -143,12 +159,31 @@ class Accelerator(AccelerateNames):
         self.log_with = []
         self.trackers: list = []
 
+    def _bind_strategy(self) -> None:
+        """May backward / the optimizer step call the precision directly? Yes when the
+        strategy neither overrides them nor has them wrapped on the instance (profiler)."""
+        from ember.strategies.base import Strategy
+        st = self.strategy
+        self._plain_backward = type(st).backward is Strategy.backward and "backward" not in st.__dict__
+        self._plain_step = type(st).optimizer_step is Strategy.optimizer_step and "optimizer_step" not in st.__dict__
+
     @classmethod
     def _for_trainer(cls, strategy) -> "Accelerator":
         """The Trainer's accelerator: same strategy object, no trackers or seeding."""
         acc = cls.__new__(cls)
         acc._init(strategy)
         return acc
+
+    def attach_trainer_step(self, model: nn.Module, optimizers: list, accumulate_grad_batches: int) -> None:
+        """The Trainer's model and optimizers (set up by the strategy) become this
+        accelerator's prepared ones, so the Trainer's step runs on the same verbs as a
+        custom loop: :meth:`accumulation_step`, :meth:`backward`, :meth:`unscale_gradients`,
+        :meth:`clip_grad_norm_`, ``AcceleratedOptimizer.step``, the scheduler rule of
+        :attr:`optimizer_step_was_skipped`."""
+        self._models = [model]
+        self._optimizers = [AcceleratedOptimizer(o, self) for o in optimizers]
+        self.gradient_accumulation_steps = int(accumulate_grad_batches)
+        self.sync_gradients, self._loss_div, self._step = True, 1, 0
 
     # -- topology -------------------------------------------------------------------
     device = property(lambda self: self.strategy.root_device)
@@ -276,27 +311,49 @@ class Accelerator(AccelerateNames):
     # -- step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` through the strategy and precision (loss scaling under
-        16-mixed); divides by ``gradient_accumulation_steps`` first."""
-        if self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
-        self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
+        16-mixed); divides by the size of the current accumulation window first
+        (``gradient_accumulation_steps``; a short last window of a prepared dataloader:
+        its own size)."""
+        div = self._loss_div
+        if div != 1:
+            loss = loss / div
+        if self._plain_backward:   # the strategy's backward is the precision's (one call less per step)
+            self.strategy.precision.backward(loss, **kwargs)
+        else:
+            self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
+
+    def accumulation_step(self, index: int, total: int | None) -> bool:
+        """Micro-batch ``index`` (0-based, in its epoch) of ``total`` (None: unknown):
+        set :attr:`sync_gradients` and the divisor :meth:`backward` applies, by
+        :func:`accumulation_window`; return :attr:`sync_gradients`. :meth:`accumulate`
+        calls it with the prepared dataloader's position; the Trainer, per batch."""
+        self.sync_gradients, self._loss_div = accumulation_window(index, total, self.gradient_accumulation_steps)
+        return self.sync_gradients
 
     def accumulate(self, *models):
         """Context for one micro-batch. Sets :attr:`sync_gradients` (True on every
-        ``gradient_accumulation_steps``-th call and on the last batch of a prepared
-        dataloader) and, on the other calls, skips the gradient all-reduce of
+        ``gradient_accumulation_steps``-th batch of a prepared dataloader's pass and on
+        its last batch; without one, on every ``gradient_accumulation_steps``-th call)
+        and the loss divisor of :meth:`backward` (the window's size: a short last window
+        of a dataloader of known length divides by its own size, as the Trainer), and,
+        on the micro-batches that do not step, skips the gradient all-reduce of
         ``models`` (default: every prepared model). Prepared optimizers and schedulers
         only step, and ``zero_grad`` only clears, when ``sync_gradients`` is True."""
         gas = self.gradient_accumulation_steps
         if gas == 1:
             return _NULL
         loader = self._active_loader
-        if loader is not None and loader.end_of_dataloader:
+        total = loader.num_batches if loader is not None else None
+        if total is not None:   # windows from the start of the pass; a short last one divides by its size
+            index = loader.batches_done - 1
+            self._step = 0 if self.accumulation_step(index, total) else index % gas + 1
+        elif loader is not None and loader.end_of_dataloader:
             self._step = 0
-            self.sync_gradients = True
+            self.sync_gradients, self._loss_div = True, gas
         else:
             self._step += 1
             self.sync_gradients = self._step % gas == 0
+            self._loss_div = gas
             if self.sync_gradients:
                 self._step = 0
         if self.sync_gradients or self.strategy.world_size == 1:
@@ -337,8 +394,7 @@ class Accelerator(AccelerateNames):
         self._no_deepspeed_clip()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._unscale_for(params)
-        return torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm,
-                                              norm_type=norm_type)
+        return self.strategy.clip_grad_norm([p for p in params if p.grad is not None], max_norm, norm_type)
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (unscaled first; as
@@ -348,7 +404,7 @@ class Accelerator(AccelerateNames):
         self._no_deepspeed_clip()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._unscale_for(params)
-        torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
+        self.strategy.clip_grad_value([p for p in params if p.grad is not None], clip_value)
 
     def _no_deepspeed_clip(self) -> None:
         if self.strategy.owns_optimizer_step:

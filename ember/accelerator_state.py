@@ -37,8 +37,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v))
 
     def step(self, closure=None):
-        if not self._acc.sync_gradients:
+        acc = self._acc
+        if not acc.sync_gradients:
             return None
+        if acc._plain_step:   # the strategy's step is the precision's (one call less per step)
+            return self._strategy.precision.optimizer_step(self.optimizer, closure)
         return self._strategy.optimizer_step(self.optimizer, None, closure)
 
     @property
@@ -139,6 +142,14 @@ class DataLoaderShard:
 
     def __len__(self) -> int:
         return len(self.base)
+
+    @property
+    def num_batches(self) -> int | None:
+        """Batches per pass, or None when the loader has no length (IterableDataset)."""
+        try:
+            return len(self.base)
+        except TypeError:
+            return None
 
     @property
     def total_batch_size(self) -> int:

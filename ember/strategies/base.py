@@ -136,13 +136,25 @@ class Strategy:
 
     def clip_gradients(self, module: nn.Module, optimizer, clip_val: float,
                        algorithm: str = "norm") -> torch.Tensor | None:
+        """Unscale ``optimizer``'s gradients (16-mixed) and clip them: their total norm
+        (returned, before clipping) or each element (``algorithm="value"``)."""
         self.precision.unscale_gradients(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, clip_val)
+            self.clip_grad_value(params, clip_val)
             return None
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_val, foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm   # DTensor (FSDP): reduced over ranks
+        return self.clip_grad_norm(params, clip_val)
+
+    def clip_grad_norm(self, params: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the total norm of the gradients of ``params`` (already unscaled) to
+        ``max_norm``; return the norm before clipping, reduced over ranks when the
+        gradients are sharded DTensors (FSDP, tensor parallel)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip_grad_value(self, params: list, clip_value: float) -> None:
+        """Clamp every gradient element of ``params`` to ``[-clip_value, clip_value]``."""
+        torch.nn.utils.clip_grad_value_(params, clip_value)
 
     # -- collectives (identity on one process) ---------------------------------
     def barrier(self, name: str | None = None) -> None:

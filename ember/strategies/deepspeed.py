@@ -215,8 +215,8 @@ class DeepSpeedStrategy(DDPStrategy):
     # -- configuration -----------------------------------------------------------------
     def configure_from_trainer(self, accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
                                micro_batch_size: int | None = None, gradient_clip_algorithm: str = "norm") -> None:
-        """The Trainer's values for the config's ``"auto"`` entries (called before
-        :meth:`setup_optimizers`)."""
+        """The Trainer's values for the config's ``"auto"`` entries: the Trainer calls
+        this before :meth:`setup_optimizers` (the strategy never looks for a trainer)."""
         if gradient_clip_val is not None and gradient_clip_algorithm != "norm":
             raise MisconfigurationError(
                 f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported by DeepSpeed, which clips "
@@ -224,24 +224,11 @@ class DeepSpeedStrategy(DDPStrategy):
         self._trainer_values = {"accumulate_grad_batches": int(accumulate_grad_batches),
                                 "gradient_clip_val": gradient_clip_val, "micro_batch_size": micro_batch_size}
 
-    def _values_from(self, module) -> dict | None:
-        """Without :meth:`configure_from_trainer`: read them from the Trainer the module
-        is attached to, if any."""
-        if self._trainer_values is not None:
-            return self._trainer_values
-        t = getattr(self.unwrap_module(module), "_trainer", None) if module is not None else None
-        if t is None or not hasattr(t, "accumulate_grad_batches"):
-            return None
-        loader = getattr(t, "_train_loader", None)
-        self.configure_from_trainer(t.accumulate_grad_batches, t.gradient_clip_val,
-                                    getattr(loader, "batch_size", None), getattr(t, "gradient_clip_algorithm", "norm"))
-        return self._trainer_values
-
     def resolve_config(self, module: nn.Module | None = None) -> dict:
         """The config handed to ``deepspeed.initialize``: the user's, with ``"auto"``
         filled in and conflicts with the Trainer's arguments reported."""
         cfg = copy.deepcopy(self._user_config)
-        tv = self._values_from(module)
+        tv = self._trainer_values   # set by the Trainer through configure_from_trainer(); None otherwise
 
         def fill(key: str, value, arg: str | None):
             cur = cfg.get(key, "auto")

@@ -159,9 +159,22 @@ class FitLoop:
                                         "(IterableDataset); save checkpoints at epoch ends instead")
         acc_n = t.accumulate_grad_batches
         automatic = module.automatic_optimization
-        opt = t.optimizers[0] if t.optimizers else None
-        multi_opt = len(t.optimizers) > 1
-        backward, opt_step, no_sync = strategy.backward, strategy.optimizer_step, strategy.no_backward_sync
+        # the step runs on the Accelerator's verbs (docs/accelerator.md, "The optimizer step"):
+        # accumulation window and loss divisor, backward (loss scaling), unscale, clip, step, scale update
+        acc = t._acc
+        acc._bind_strategy()   # after a profiler wrapped strategy.backward / optimizer_step
+        window = acc.accumulation_step if acc_n > 1 else None
+        total = None if limit == math.inf else limit
+        backward, no_sync = acc.backward, strategy.no_backward_sync
+        optimizers = acc._optimizers          # AcceleratedOptimizers over t.optimizers
+        opt = optimizers[0] if optimizers else None
+        multi_opt = len(optimizers) > 1
+        clip = t.gradient_clip_val
+        clip_fn = None if clip is None or strategy.owns_optimizer_step else \
+            acc.clip_grad_value_ if t.gradient_clip_algorithm == "value" else acc.clip_grad_norm_
+        owns_step = strategy.owns_optimizer_step
+        zero_grad = opt.optimizer.zero_grad if opt is not None and not owns_step else None
+        update_scale = precision.update if precision.scaler is not None else None
         fwd_ctx = precision.forward_context if precision.autocast_dtype is not None else None
         to_device = strategy.batch_to_device if t._needs_transfer else None
         cast = precision.convert_input if precision.needs_input_cast else None
@@ -173,11 +186,7 @@ class FitLoop:
         log_every = t.log_every_n_steps
         val_every = t._val_every_n_batches
         deadline = t._deadline
-        clip = t.gradient_clip_val
         training_step = module.training_step
-        owns_step = strategy.owns_optimizer_step
-        update_scale = precision.update if precision.scaler is not None else None
-        last_window_start = (limit // acc_n) * acc_n if limit != math.inf else math.inf
         ahead = None
         if acc_n > 1 and automatic and not edata.has_length(loader):
             # unknown epoch length (IterableDataset): look acc_n - 1 batches ahead, so the last
@@ -195,8 +204,7 @@ class FitLoop:
             if batch_idx >= limit:
                 break
             if ahead is not None and ahead.length is not None and ahead.length < limit:
-                limit = ahead.length
-                last_window_start = (limit // acc_n) * acc_n
+                limit = total = ahead.length
             if to_device is not None:
                 batch = to_device(batch)
             if cast is not None:
@@ -207,48 +215,48 @@ class FitLoop:
                 _call(h_start, t, module, batch, batch_idx)
             if m_start is not None and m_start(batch, batch_idx) == -1:
                 break
-            boundary = (batch_idx + 1) % acc_n == 0 or batch_idx + 1 == limit
+            # the last micro-batch of its accumulation window? (sets backward's loss divisor)
+            boundary = window(batch_idx, total) if window is not None else True
             if automatic:
                 # forward + backward of one micro-batch
                 sync_ctx = no_sync(model, True) if (use_no_sync and not boundary) else None
                 if sync_ctx is not None:
                     sync_ctx.__enter__()
-                if fwd_ctx is not None:
-                    with fwd_ctx():
+                try:
+                    if fwd_ctx is not None:
+                        with fwd_ctx():
+                            out = training_step(batch, batch_idx)
+                    else:
                         out = training_step(batch, batch_idx)
-                else:
-                    out = training_step(batch, batch_idx)
-                loss = out if type(out) is torch.Tensor else extract_loss(out)
-                if loss is not None:
-                    if check_loss is not None and (check_every or (boundary and (t.global_step + 1) % log_every == 0)):
-                        check_loss(t, loss, batch_idx)
-                    if acc_n > 1:
-                        # the last window of an epoch may be shorter than acc_n
-                        loss = loss / (acc_n if batch_idx < last_window_start else (limit - last_window_start))
-                    backward(loss, model)
-                if sync_ctx is not None:
-                    sync_ctx.__exit__(None, None, None)
+                    loss = out if type(out) is torch.Tensor else extract_loss(out)
+                    if loss is not None:
+                        if check_loss is not None and (check_every or (boundary and (t.global_step + 1) % log_every == 0)):
+                            check_loss(t, loss, batch_idx)
+                        backward(loss)   # divided by the window's size; scaled under 16-mixed
+                finally:
+                    if sync_ctx is not None:
+                        sync_ctx.__exit__(None, None, None)
                 # optimizer step on the last micro-batch of the window
                 if boundary and (loss is not None or t._grads_pending):
                     t._grads_pending = False
                     if before_step:
-                        t._before_optimizer_step(opt)
-                    if clip is not None and not owns_step:
-                        for o in (t.optimizers if multi_opt else (opt,)):
-                            strategy.clip_gradients(model, o, clip, t.gradient_clip_algorithm)
+                        t._before_optimizer_step(opt.optimizer)   # sees unscaled gradients
+                    if clip_fn is not None:    # each optimizer's gradients (unscaled first)
+                        for o in optimizers:
+                            clip_fn([p for g in o.param_groups for p in g["params"]], clip)
                     if multi_opt:
-                        for o in t.optimizers:
-                            opt_step(o, model)
-                            o.zero_grad(set_to_none=True)
+                        for o in optimizers:
+                            o.step()
+                            o.zero_grad()
                     else:
-                        opt_step(opt, model)
-                        if not owns_step:
-                            opt.zero_grad(set_to_none=True)
+                        opt.step()             # skipped on inf/NaN gradients under 16-mixed
+                        if zero_grad is not None:
+                            zero_grad(set_to_none=True)
                     if update_scale is not None:   # 16-mixed: one scale update after every optimizer stepped
                         update_scale()
                     t.global_step += 1
                     if step_sched:
-                        t._step_schedulers("step")
+                        t._step_schedulers("step")   # not after a skipped step
                     if t.global_step % log_every == 0:
                         t._emit_step(results)
                 elif loss is not None:

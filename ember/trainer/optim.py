@@ -71,6 +71,8 @@ def configure_optimizers(module) -> tuple[list, list[dict]]:
 def step_schedulers(trainer, interval: str) -> None:
     if not trainer.module.automatic_optimization:
         return   # manual optimization: the module steps its schedulers itself (as Lightning)
+    if interval == "step" and trainer._acc.optimizer_step_was_skipped:
+        return   # as a prepared scheduler: not after a step skipped for inf/NaN gradients (16-mixed)
     for cfg in trainer.lr_scheduler_configs:
         if cfg["interval"] != interval:
             continue

@@ -392,6 +392,7 @@ class Trainer:
                     micro_batch_size=getattr(self._train_loader, "batch_size", None),
                     gradient_clip_algorithm=self.gradient_clip_algorithm)
             self.model, self.optimizers = self._acc.setup_optimizers(self.model, self.optimizers)
+            self._acc.attach_trainer_step(self.model, self.optimizers, self.accumulate_grad_batches)
             self._step_schedulers_list = [c for c in self.lr_scheduler_configs if c["interval"] == "step"]
             self._manual_optimizers = [ManualOptimizer(o, self) for o in self.optimizers]
 
@@ -512,9 +513,7 @@ class Trainer:
 
     def _before_optimizer_step(self, opt):
         # the hook sees true gradients (as Lightning): unscale them first under loss scaling
-        if self.strategy.precision.scaler is not None and not self.strategy.owns_optimizer_step:
-            for o in self.optimizers:
-                self.strategy.precision.unscale_gradients(o)
+        self._acc.unscale_gradients()
         for h in self._hooks["on_before_optimizer_step"]:
             h(self, self.module, opt)
         mh = self._module_hook("on_before_optimizer_step")
