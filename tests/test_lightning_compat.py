@@ -128,3 +128,92 @@ def test_convert_warns_for_hparams_json_cannot_hold(tmp_path):
         out = convert_lightning_checkpoint(tmp_path / "a.ckpt", tmp_path / "c")
     assert "init" not in json.loads((tmp_path / "c" / "meta.json").read_text())["hparams"]
     assert LinearModule.load_from_checkpoint(out).net.in_features == 3
+
+
+# ----------------------------------------------------------------------------- finetuning callbacks
+import ember  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from ember.callbacks import BackboneFinetuning, BaseFinetuning, Callback  # noqa: E402
+from conftest import regression_data  # noqa: E402
+
+
+class Backboned(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1, momentum=0.9)
+
+
+class Record(Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_epoch_end(self, trainer, module):
+        opt = trainer.optimizers[0]
+        self.rows.append((trainer.current_epoch, module.backbone[0].weight.requires_grad,
+                          [g["lr"] for g in opt.param_groups], module.backbone[0].weight.detach().clone()))
+
+
+def _fit(tmp_path, max_epochs, module=None, ckpt_path=None, **kw):
+    torch.manual_seed(0)
+    module = module or Backboned()
+    rec = Record()
+    trainer = ember.Trainer(max_epochs=max_epochs, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                            devices="cpu", seed=0,
+                            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=2, **kw), rec])
+    trainer.fit(module, DataLoader(regression_data(32, 4), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
+    return module, trainer, rec
+
+
+def test_backbone_finetuning_freezes_then_adds_param_group(tmp_path):
+    torch.manual_seed(0)
+    m = Backboned()
+    w0 = m.backbone[0].weight.detach().clone()
+    _, _, rec = _fit(tmp_path, 4, module=m)
+    (e0, g0, lr0, w_0), (e1, g1, lr1, w_1), (e2, g2, lr2, w_2), (e3, g3, lr3, w_3) = rec.rows
+    assert not g0 and not g1 and torch.equal(w_0, w0) and torch.equal(w_1, w0)   # frozen: untouched
+    assert g2 and g3 and not torch.equal(w_2, w0) and not torch.equal(w_3, w_2)  # unfrozen: trains
+    assert lr0 == lr1 == [0.1]
+    assert lr2 == pytest.approx([0.1, 0.1 * 0.1])               # backbone_initial_ratio_lr
+    assert lr3 == pytest.approx([0.1, 0.1 * 0.1 * 1.5])         # lambda_func(epoch + 1) = 1.5
+    ref = m.backbone[1]
+    assert ref.track_running_stats and ref.weight.requires_grad        # train_bn=True
+
+
+@pytest.mark.parametrize("split", [1, 3])   # resume before the unfreeze epoch, and after it
+def test_backbone_finetuning_resume_is_exact(tmp_path, split):
+    full, _, rec_full = _fit(tmp_path / "full", 4)
+    _, first, _ = _fit(tmp_path / "a", split)
+    first.save_checkpoint(tmp_path / "ck")
+    resumed, trainer, rec = _fit(tmp_path / "b", 4, ckpt_path=tmp_path / "ck")
+    assert [r[2] for r in rec.rows] == [r[2] for r in rec_full.rows[split:]]
+    assert len(trainer.optimizers[0].param_groups) == 2
+    for a, b in zip(full.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_base_finetuning_needs_overrides_and_backbone(tmp_path):
+    class NoBackbone(Backboned):
+        def __init__(self):
+            super().__init__()
+            self.body = self.backbone
+            del self.backbone
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.head(self.body(x)), y)
+
+    with pytest.raises(ember.errors.MisconfigurationError, match="backbone"):
+        _fit(tmp_path, 1, module=NoBackbone())
+    with pytest.raises(NotImplementedError, match="freeze_before_training"):
+        BaseFinetuning().freeze_before_training(Backboned())

@@ -12,6 +12,8 @@ _LAZY = {
     "GatherMetrics": "ember.callbacks.gather_metrics",
     "ThroughputMonitor": "ember.callbacks.throughput",
     "BasePredictionWriter": "ember.callbacks.prediction_writer",
+    "BaseFinetuning": "ember.callbacks.finetuning",
+    "BackboneFinetuning": "ember.callbacks.finetuning",
 }
 
 __all__ = ["Callback", *_LAZY]

@@ -322,8 +322,24 @@ def _restore_grads(t, grads: dict, path: str) -> None:
     t._grads_pending = True
 
 
+def _restore_callbacks_first(t, path: str) -> None:
+    """Callbacks marked ``restore_before_optimizers`` (finetuning callbacks, which add
+    parameter groups) get their state before the optimizers' states are loaded."""
+    from ember import checkpoint_io as cio
+    early = [cb for cb in t.callbacks if getattr(cb, "restore_before_optimizers", False)]
+    sfile = os.path.join(os.fspath(path), cio.STATE_NAME)
+    if not early or not os.path.isfile(sfile):
+        return
+    cb_states = (cio.load_torch(sfile) or {}).get("callbacks", {})
+    for cb in early:
+        if cb.state_key in cb_states:
+            cb.load_state_dict(cb_states[cb.state_key])
+
+
 def restore(t, path: str, full: bool) -> None:
     from ember import checkpoint_io as cio
+    if full:
+        _restore_callbacks_first(t, path)
     try:
         state = t.strategy.load_checkpoint(path, t.model, t.optimizers if full else [], weights_only=not full)
     except CheckpointError:
