@@ -17,7 +17,6 @@ import json
 import os
 import pathlib
 import pickle
-import random
 import re
 import shutil
 import uuid
@@ -26,6 +25,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ember import checkpoint_checks as checks
+from ember.rng_state import collect_rng_states, restore_rng_states  # noqa: F401  (public here)
 from ember.errors import CheckpointError, MisconfigurationError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -346,21 +347,32 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     meta.update(format_version=FORMAT_VERSION, ember_version=getattr(ember, "__version__", "unknown"),
                 torch_version=torch.__version__,
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    with atomic_directory(path, keep_existing_tmp=keep_existing_tmp) as tmp:
-        files = {}
-        if weights is not None:
-            save_safetensors(weights, os.path.join(tmp, WEIGHTS_NAME))
-            files[WEIGHTS_NAME] = os.path.getsize(os.path.join(tmp, WEIGHTS_NAME))
-        elif not os.path.isdir(os.path.join(tmp, DCP_WEIGHTS_DIR)):
-            raise CheckpointError(f"write_checkpoint({path!r}): weights=None but no "
-                                  f"{DCP_WEIGHTS_DIR}/ folder was written into {tmp}")
-        if trainer_state is not None:
-            save_torch(trainer_state, os.path.join(tmp, STATE_NAME))
-            files[STATE_NAME] = os.path.getsize(os.path.join(tmp, STATE_NAME))
-        meta["files"] = files
-        with open(os.path.join(tmp, META_NAME), "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True, default=str)
+    try:
+        with atomic_directory(path, keep_existing_tmp=keep_existing_tmp) as tmp:
+            files = {}
+            if weights is not None:
+                save_safetensors(weights, os.path.join(tmp, WEIGHTS_NAME))
+                files[WEIGHTS_NAME] = os.path.getsize(os.path.join(tmp, WEIGHTS_NAME))
+            elif not os.path.isdir(os.path.join(tmp, DCP_WEIGHTS_DIR)):
+                raise CheckpointError(f"write_checkpoint({path!r}): weights=None but no "
+                                      f"{DCP_WEIGHTS_DIR}/ folder was written into {tmp}")
+            if trainer_state is not None:
+                save_torch(trainer_state, os.path.join(tmp, STATE_NAME))
+                files[STATE_NAME] = os.path.getsize(os.path.join(tmp, STATE_NAME))
+            meta["files"] = files
+            with open(os.path.join(tmp, META_NAME), "w") as f:
+                json.dump(meta, f, indent=2, sort_keys=True, default=str)
+            _set_modes(tmp)
+    except (OSError, RuntimeError) as err:
+        raise checks.write_error(err, path) from err
     return path
+
+
+def _set_modes(root: str) -> None:
+    """One mode for every file of a checkpoint (safetensors writes 0600, the rest 0644)."""
+    for dirpath, _dirs, names in os.walk(root):
+        for n in names:
+            os.chmod(os.path.join(dirpath, n), checks.FILE_MODE)
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -448,35 +460,36 @@ def read_checkpoint(path: str | os.PathLike, load_state: bool = True
         raise CheckpointError(f"checkpoint {path} is incomplete{hint}: it has no {META_NAME}, which is "
                               f"written last when a save completes. Contents: {contents[:10] or 'nothing'}"
                               + (f" and {len(contents) - 10} more" if len(contents) > 10 else ""))
-    try:
-        with open(meta_file) as f:
-            meta = json.load(f)
-    except (ValueError, OSError) as err:
-        raise _corrupt(meta_file, err) from err
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{meta_file} is corrupt: expected a JSON object")
-    for name, size in (meta.get("files") or {}).items():
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-        if os.path.getsize(fp) != size:
-            raise CheckpointError(f"{fp} is truncated or corrupt: it has {os.path.getsize(fp)} bytes, "
-                                  f"{META_NAME} recorded {size}")
-    wfile = os.path.join(path, WEIGHTS_NAME)
+    meta = read_meta_checked(path)
+    wfile = checks.member(path, WEIGHTS_NAME)
     if os.path.isfile(wfile):
         weights = load_safetensors(wfile)
-    elif os.path.isdir(os.path.join(path, DCP_WEIGHTS_DIR)):
+    elif os.path.isdir(checks.member(path, DCP_WEIGHTS_DIR)):
+        if meta.get("strategy") not in checks.SHARDED_STRATEGIES:
+            raise CheckpointError(f"refusing checkpoint {path}: it has a {DCP_WEIGHTS_DIR}/ folder but "
+                                  f"{META_NAME} says strategy {meta.get('strategy')!r}, not a sharded one "
+                                  f"({', '.join(checks.SHARDED_STRATEGIES)})")
+        checks.check_tree(os.path.join(path, DCP_WEIGHTS_DIR))
         weights = None
     else:
         raise CheckpointError(f"checkpoint {path} is incomplete: it has neither {WEIGHTS_NAME} "
                               f"nor a {DCP_WEIGHTS_DIR}/ folder")
     state = None
-    sfile = os.path.join(path, STATE_NAME)
+    sfile = checks.member(path, STATE_NAME)
     if load_state and os.path.isfile(sfile):
         state = load_torch(sfile)
         if not isinstance(state, dict):
             raise CheckpointError(f"{sfile} holds a {type(state).__name__}, expected a dict")
     return weights, state, meta
+
+
+def read_meta_checked(path: str | os.PathLike) -> dict:
+    """``meta.json`` of checkpoint directory ``path``, parsed within limits and checked
+    (format version, ``files`` names inside the directory and their sizes)."""
+    path = os.fspath(path)
+    meta = checks.read_meta(checks.member(path, META_NAME))
+    checks.check_sizes(path, checks.check_meta(meta, path))
+    return meta
 
 
 def _shape(s) -> str:
@@ -488,10 +501,16 @@ def _listing(title: str, items: list[str], limit: int = 10) -> str:
     return f"  {title} ({len(items)}): " + ", ".join(items[:limit]) + more
 
 
+def _kind(dtype: torch.dtype) -> str:
+    return ("complex" if dtype.is_complex else "float" if dtype.is_floating_point
+            else "bool" if dtype == torch.bool else "int")
+
+
 def check_compatible(module: torch.nn.Module, weights: dict | None, path: str | os.PathLike,
                      strict: bool = True) -> None:
     """Raise CheckpointError if ``weights`` do not fit ``module``: lists missing and
-    unexpected keys (only when ``strict``) and shape mismatches. ``weights=None`` is a no-op."""
+    unexpected keys (only when ``strict``), shape mismatches and dtype kind changes
+    (float vs int vs bool: a header rewritten from F32 to I32 would load garbage). ``weights=None`` is a no-op."""
     if weights is None:
         return
     expected = module.state_dict()
@@ -499,7 +518,9 @@ def check_compatible(module: torch.nn.Module, weights: dict | None, path: str | 
     unexpected = [k for k in weights if k not in expected] if strict else []
     shapes = [f"{k}: checkpoint {_shape(weights[k].shape)} vs model {_shape(v.shape)}"
               for k, v in expected.items() if k in weights and tuple(weights[k].shape) != tuple(v.shape)]
-    if not (missing or unexpected or shapes):
+    dtypes = [f"{k}: checkpoint {weights[k].dtype} vs model {v.dtype}" for k, v in expected.items()
+              if k in weights and _kind(weights[k].dtype) != _kind(v.dtype)]
+    if not (missing or unexpected or shapes or dtypes):
         return
     lines = [f"checkpoint {os.fspath(path)} does not match the model ({type(module).__name__}):"]
     if missing:
@@ -508,6 +529,8 @@ def check_compatible(module: torch.nn.Module, weights: dict | None, path: str | 
         lines.append(_listing("unexpected keys", unexpected))
     if shapes:
         lines.append(_listing("shape mismatches", shapes))
+    if dtypes:
+        lines.append(_listing("dtype mismatches", dtypes))
     for prefix in ("module.", "_orig_mod.", "model."):
         if unexpected and all(k.startswith(prefix) for k in unexpected) and \
                 any(k[len(prefix):] in expected for k in unexpected):
@@ -603,42 +626,3 @@ def load_model_sharded(save_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     if os.path.isfile(single):
         return load_safetensors(single)
     raise CheckpointError(f"no weights in {save_dir}: expected {WEIGHTS_NAME} or {INDEX_NAME}")
-
-
-# -- RNG states ----------------------------------------------------------------------------
-def collect_rng_states() -> dict:
-    """Python ``random``, numpy's global generator, torch CPU and (when initialised) every
-    CUDA generator, as plain tensors/tuples that ``torch.load(weights_only=True)`` accepts."""
-    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-    except ImportError:
-        np = None
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        states["numpy"] = {"bit_generator": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
-                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(state: dict) -> None:
-    """Restore what :func:`collect_rng_states` returned (missing entries are skipped)."""
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
-    if "numpy" in state:
-        try:
-            import numpy as np
-        except ImportError:
-            np = None
-        if np is not None:
-            s = state["numpy"]
-            np.random.set_state((s["bit_generator"], s["keys"].numpy().astype(np.uint32), s["pos"],
-                                 s["has_gauss"], s["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda = list(state["cuda"])[: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all([s.to("cpu", torch.uint8) for s in cuda])

@@ -505,9 +505,30 @@ def instantiate(value: Any) -> Any:
 
 # --------------------------------------------------------------------------- running
 def _add_import_paths(files: Sequence[str]) -> None:
-    for path in [os.getcwd(), *(os.path.dirname(os.path.abspath(f)) for f in files)]:
-        if path not in sys.path:
-            sys.path.insert(0, path)
+    """Put the working directory on ``sys.path`` (as ``python -m`` does). Never the
+    config file's folder: a downloaded config must not import a module shipped next to it."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def _trainer_bases() -> dict:
+    from ember.callbacks.base import Callback
+    from ember.loggers import Logger
+    from ember.precision import Precision
+    from ember.strategies import Strategy
+    return {"callbacks": Callback, "logger": Logger, "strategy": Strategy, "precision": Precision}
+
+
+def _check_trainer_classes(trainer: dict) -> None:
+    """Check every ``class_path`` given as a trainer callback, logger, strategy or precision
+    against its base class, before anything is built."""
+    for key, base in _trainer_bases().items():
+        value = trainer.get(key)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, dict) and "class_path" in item:
+                where = f"trainer.{key}" + (f"[{i}]" if isinstance(value, list) else "")
+                resolve_class(where, item, base)
 
 
 class _CLI:
@@ -529,6 +550,7 @@ class _CLI:
         for key, env in (("precision", "EMBER_PRECISION"), ("strategy", "EMBER_STRATEGY")):
             if key not in given and os.environ.get(env):   # set by `ember launch`
                 given[key] = os.environ[env]
+        _check_trainer_classes(given)
         self.trainer_given = check_kwargs("trainer", Trainer, given, fill_defaults=False)
         out["trainer"] = check_kwargs("trainer", Trainer, given)
         out["model"] = resolve_class("model", cfg.get("model"), TrainModule, self.model_class)

@@ -255,13 +255,25 @@ class TrainModule(nn.Module):
     # -- checkpoints ----------------------------------------------------------------------
     @classmethod
     def load_from_checkpoint(cls, path: str, map_location: str | torch.device = "cpu", strict: bool = True,
-                             **overrides: Any) -> TrainModule:
+                             trust_deepspeed: bool = False, **overrides: Any) -> TrainModule:
         """Rebuild the module from the hparams saved in ``path`` (updated by
-        ``overrides``) and load its weights. No trainer state is unpickled. Sharded
-        checkpoints (FSDP, DeepSpeed) are consolidated in this one process."""
+        ``overrides``) and load its weights. Nothing is unpickled: the weights are
+        safetensors, or a DCP folder read without arbitrary unpickling; sharded
+        checkpoints (FSDP) are consolidated in this one process.
+
+        A DeepSpeed checkpoint is read with DeepSpeed's own loader, which unpickles
+        (can run code): pass ``trust_deepspeed=True`` only for checkpoints you made.
+        Subclasses can restrict which saved hparams are used (:meth:`checkpoint_hparams`).
+        """
         from ember import checkpoint_io as cio
         weights, _, meta = cio.read_checkpoint(str(path), load_state=False)
-        hparams = dict(meta.get("hparams") or {})
+        if weights is None and meta.get("strategy") == "deepspeed" and not trust_deepspeed:
+            raise CheckpointError(f"{path} is a DeepSpeed checkpoint; DeepSpeed's loader unpickles its files, "
+                                  "which can run code. Pass trust_deepspeed=True if you made this checkpoint")
+        saved = meta.get("hparams") or {}
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path}: meta.json 'hparams' is a {type(saved).__name__}, expected an object")
+        hparams = cls.checkpoint_hparams(dict(saved), str(path))
         hparams.update(overrides)
         try:
             module = cls(**hparams)
@@ -278,6 +290,13 @@ class TrainModule(nn.Module):
         cio.check_compatible(module, weights, str(path)) if strict else None
         module.load_state_dict(weights, strict=strict)
         return module.to(map_location)
+
+    @classmethod
+    def checkpoint_hparams(cls, hparams: dict, path: str) -> dict:
+        """The saved hparams that :meth:`load_from_checkpoint` passes to the constructor
+        (all of them here). Override to drop or check what a checkpoint may set, e.g.
+        options that would load code or reach the network."""
+        return hparams
 
 
 class DataModule:

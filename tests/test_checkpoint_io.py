@@ -275,7 +275,7 @@ def test_pickled_code_in_trainer_state_is_refused_without_running_it(tmp_path):
     ckpt.mkdir()
     cio.save_safetensors({"w": torch.ones(2)}, ckpt / "model.safetensors")
     torch.save({"step": 1, "payload": _Exploit(marker)}, ckpt / "trainer_state.pt")
-    (ckpt / "meta.json").write_text("{}")
+    (ckpt / "meta.json").write_text('{"format_version": 1, "files": {}}')
     with pytest.raises(CheckpointError, match=r"refusing to load .*trainer_state\.pt.*not plain tensors/containers"):
         cio.read_checkpoint(ckpt)
     with pytest.raises(CheckpointError, match="refusing.*system"):

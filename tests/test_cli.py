@@ -17,6 +17,7 @@ CONFIG = EXAMPLE / "config.yaml"
 def ember(*args, cwd, input=None, timeout=120, **env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
     env.update(XDG_CONFIG_HOME=str(Path(cwd) / "xdg"), WANDB_MODE="offline", **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE), env.get("PYTHONPATH")) if p)   # toy.py
     return subprocess.run([sys.executable, "-m", "ember", *map(str, args)], cwd=cwd, env=env,
                           input=input, capture_output=True, text=True, timeout=timeout)
 
@@ -27,7 +28,7 @@ def cli(tmp_path, monkeypatch, capsys):
     what the ``ember`` console script and ``python -m ember`` run."""
     from ember.cli import main
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(EXAMPLE), *sys.path])   # main() adds the config dirs
+    monkeypatch.setattr(sys, "path", [str(EXAMPLE), *sys.path])   # toy.py is importable (PYTHONPATH in the docs)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     for key in [k for k in os.environ if k.startswith("EMBER_")]:
         monkeypatch.delenv(key)

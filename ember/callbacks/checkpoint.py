@@ -336,7 +336,7 @@ class ModelCheckpoint(Callback):
             os.replace(tmp, last)
 
     def _remove(self, trainer, path):
-        if not trainer.is_global_zero or not path or not os.path.lexists(path):
+        if not trainer.is_global_zero or not path or not os.path.lexists(path) or not self._own(path):
             return
         for name in (self.CHECKPOINT_NAME_LAST, self.CHECKPOINT_NAME_LAST + ".safetensors"):
             last = os.path.join(self.dirpath, name)
@@ -370,27 +370,58 @@ class ModelCheckpoint(Callback):
                 "kth_best_model_path": self.kth_best_model_path, "last_model_path": self.last_model_path,
                 "last_global_step_saved": self._last_global_step_saved, "stale": list(self._stale)}
 
+    def _own(self, p) -> bool:
+        """Whether ``p`` is a path this callback may act on (delete, evict, link): an entry
+        directly inside its ``dirpath``, symlinks resolved. Paths read from a checkpoint
+        are checked with this, so a crafted ``trainer_state.pt`` cannot reach outside."""
+        if not isinstance(p, str) or not p or not self.dirpath:
+            return False
+        root = os.path.realpath(self.dirpath)
+        p = os.path.normpath(p)
+        name = os.path.basename(p)
+        if name in ("", ".", "..") or os.path.realpath(os.path.dirname(p)) != root:
+            return False
+        return not os.path.lexists(p) or os.path.dirname(os.path.realpath(p)) == root
+
     def load_state_dict(self, state):
-        self._last_global_step_saved = int(state.get("last_global_step_saved", -1))
+        if not isinstance(state, dict):
+            raise CheckpointError(f"ModelCheckpoint state is a {type(state).__name__}, expected a dict")
+        try:
+            self._last_global_step_saved = int(state.get("last_global_step_saved", -1))
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"ModelCheckpoint state: last_global_step_saved is corrupt ({err})") from err
         saved_dir = state.get("dirpath")
-        if saved_dir and self.dirpath is not None and os.path.normpath(self.dirpath) != os.path.normpath(saved_dir):
+        same_dir = (isinstance(saved_dir, str) and bool(saved_dir) and self.dirpath is not None
+                    and os.path.realpath(self.dirpath) == os.path.realpath(saved_dir))
+        s = state.get("best_model_score")
+        score = torch.tensor(float(s)) if isinstance(s, (int, float)) and not isinstance(s, bool) else None
+        best = state.get("best_model_path", "")
+        if not same_dir:
             # a new run directory (e.g. a new logger version): start a fresh top-k there, as
-            # Lightning does, but remember the best of the earlier run
-            self.best_model_path = state.get("best_model_path", "")
-            s = state.get("best_model_score")
-            self.best_model_score = None if s is None else torch.tensor(s)
+            # Lightning does, but remember the best of the earlier run (never acted on)
+            self.best_model_path = best if isinstance(best, str) else ""
+            self.best_model_score = score
             return
-        self.dirpath = saved_dir or self.dirpath
+        paths = state.get("best_k_models") or {}
+        stale = state.get("stale") or []
+        if not isinstance(paths, dict) or not isinstance(stale, list):
+            raise CheckpointError("ModelCheckpoint state: best_k_models / stale are corrupt")
+        refused = [p for p in [*paths, *stale, state.get("last_model_path") or ""] if p and not self._own(p)]
+        if refused:
+            warnings.warn(f"ModelCheckpoint: the checkpoint lists paths outside {self.dirpath} "
+                          f"({[str(p)[:200] for p in refused[:5]]}); they are ignored (never deleted or "
+                          "linked)", UserWarning, stacklevel=2)
         # checkpoints deleted since (by hand, or a crash after the save) drop out
-        self.best_k_models = {k: float(v) for k, v in state.get("best_k_models", {}).items() if os.path.exists(k)}
-        self.last_model_path = state.get("last_model_path", "")
-        self._stale = [p for p in state.get("stale", []) if p not in self.best_k_models]
+        self.best_k_models = {k: float(v) for k, v in paths.items()
+                              if self._own(k) and isinstance(v, (int, float)) and os.path.exists(k)}
+        last = state.get("last_model_path") or ""
+        self.last_model_path = last if self._own(last) else ""
+        self._stale = [p for p in stale if self._own(p) and p not in self.best_k_models]
         if self.best_k_models:
             self._update_best()
         else:
-            self.best_model_path = state.get("best_model_path", "")
-            s = state.get("best_model_score")
-            self.best_model_score = None if s is None else torch.tensor(s)
+            self.best_model_path = best if self._own(best) else ""
+            self.best_model_score = score
 
 
 def _saved_step(path: str) -> int | None:

@@ -41,6 +41,19 @@ _TOKEN_TASKS = ("causal-lm", "seq2seq-lm", "token-classification")   # losses av
 SCHEDULERS = ("linear", "cosine", "constant")
 
 
+def _names_custom_code(config_file: str) -> bool:
+    """Whether a Hugging Face config file maps Auto classes to custom code (``auto_map``)."""
+    import json
+    try:
+        if os.path.getsize(config_file) > 16 * 2**20:
+            return True
+        with open(config_file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return True
+    return isinstance(cfg, dict) and "auto_map" in cfg
+
+
 def _resolve_task(task) -> tuple[str, type | None]:
     """-> (task name or 'custom', class). Strings may also be dotted class paths."""
     import transformers
@@ -197,6 +210,53 @@ class TransformersModule(TrainModule):
                 self._set_model(self._load(os.fspath(model)))
         else:
             self._set_model(self._from_config(model_config))
+
+    #: the saved hparams :meth:`load_from_checkpoint` may take from a checkpoint's meta.json
+    CHECKPOINT_HPARAMS = frozenset({
+        "model", "task", "lr", "weight_decay", "warmup_ratio", "warmup_steps", "scheduler", "num_labels",
+        "id2label", "label2id", "gradient_checkpointing", "freeze_base", "model_kwargs", "token_exact_accumulation",
+        "generate_kwargs", "tokenizer", "model_config", "adam_betas", "adam_eps"})
+    #: the ``model_kwargs`` a checkpoint may set (nothing that loads code or picks remote files)
+    CHECKPOINT_MODEL_KWARGS = frozenset({"attn_implementation", "torch_dtype", "dtype", "low_cpu_mem_usage"})
+
+    @classmethod
+    def checkpoint_hparams(cls, hparams: dict, path: str) -> dict:
+        """Allow-list what a checkpoint may set: no ``trust_remote_code`` or other loader
+        options, no folders whose config names custom code (``auto_map``), no task class
+        outside transformers, and always ``local_files_only=True``. Pass such arguments
+        to ``load_from_checkpoint`` yourself when you trust them."""
+        from ember.errors import CheckpointError
+
+        def refuse(what: str):
+            return CheckpointError(f"refusing {path}: its meta.json hparams {what}; pass the argument to "
+                                   "load_from_checkpoint yourself if you trust it")
+        out = {k: v for k, v in hparams.items() if k in cls.CHECKPOINT_HPARAMS}
+        mk = out.get("model_kwargs") or {}
+        if not isinstance(mk, dict):
+            raise refuse(f"set model_kwargs to {mk!r}")
+        bad = sorted(k for k in mk if k not in cls.CHECKPOINT_MODEL_KWARGS)
+        if bad:
+            raise refuse(f"set model_kwargs {bad} (a checkpoint may set only "
+                         f"{sorted(cls.CHECKPOINT_MODEL_KWARGS)})")
+        task = out.get("task")
+        if task is not None and not (isinstance(task, str) and (task in TASKS or task.startswith("transformers."))):
+            raise refuse(f"name task={task!r}, which is neither one of {list(TASKS)} nor a transformers class")
+        cfg = out.get("model_config")
+        if cfg is not None and (not isinstance(cfg, dict) or "auto_map" in cfg):
+            raise refuse("give a model_config with auto_map (custom model code)")
+        for key, files in (("model", ("config.json",)), ("tokenizer", ("tokenizer_config.json", "config.json"))):
+            name = out.get(key)
+            if name is None:
+                continue
+            if not isinstance(name, str):
+                raise refuse(f"set {key}={name!r}")
+            for fname in files:
+                f = os.path.join(name, fname)
+                if os.path.isfile(f) and _names_custom_code(f):
+                    raise refuse(f"name {key}={name!r}, whose {fname} has auto_map (custom code that "
+                                 "trust_remote_code would run)")
+        out["local_files_only"] = True
+        return out
 
     # ------------------------------------------------------------------ building
     def _label_kwargs(self) -> dict:

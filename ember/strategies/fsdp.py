@@ -533,18 +533,21 @@ class FSDPStrategy(DDPStrategy):
     def _load_dcp(self, path, module, optimizers, state, strict, weights_only) -> None:
         import torch.distributed.checkpoint as dcp
         from ember import checkpoint_io as cio
-        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+        from ember.checkpoint_checks import dcp_planner, dcp_reader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_state_dict, set_model_state_dict, set_state_dict)
         folder = os.path.join(path, cio.DCP_WEIGHTS_DIR)
         try:
-            md = FileSystemReader(folder).read_metadata().state_dict_metadata
+            md = dcp_reader(folder).read_metadata().state_dict_metadata
+        except CheckpointError:
+            raise
         except Exception as err:
             raise CheckpointError(f"{folder} is not a readable torch.distributed.checkpoint folder "
                                   f"({type(err).__name__}: {err})") from err
         prefix = _DCP_KEY_MODEL + "."
-        shapes = {k[len(prefix):]: torch.empty(tuple(v.size), device="meta") for k, v in md.items()
+        shapes = {k[len(prefix):]: torch.empty(tuple(v.size), dtype=v.properties.dtype, device="meta")
+                  for k, v in md.items()
                   if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
         cio.check_compatible(self.unwrap_module(module), shapes, path, strict=strict)
         load_optim = bool(optimizers) and not weights_only
@@ -560,7 +563,10 @@ class FSDPStrategy(DDPStrategy):
         else:
             sd = {_DCP_KEY_MODEL: get_model_state_dict(module)}
         try:
-            dcp.load(sd, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+            dcp.load(sd, checkpoint_id=folder, storage_reader=dcp_reader(folder),
+                     planner=dcp_planner(allow_partial_load=not strict))
+        except CheckpointError:
+            raise
         except Exception as err:
             raise CheckpointError(f"could not load {folder}: {type(err).__name__}: {str(err)[:2000]}") from err
         opts = StateDictOptions(strict=strict)
@@ -611,18 +617,18 @@ def load_full_weights(path: str) -> dict[str, torch.Tensor]:
     """Full weights of a checkpoint written by :class:`FSDPStrategy`, in one process,
     without a process group (e.g. to build a plain module for inference)."""
     from ember import checkpoint_io as cio
-    from torch.distributed.checkpoint import FileSystemReader
+    from ember.checkpoint_checks import dcp_planner, dcp_reader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     import torch.distributed.checkpoint as dcp
     weights, _, _ = cio.read_checkpoint(path, load_state=False)
     if weights is not None:
         return weights
     folder = os.path.join(os.fspath(path), cio.DCP_WEIGHTS_DIR)
-    md = FileSystemReader(folder).read_metadata().state_dict_metadata
+    md = dcp_reader(folder).read_metadata().state_dict_metadata
     prefix = _DCP_KEY_MODEL + "."
     sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
           if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=folder, no_dist=True)
+        dcp.load(sd, checkpoint_id=folder, no_dist=True, storage_reader=dcp_reader(folder), planner=dcp_planner())
     return {k[len(prefix):]: v for k, v in sd.items()}

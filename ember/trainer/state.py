@@ -14,9 +14,9 @@ What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,37 +156,88 @@ def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
 
 
 # ----------------------------------------------------------------------------- find / check
+def _loggers_of(t) -> list:
+    """The Trainer's loggers, or those it will build (before ``fit`` built them)."""
+    from ember.loggers import Logger
+    if t.loggers:
+        return list(t.loggers)
+    arg = t._logger_arg
+    if arg is True:
+        from ember.loggers import TensorBoardLogger
+        return [TensorBoardLogger(save_dir=t.default_root_dir)]
+    if isinstance(arg, Logger):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [x for x in arg if isinstance(x, Logger)]
+    return []
+
+
+def _version_key(name: str):
+    m = re.fullmatch(r"version_(\d+)", name)
+    return (1, int(m.group(1)), "") if m else (0, 0, name)
+
+
 def _candidate_dirs(t) -> list[str]:
-    """Where checkpoints of this run may be: the ModelCheckpoint dirpaths and the
-    ``checkpoints`` folders of ``default_root_dir`` and of its logger versions
-    (``root/checkpoints``, ``root/<name>/checkpoints``, ``root/<name>/<version>/checkpoints``)."""
-    import glob
+    """This run's checkpoint folders, most preferred first: the ModelCheckpoint dirpaths;
+    else the first logger's ``checkpoints`` folder: of its version when one was given,
+    else of each existing version of its name, newest version first; without a logger,
+    ``default_root_dir/checkpoints``. Other runs under the same root never count."""
     dirs = [cb.dirpath for cb in t.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-    root = t.default_root_dir
-    for pattern in ("checkpoints", os.path.join("*", "checkpoints"), os.path.join("*", "*", "checkpoints")):
-        dirs += sorted(glob.glob(os.path.join(glob.escape(root), pattern)))
+    if not dirs:
+        loggers = [lg for lg in _loggers_of(t) if getattr(lg, "root_dir", None)]
+        if not loggers:
+            dirs = [os.path.join(t.default_root_dir, "checkpoints")]
+        else:
+            lg = loggers[0]
+            version = getattr(lg, "_version", None)
+            if version is not None:
+                dirs = [os.path.join(lg.log_dir, "checkpoints")]
+            elif os.path.isdir(lg.root_dir):
+                versions = sorted(os.listdir(lg.root_dir), key=_version_key, reverse=True)
+                dirs = [os.path.join(lg.root_dir, v, "checkpoints") for v in versions]
     return list(dict.fromkeys(os.path.normpath(d) for d in dirs))
 
 
-def find_last(t) -> str | None:
-    """The most recently completed checkpoint directory (``last`` wins a tie with the
-    checkpoint it links to). Staging ``*.tmp`` folders and weights-only files never count."""
+def _saved_step(path: str) -> int | None:
     from ember import checkpoint_io as cio
-    best, best_key = None, None
+    from ember.checkpoint_checks import member, read_meta
+    try:
+        step = read_meta(member(path, cio.META_NAME)).get("global_step")
+    except CheckpointError:
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def find_last(t) -> str | None:
+    """This run's newest complete checkpoint: the highest ``global_step`` in
+    ``meta.json`` (not the modification time) in the first of :func:`_candidate_dirs`
+    that has one; a real ``last`` directory (a preemption save) wins a tie, a ``last``
+    symlink counts as (and is returned for) the checkpoint it points to. Staging ``*.tmp`` folders and
+    weights-only files never count. Reads only files (rank 0 can run it and broadcast)."""
+    from ember import checkpoint_io as cio
     for d in _candidate_dirs(t):
+        best, best_key = None, None
         for c in cio.list_checkpoints(d):
-            try:
-                key = (os.stat(os.path.join(c, cio.META_NAME)).st_mtime_ns, os.path.basename(c) == "last")
-            except OSError:
+            if os.path.islink(c):
+                continue   # 'last' -> the checkpoint it names, which is listed itself
+            step = _saved_step(c)
+            if step is None:
                 continue
+            key = (step, os.path.basename(c) == "last")
             if best_key is None or key > best_key:
                 best, best_key = c, key
-    return best
+        if best is not None:
+            link = os.path.join(d, "last")
+            if os.path.islink(link) and os.path.realpath(link) == os.path.realpath(best):
+                return link   # as before: 'last' names the checkpoint it links to
+            return best
+    return None
 
 
 def _best_from_last(t) -> str | None:
     """best_model_path recorded by a ModelCheckpoint in the newest checkpoint."""
     from ember import checkpoint_io as cio
+    from ember.checkpoint_checks import inside
     last = find_last(t)
     if last is None or not os.path.isfile(os.path.join(last, cio.STATE_NAME)):
         return None
@@ -196,9 +247,13 @@ def _best_from_last(t) -> str | None:
         return None
     keys = [cb.state_key for cb in t.checkpoint_callbacks]
     for key, s in (state.get("callbacks") or {}).items():
-        if key.startswith("ModelCheckpoint") and (not keys or key in keys) and s.get("best_model_path"):
-            if os.path.exists(s["best_model_path"]):
-                return s["best_model_path"]
+        if key.startswith("ModelCheckpoint") and (not keys or key in keys) and isinstance(s, dict) \
+                and isinstance(s.get("best_model_path"), str) and s["best_model_path"]:
+            best = s["best_model_path"]
+            # only a checkpoint of the same run folder (a crafted state may name any path)
+            if os.path.exists(best) and inside(os.path.dirname(os.path.normpath(best)), os.path.dirname(last)) \
+                    and inside(os.path.dirname(last), os.path.dirname(os.path.normpath(best))):
+                return best
     return None
 
 
@@ -236,6 +291,9 @@ def resolve_ckpt_path(t, ckpt_path, stage: str = "fit") -> str:
         if path is None:
             searched = _candidate_dirs(t) or [os.path.join(t.default_root_dir, "checkpoints")]
             raise CheckpointError(f"ckpt_path='last': no complete checkpoint found; searched {searched}")
+        if t.is_global_zero:
+            print(f"ember: ckpt_path='last' resumes {path} (global_step {_saved_step(path)}, the newest "
+                  "complete checkpoint of this run)", file=sys.stderr, flush=True)
     elif isinstance(ckpt_path, (str, os.PathLike)):
         path = os.fspath(ckpt_path)
     else:
@@ -266,19 +324,7 @@ def precheck(path: str, need_state: bool) -> None:
             return
         cio.read_checkpoint(path, load_state=False)   # raises the detailed "incomplete" error
         raise CheckpointError(f"{path} is not a complete checkpoint (no {cio.META_NAME})")
-    try:
-        with open(meta_file) as f:
-            meta = json.load(f)
-    except (ValueError, OSError) as err:
-        raise CheckpointError(f"{meta_file} is truncated or corrupt ({err})") from err
-    files = meta.get("files") if isinstance(meta, dict) else None
-    for name, size in (files or {}).items():
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-        if os.path.getsize(fp) != size:
-            raise CheckpointError(f"{fp} is truncated or corrupt: it has {os.path.getsize(fp)} bytes, "
-                                  f"{cio.META_NAME} recorded {size}")
+    cio.read_meta_checked(path)   # limits, format version, files inside the directory, sizes
     if need_state and not os.path.isfile(os.path.join(path, cio.STATE_NAME)):
         raise CheckpointError(f"{path} holds weights only (no {cio.STATE_NAME}), so fit cannot resume from it; "
                               "load it with Module.load_from_checkpoint and start a new fit, or pass it to "

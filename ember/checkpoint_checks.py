@@ -1,0 +1,296 @@
+"""What makes an untrusted checkpoint safe to open, and a save safe to start.
+
+The threat model (docs/checkpoint_format.md, "Untrusted checkpoints"): a checkpoint
+directory may come from anyone. Opening it must run no code and read or write
+nothing outside it. Every rule lives here:
+
+- ``meta.json`` is size- and depth-limited before it is parsed; its ``files`` entries
+  are plain relative names inside the directory (:func:`read_meta`, :func:`member`);
+- symlinks are resolved and must stay inside the checkpoint (:func:`member`);
+- the DCP ``.metadata`` pickle of a sharded checkpoint is read with an allow-list
+  unpickler that builds only DCP's own metadata records, and DCP byte items load
+  with ``weights_only=True`` (:func:`dcp_reader`, :func:`dcp_planner`);
+- unknown format versions are refused, a newer ember or another torch warned
+  (:func:`check_meta`).
+
+It also holds the checks of what a save may replace (:func:`check_save_target`) and
+how an ``OSError`` while writing is reported (:func:`write_error`).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import re
+import warnings
+from typing import Any
+
+from ember.errors import CheckpointError
+
+#: meta.json larger than this is refused before it is parsed
+MAX_META_BYTES = 4 * 2**20
+#: nesting deeper than this (objects/arrays) is refused before it is parsed
+MAX_META_DEPTH = 32
+#: one file mode for every checkpoint file (``umask`` still applies to it)
+FILE_MODE = 0o644
+SHARDED_STRATEGIES = ("fsdp", "model_parallel", "deepspeed")
+_STRINGS = re.compile(r'"(?:\\.|[^"\\])*"')
+
+
+# -- paths ----------------------------------------------------------------------------
+def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """True when ``path``, all symlinks resolved, is ``root`` or lies under it."""
+    real, rroot = os.path.realpath(path), os.path.realpath(root)
+    try:
+        return os.path.commonpath([real, rroot]) == rroot
+    except ValueError:   # different drives
+        return False
+
+
+def member(root: str | os.PathLike, name: Any, where: str = "") -> str:
+    """``root/name`` for a plain relative name that stays inside ``root`` (symlinks
+    resolved); CheckpointError otherwise. ``where`` names the file that listed it."""
+    root = os.fspath(root)
+    bad = None
+    if not isinstance(name, str) or not name:
+        bad = "is not a file name"
+    elif os.path.isabs(name) or "\\" in name or ":" in name:
+        bad = "is not a relative path"
+    elif any(p in ("", ".", "..") for p in name.split("/")):
+        bad = "leaves the checkpoint directory (or has empty/'.'/'..' parts)"
+    full = os.path.join(root, *name.split("/")) if bad is None else ""
+    if bad is None and os.path.lexists(full) and not inside(full, root):
+        bad = f"is a symlink to {os.path.realpath(full)}, outside the checkpoint"
+    if bad:
+        raise CheckpointError(f"refusing checkpoint {root}: {where + ' lists ' if where else ''}"
+                              f"{name!r}, which {bad}")
+    return full
+
+
+def check_tree(root: str | os.PathLike) -> None:
+    """Every entry under ``root`` (a DCP folder) stays inside it: no symlink out."""
+    root = os.fspath(root)
+    for dirpath, dirs, files in os.walk(root):
+        for n in dirs + files:
+            rel = os.path.relpath(os.path.join(dirpath, n), root).replace(os.sep, "/")
+            member(root, rel)
+
+
+# -- meta.json ------------------------------------------------------------------------
+def read_meta(meta_file: str | os.PathLike) -> dict:
+    """Parse a checkpoint's ``meta.json`` within size and depth limits."""
+    meta_file = os.fspath(meta_file)
+    try:
+        size = os.path.getsize(meta_file)
+        if size > MAX_META_BYTES:
+            raise CheckpointError(f"{meta_file} is {size} bytes, more than the {MAX_META_BYTES} ember reads; "
+                                  "it is not an ember meta.json")
+        with open(meta_file, encoding="utf-8") as f:
+            text = f.read(MAX_META_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{meta_file} cannot be read ({type(err).__name__}: {err})") from err
+    depth = deepest = 0
+    for ch in _STRINGS.sub("", text):
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_META_DEPTH:
+                raise CheckpointError(f"{meta_file} nests deeper than {MAX_META_DEPTH} levels; "
+                                      "it is not an ember meta.json")
+        elif ch in "]}":
+            depth -= 1
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"{meta_file} is truncated or corrupt ({type(err).__name__}: {err})") from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} is corrupt: expected a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def _version(v: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", str(v).split("+")[0])[:3])
+
+
+def check_meta(meta: dict, path: str | os.PathLike, require_files: bool = True) -> dict[str, int]:
+    """Check a parsed ``meta.json`` of checkpoint ``path``; return its ``files`` as
+    ``{name: size}``. Refuses an empty meta, an unknown ``format_version`` and bad
+    ``files`` entries; warns for a newer ember or another torch."""
+    import torch
+
+    import ember
+    from ember.checkpoint_io import FORMAT_VERSION, META_NAME
+    path = os.fspath(path)
+    meta_file = os.path.join(path, META_NAME)
+    if not meta:
+        raise CheckpointError(f"{meta_file} is empty ({{}}): it has none of the entries ember writes "
+                              "(format_version, files, ...), so the checkpoint cannot be checked")
+    fv = meta.get("format_version")
+    if isinstance(fv, bool) or not isinstance(fv, int) or fv != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_file}: format_version {fv!r} is not one this ember reads "
+                              f"({FORMAT_VERSION}); " + ("a newer ember wrote it: upgrade ember"
+                                                         if isinstance(fv, int) and fv > FORMAT_VERSION
+                                                         else "it is not an ember checkpoint"))
+    files = meta.get("files", {} if not require_files else None)
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{meta_file}: 'files' is {type(files).__name__}, expected an object "
+                              "{name: size in bytes}")
+    for name, size in files.items():
+        member(path, name, META_NAME)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError(f"{meta_file}: the size recorded for {name!r} is {size!r}, not a byte count")
+    theirs, ours = meta.get("ember_version"), getattr(ember, "__version__", "0")
+    if theirs and _version(theirs) > _version(ours):
+        warnings.warn(f"{path} was written by ember {theirs}, newer than this ember {ours}; loading it anyway",
+                      UserWarning, stacklevel=3)
+    tv = meta.get("torch_version")
+    if tv and _version(tv)[:2] != _version(torch.__version__)[:2]:
+        warnings.warn(f"{path} was written with torch {tv}, this is torch {torch.__version__}; "
+                      "loading it anyway", UserWarning, stacklevel=3)
+    return files
+
+
+def check_sizes(path: str | os.PathLike, files: dict[str, int]) -> None:
+    """Each listed file exists (inside the checkpoint) with the recorded size."""
+    path = os.fspath(path)
+    for name, size in files.items():
+        fp = member(path, name)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        have = os.path.getsize(fp)
+        if have != size:
+            raise CheckpointError(f"{fp} is truncated or corrupt: it has {have} bytes, meta.json recorded {size}")
+
+
+# -- DCP metadata without arbitrary unpickling ---------------------------------------------
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint._extension", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")} | {
+    (m, n) for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "PurePosixPath", "WindowsPath",
+                                                           "PureWindowsPath")}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP metadata records, torch dtypes/layouts/sizes and plain containers."""
+
+    def find_class(self, module: str, name: str):
+        import torch
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None),
+                                            (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+
+
+def dcp_reader(folder: str | os.PathLike):
+    """A ``FileSystemReader`` whose ``.metadata`` is read with an allow-list unpickler
+    (the stock reader calls ``pickle.load``, which can run code)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            try:
+                with self.fs.create_stream(path, "rb") as f:
+                    md = _DCPMetadataUnpickler(f).load()
+            except pickle.UnpicklingError as err:
+                raise CheckpointError(f"refusing {path}: {err}; unpickling it could run code") from None
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    check_tree(folder)
+    return SafeFileSystemReader(os.fspath(folder))
+
+
+def dcp_planner(allow_partial_load: bool = False):
+    """DCP's ``DefaultLoadPlanner``, loading non-tensor items with ``weights_only=True``."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise CheckpointError(f"refusing a DCP item {read_item.dest_index.fqn!r}: it is not a plain "
+                                      f"value ({str(err).splitlines()[0]})") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeLoadPlanner(allow_partial_load=allow_partial_load)
+
+
+# -- saving ------------------------------------------------------------------------------
+def check_save_target(path: str | os.PathLike, what: str) -> None:
+    """Refuse to replace anything at ``path`` that is not an ember checkpoint: a plain
+    file, or a non-empty directory without ``meta.json`` (a log folder, a dataset)."""
+    from ember import checkpoint_io as cio
+    path = os.path.normpath(os.fspath(path))
+    if os.path.islink(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{what}({path!r}): {path} is a symlink that does not point to a checkpoint; "
+                              "refusing to replace it. Remove it or choose another path")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{what}({path!r}): {path} is a file, not a checkpoint directory; refusing to "
+                              "replace it. Remove it or choose another path")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, cio.META_NAME)):
+        contents = sorted(os.listdir(path))
+        raise CheckpointError(f"{what}({path!r}): {path} is a non-empty directory that is not an ember "
+                              f"checkpoint (no {cio.META_NAME}; it holds {contents[:5]}"
+                              f"{' ...' if len(contents) > 5 else ''}); refusing to replace it. Choose "
+                              "another path, e.g. a subfolder")
+    tmp = cio.tmp_path(path)
+    if os.path.lexists(tmp) and not _is_staging(tmp):
+        raise CheckpointError(f"{what}({path!r}): {tmp} exists and is not a staging folder of an ember save; "
+                              "refusing to delete it. Remove it or choose another path")
+
+
+def _is_staging(tmp: str) -> bool:
+    """A ``NAME.tmp`` ember may delete: a directory holding only checkpoint files."""
+    from ember import checkpoint_io as cio
+    if os.path.islink(tmp) or not os.path.isdir(tmp):
+        return False
+    known = {cio.WEIGHTS_NAME, cio.STATE_NAME, cio.META_NAME, cio.DCP_WEIGHTS_DIR, "deepspeed"}
+    return all(n in known or n.startswith(("model", "rank", "shard", ".")) for n in os.listdir(tmp))
+
+
+def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
+    """The error to raise for ``err`` while writing checkpoint ``path``: a full disk or a
+    read-only target becomes a CheckpointError saying so and naming the path."""
+    code = getattr(err, "errno", None)
+    msg = str(err)
+    if code is None and isinstance(err, RuntimeError) and ("unexpected pos" in msg or "No space" in msg):
+        code = errno.ENOSPC   # torch's zip writer reports a short write this way
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(f"the disk is full: writing checkpoint {os.fspath(path)} failed "
+                               f"({type(err).__name__}: {msg.splitlines()[0] if msg else ''}). Free space or save "
+                               "elsewhere; the previous checkpoints are intact")
+    if code in (errno.EACCES, errno.EROFS, errno.EPERM):
+        return CheckpointError(f"cannot write checkpoint {os.fspath(path)}: {os.strerror(code)}")
+    return err
+
+
+def check_writable(dirpath: str | os.PathLike, what: str) -> None:
+    """Create ``dirpath`` if needed and check a file can be created in it (at setup,
+    not at the first save)."""
+    dirpath = os.fspath(dirpath)
+    try:
+        os.makedirs(dirpath, exist_ok=True)
+        probe = os.path.join(dirpath, f".ember-write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise CheckpointError(f"{what}: cannot write checkpoints to {dirpath} "
+                              f"({type(err).__name__}: {err.strerror or err})") from err

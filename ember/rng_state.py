@@ -1,0 +1,71 @@
+"""Per-process RNG states (python, numpy, torch, CUDA) as plain values for checkpoints."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from ember.errors import CheckpointError
+
+
+def collect_rng_states() -> dict:
+    """Python ``random``, numpy's global generator, torch CPU and (when initialised) every
+    CUDA generator, as plain tensors/tuples that ``torch.load(weights_only=True)`` accepts."""
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        states["numpy"] = {"bit_generator": str(kind), "keys": torch.from_numpy(keys.astype("int64")),
+                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(state: dict, where: str = "the checkpoint") -> None:
+    """Restore what :func:`collect_rng_states` returned (missing entries are skipped).
+    A malformed state raises CheckpointError naming ``where`` (before anything is set)."""
+    try:
+        _check_rng(state)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as err:
+        raise CheckpointError(f"{where}: the saved RNG state is corrupt ({type(err).__name__}: {err})") from err
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            np = None
+        if np is not None:
+            s = state["numpy"]
+            np.random.set_state((s["bit_generator"], s["keys"].numpy().astype(np.uint32), s["pos"],
+                                 s["has_gauss"], s["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = list(state["cuda"])[: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([s.to("cpu", torch.uint8) for s in cuda])
+
+
+def _check_rng(state: dict) -> None:
+    """Raise (TypeError/ValueError...) when ``state`` cannot be restored, changing nothing."""
+    if not isinstance(state, dict):
+        raise TypeError(f"expected a dict, got {type(state).__name__}")
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.Generator().set_state(state["torch"].to("cpu", torch.uint8))
+    if "numpy" in state:
+        s = state["numpy"]
+        try:
+            import numpy as np
+        except ImportError:
+            return
+        np.random.RandomState().set_state((s["bit_generator"], s["keys"].numpy().astype(np.uint32), s["pos"],
+                                           s["has_gauss"], s["cached_gaussian"]))
