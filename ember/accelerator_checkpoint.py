@@ -124,6 +124,8 @@ def save_state(acc, output_dir) -> str:
     if output_dir is None:
         output_dir = next_auto_dir(acc)
     path = os.path.normpath(os.fspath(output_dir))
+    from ember.checkpoint_checks import check_save_target
+    check_save_target(path, "Accelerator.save_state")   # every rank, read-only: no collective
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
     state = {

@@ -294,3 +294,141 @@ def check_writable(dirpath: str | os.PathLike, what: str) -> None:
     except OSError as err:
         raise CheckpointError(f"{what}: cannot write checkpoints to {dirpath} "
                               f"({type(err).__name__}: {err.strerror or err})") from err
+
+
+# -- one writer per checkpoint folder ---------------------------------------------------------
+LOCK_NAME = ".ember-lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, owned by another user
+        return True
+    except OSError:
+        return False
+    return True
+
+
+class DirLock:
+    """A lock file ``dirpath/.ember-lock`` holding the owner's pid and host.
+
+    :meth:`acquire` raises CheckpointError while another live process holds it; the
+    lock of a dead process on this host (a crash, ``kill -9``) is taken over. A lock
+    from another host is honoured until removed by hand (ember cannot tell whether
+    that process lives)."""
+
+    def __init__(self, dirpath: str | os.PathLike):
+        import socket
+        import uuid
+        self.path = os.path.join(os.fspath(dirpath), LOCK_NAME)
+        self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "token": uuid.uuid4().hex}
+        self.held = False
+
+    def _read(self) -> dict | None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.loads(f.read(4096))
+            return data if isinstance(data, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self, what: str = "ModelCheckpoint") -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
+            except FileExistsError:
+                other = self._read()
+                if other is None:
+                    continue   # released meanwhile
+                pid, host = other.get("pid"), other.get("host")
+                ours = host == self.owner["host"] and isinstance(pid, int)
+                if ours and (pid == os.getpid() or not _pid_alive(pid)):
+                    self._take_over()   # a dead process of this host, or this process's earlier run
+                    return
+                raise CheckpointError(
+                    f"{what}: {os.path.dirname(self.path)} is in use by another run (process {pid} on host "
+                    f"{host!r}, see {self.path}); two runs writing one checkpoint folder would overwrite each "
+                    "other's checkpoints. Give this run another dirpath / logger version, or remove the lock "
+                    "file if that process is gone") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.owner, f)
+            self.held = True
+            return
+        raise CheckpointError(f"{what}: could not take the lock {self.path}")
+
+    def _take_over(self) -> None:
+        tmp = f"{self.path}.{self.owner['token'][:8]}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.owner, f)
+        os.replace(tmp, self.path)
+        self.held = True
+
+    def release(self) -> None:
+        if self.held and (self._read() or {}).get("token") == self.owner["token"]:
+            try:
+                os.remove(self.path)
+            except OSError:
+                pass
+        self.held = False
+
+
+# -- optimizers ------------------------------------------------------------------------------------
+def _raw_optimizer(o):
+    while not hasattr(o, "param_groups") or (hasattr(o, "optimizer") and hasattr(o.optimizer, "param_groups")):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            break
+        o = inner
+    return o
+
+
+def optimizer_names(optimizers) -> list[str]:
+    """``module.Class`` of each (unwrapped) optimizer, as recorded in ``meta.json``."""
+    return [f"{type(o).__module__}.{type(o).__qualname__}" for o in map(_raw_optimizer, optimizers)]
+
+
+_GROUP_EXTRA = {"params", "initial_lr"}   # 'initial_lr' is added by LR schedulers
+
+
+def check_optimizers(optimizers, saved: Any, meta: dict, path: str | os.PathLike) -> None:
+    """Before anything is loaded: the checkpoint's optimizers match this run's (count,
+    class recorded in ``meta.json``, parameter-group count and option keys). An AdamW
+    state loaded into SGD fails at the first step; Adam into AdamW silently drops
+    ``weight_decay``: both are refused here."""
+    path = os.fspath(path)
+    names = meta.get("optimizers")
+    ours = optimizer_names(optimizers)
+    if isinstance(names, list) and names and len(names) == len(ours):
+        for i, (theirs, mine) in enumerate(zip(names, ours)):
+            if theirs != mine:
+                raise CheckpointError(f"{path} holds the state of a {theirs} (optimizer {i}) but "
+                                      f"configure_optimizers returned a {mine}; resume with the same "
+                                      "optimizer, or load only the weights (Module.load_from_checkpoint)")
+    if not isinstance(saved, list):
+        return
+    for i, (opt, s) in enumerate(zip(map(_raw_optimizer, optimizers), saved)):
+        groups = s.get("param_groups") if isinstance(s, dict) else None
+        if not isinstance(groups, list):
+            continue   # a strategy-specific record (DCP, DeepSpeed)
+        if len(groups) != len(opt.param_groups):
+            raise CheckpointError(f"{path}: optimizer {i} has {len(groups)} parameter group(s) in the checkpoint, "
+                                  f"{len(opt.param_groups)} in this run")
+        for g, (theirs, mine) in enumerate(zip(groups, opt.param_groups)):
+            if not isinstance(theirs, dict):
+                raise CheckpointError(f"{path}: optimizer {i} parameter group {g} is corrupt")
+            a, b = set(theirs) - _GROUP_EXTRA, set(mine) - _GROUP_EXTRA
+            if a != b:
+                raise CheckpointError(
+                    f"{path}: optimizer {i} ({type(opt).__name__}) parameter group {g} has other options than "
+                    f"the checkpoint's: only in the checkpoint {sorted(a - b)}, only in this run {sorted(b - a)}; "
+                    "it was saved by another optimizer class")
+            n_theirs, n_mine = len(theirs.get("params") or []), len(mine["params"])
+            if n_theirs != n_mine:
+                raise CheckpointError(f"{path}: optimizer {i} parameter group {g} has {n_theirs} parameters in the "
+                                      f"checkpoint, {n_mine} in this run")

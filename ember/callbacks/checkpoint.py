@@ -72,6 +72,8 @@ class ModelCheckpoint(Callback):
         if filename is not None and (not isinstance(filename, str) or not filename or os.sep in filename.replace("/", "")):
             raise MisconfigurationError(f"ModelCheckpoint(filename={filename!r}): use a non-empty template "
                                         "without path separators, e.g. '{epoch}-{step}'")
+        if filename is not None and _reserved(filename):
+            raise MisconfigurationError(f"ModelCheckpoint(filename={filename!r}): {_reserved(filename)}")
         self.dirpath = os.fspath(dirpath) if dirpath is not None else None
         self.filename, self.monitor, self.mode = filename, monitor, mode
         self.save_top_k, self.save_last = save_top_k, save_last
@@ -92,6 +94,7 @@ class ModelCheckpoint(Callback):
         self._val_ran = False
         self._warned = False
         self._stale: list[str] = []
+        self._lock = None
         if not (self.every_n_train_steps or self.train_time_interval):
             self.inactive_hooks = frozenset({"on_train_batch_end"})
 
@@ -106,6 +109,29 @@ class ModelCheckpoint(Callback):
             self.dirpath = os.path.join(trainer.log_dir, "checkpoints")
         self._last_time = time.monotonic()
         self._val_ran = False
+        if stage != "fit" or getattr(trainer, "fast_dev_run", 0):
+            return
+        # rank zero writes and deletes here: it checks the folder is writable and takes the
+        # folder's lock now (not at the first save); every rank learns the outcome
+        from ember import checkpoint_checks as checks
+        msg = None
+        if trainer.is_global_zero:
+            try:
+                checks.check_writable(self.dirpath, f"ModelCheckpoint(dirpath={self.dirpath!r})")
+                if self._lock is None or not self._lock.held:
+                    self._lock = checks.DirLock(self.dirpath)
+                    self._lock.acquire(f"ModelCheckpoint(dirpath={self.dirpath!r})")
+            except CheckpointError as err:
+                msg = str(err)
+        if trainer.world_size > 1:
+            msg = trainer.strategy.broadcast(msg)
+        if msg:
+            raise CheckpointError(msg)
+
+    def teardown(self, trainer, module, stage):
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self._last_global_step_saved or trainer.sanity_checking:
@@ -150,7 +176,11 @@ class ModelCheckpoint(Callback):
                                             f"metric; logged: {sorted(metrics)}")
             v = format(values[name], fmt[1:]) if fmt else str(values[name])
             return f"{name}={v}" if self.auto_insert_metric_name else v
-        return _FIELD.sub(repl, template).replace("/", "_").replace(os.sep, "_")
+        name = _FIELD.sub(repl, template).replace("/", "_").replace(os.sep, "_")
+        if _reserved(name):
+            raise MisconfigurationError(f"ModelCheckpoint(filename={template!r}) gives the name {name!r}: "
+                                        f"{_reserved(name)}")
+        return name
 
     def _template_fields(self) -> list[str]:
         return [m.group(1).strip() for m in _FIELD.finditer(self.filename or "")] if self.filename else []
@@ -422,6 +452,18 @@ class ModelCheckpoint(Callback):
         else:
             self.best_model_path = best if self._own(best) else ""
             self.best_model_score = score
+
+
+def _reserved(name: str) -> str:
+    """Why ``name`` cannot be a checkpoint name ('' when it can)."""
+    from ember.checkpoint_checks import LOCK_NAME
+    base = name.strip()
+    if base in (ModelCheckpoint.CHECKPOINT_NAME_LAST, ModelCheckpoint.CHECKPOINT_NAME_LAST + ".safetensors"):
+        return "'last' is reserved for the link to the newest checkpoint (save_last); choose another name"
+    if base.endswith(".tmp") or re.search(r"\.old-[0-9a-f]*$", base) or base == LOCK_NAME:
+        return ("names ending in '.tmp' or '.old-...' are reserved for unfinished saves, which checkpoint "
+                "discovery ignores; choose another name")
+    return ""
 
 
 def _saved_step(path: str) -> int | None:

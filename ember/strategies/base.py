@@ -229,10 +229,13 @@ class Strategy:
                         strict: bool = True, weights_only: bool = False) -> dict:
         """Load weights (and optimizer states) in place; return the trainer state."""
         from ember import checkpoint_io as cio
+        from ember.checkpoint_checks import check_optimizers
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
         cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
-        self.load_module_state_dict(module, weights, strict=strict)
         state = state or {}
+        if optimizers and not weights_only:   # before anything is loaded
+            check_optimizers(optimizers, state.get("optimizers"), meta, path)
+        self.load_module_state_dict(module, weights, strict=strict)
         for opt, s in zip(optimizers, state.get("optimizers", [])):
             self.load_optimizer_state_dict(opt, s, module)
         state["meta"] = meta

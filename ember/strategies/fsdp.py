@@ -516,6 +516,9 @@ class FSDPStrategy(DDPStrategy):
             return load_full_from_rank0(self, path, module, optimizers, strict=strict, weights_only=weights_only)
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
         state = state or {}
+        if optimizers and not weights_only:   # before anything is loaded
+            from ember.checkpoint_checks import check_optimizers
+            check_optimizers(optimizers, state.get("optimizers"), meta, path)
         if weights is not None:
             cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
             self.load_module_state_dict(module, weights, strict=strict)

@@ -137,16 +137,20 @@ def trainer_state(t) -> dict:
 
 
 def checkpoint_meta(t) -> dict:
+    from ember.checkpoint_checks import optimizer_names
     m = t.module
     return {"strategy": t.strategy.name, "world_size": t.world_size, "precision": t.precision,
             "module_class": f"{type(m).__module__}.{type(m).__qualname__}",
-            "hparams": dict(m.hparams), "epoch": t.current_epoch, "global_step": t.global_step}
+            "hparams": dict(m.hparams), "epoch": t.current_epoch, "global_step": t.global_step,
+            "optimizers": optimizer_names(t.optimizers)}
 
 
 def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
     if t.model is None:
         raise MisconfigurationError("trainer.save_checkpoint() needs a fitted module: call fit() first")
+    from ember.checkpoint_checks import check_save_target
     path = os.fspath(path)
+    check_save_target(path, "trainer.save_checkpoint")   # every rank, read-only: no collective
     state = {} if weights_only else trainer_state(t)
     if not weights_only:
         for cb in t.callbacks:

@@ -87,7 +87,7 @@ plain.load_state_dict(load_full_weights(mid))
 x, y = sc.data(32).tensors
 with torch.no_grad():
     expected = F.cross_entropy(plain(x), y).item()
-rebuilt = sc.Net.load_from_checkpoint(mid)   # hparams + consolidated ZeRO weights, no engine
+rebuilt = sc.Net.load_from_checkpoint(mid, trust_deepspeed=True)   # hparams + consolidated ZeRO weights, no engine
 sc.write_result(OUT, "validate", {"val_loss": metrics[0]["val/loss"], "expected": expected,
                                   "load_from_checkpoint_equal": sc.equal(rebuilt.state_dict(), plain.state_dict()),
                                   "load_from_checkpoint_lr": rebuilt.hparams.lr}, rank)

@@ -1,0 +1,207 @@
+"""Saving never destroys data, two runs never share a checkpoint folder, and
+ckpt_path="last" resumes this run's newest checkpoint (issue: checkpoints you can trust)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import ember
+from conftest import LinearModule, regression_data
+from ember import checkpoint_io as cio
+from ember.callbacks import ModelCheckpoint
+from ember.errors import CheckpointError, MisconfigurationError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make(root, callbacks=(), max_epochs=2, **kw):
+    args = dict(max_epochs=max_epochs, default_root_dir=root, logger=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0)
+    args.update(kw)
+    return ember.Trainer(callbacks=list(callbacks), **args)
+
+
+def loader(n=32, bs=8, **kw):
+    return DataLoader(regression_data(n), batch_size=bs, **kw)
+
+
+def snapshot(root):
+    out = {}
+    for dp, dirs, files in os.walk(root):
+        for f in files + dirs:
+            p = os.path.join(dp, f)
+            out[os.path.relpath(p, root)] = os.lstat(p).st_size if os.path.isfile(p) else -1
+    return out
+
+
+# -- 6: saving over something that is not a checkpoint ------------------------------------------
+@pytest.mark.parametrize("target", ["logs", "file", "tmp"])
+def test_save_checkpoint_refuses_to_replace_what_is_not_a_checkpoint(tmp_path, target):
+    t = make(tmp_path, enable_checkpointing=False, max_epochs=1)
+    t.fit(LinearModule(), loader())
+    dest = tmp_path / "dest"
+    if target == "logs":
+        (dest / "version_0").mkdir(parents=True)
+        (dest / "version_0" / "events.out").write_text("precious")
+    elif target == "file":
+        dest.write_text("precious")
+    else:
+        (tmp_path / "dest.tmp").mkdir()
+        (tmp_path / "dest.tmp" / "notes.txt").write_text("precious")
+    before = snapshot(tmp_path)
+    with pytest.raises(CheckpointError, match="refusing to"):
+        t.save_checkpoint(str(dest))
+    assert snapshot(tmp_path) == before
+    if target != "tmp":   # an ember checkpoint (or an empty folder) can be replaced
+        return
+    t.save_checkpoint(str(tmp_path / "ok"))
+    t.save_checkpoint(str(tmp_path / "ok"))
+    assert cio.is_checkpoint(tmp_path / "ok")
+
+
+def test_accelerator_save_state_refuses_a_non_checkpoint_folder(tmp_path):
+    from ember import Accelerator
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("a,b\n")
+    before = snapshot(tmp_path)
+    with pytest.raises(CheckpointError, match="not an ember checkpoint"):
+        acc.save_state(str(tmp_path / "data"))
+    assert snapshot(tmp_path) == before and model is not None
+
+
+# -- 7: reserved names ---------------------------------------------------------------------
+@pytest.mark.parametrize("filename", ["last", "{epoch}.tmp", "x.old-1a"])
+def test_reserved_checkpoint_names(filename):
+    with pytest.raises(MisconfigurationError, match="reserved"):
+        ModelCheckpoint(filename=filename, save_last=True)
+
+
+# -- 8: one run per checkpoint folder --------------------------------------------------------
+_HOLDER = """
+import sys, time
+from ember.checkpoint_checks import DirLock
+lock = DirLock(sys.argv[1]); lock.acquire()
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_two_trainers_on_one_dirpath_get_a_clear_error_and_a_dead_owner_is_taken_over(tmp_path):
+    ckdir = tmp_path / "ckpts"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    other = subprocess.Popen([sys.executable, "-c", _HOLDER, str(ckdir)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        t = make(tmp_path, [ModelCheckpoint(dirpath=str(ckdir))])
+        with pytest.raises(CheckpointError, match=rf"in use by another run \(process {other.pid}"):
+            t.fit(LinearModule(), loader())
+        assert t.global_step == 0 and not [n for n in os.listdir(ckdir) if not n.startswith(".")]
+    finally:
+        other.kill()
+        other.wait()
+    t = make(tmp_path, [ModelCheckpoint(dirpath=str(ckdir))])   # the owner died: its lock is stale
+    t.fit(LinearModule(), loader())
+    assert sorted(os.listdir(ckdir)) == ["epoch=1-step=8"]     # the lock is released at the end
+
+
+def test_unwritable_dirpath_is_reported_at_setup(tmp_path):
+    if os.geteuid() == 0:
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        dirpath = blocker / "ckpts"        # a path under a file: never writable, even for root
+    else:
+        dirpath = tmp_path / "ro"
+        dirpath.mkdir(mode=0o500)
+    counted = []
+
+    class Count(ember.callbacks.Callback):
+        def on_train_batch_start(self, *a):
+            counted.append(1)
+    t = make(tmp_path, [Count(), ModelCheckpoint(dirpath=str(dirpath))])
+    with pytest.raises(CheckpointError, match="cannot write checkpoints to"):
+        t.fit(LinearModule(), loader())
+    assert not counted
+
+
+# -- 9: ckpt_path="last" is this run's newest checkpoint by global_step ----------------------------
+def _run(root, name, epochs, lr=0.1, ckpt_path=None):
+    from ember.loggers import CSVLogger
+    t = ember.Trainer(max_epochs=epochs, default_root_dir=root, logger=CSVLogger(root, name=name),
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      callbacks=[ModelCheckpoint(save_top_k=-1)])
+    t.fit(LinearModule(lr=lr), loader(), ckpt_path=ckpt_path)
+    return t
+
+
+def test_last_resumes_this_runs_newest_by_step_not_another_run_or_mtime(tmp_path, capsys):
+    _run(tmp_path, "a", 2)                     # a: steps 4, 8
+    _run(tmp_path, "b", 1)                     # b: step 4, written later
+    ck_a = tmp_path / "a" / "version_0" / "checkpoints"
+    now = time.time()
+    for i, name in enumerate(sorted(os.listdir(ck_a))):   # scramble: the older checkpoint looks newest
+        os.utime(ck_a / name / cio.META_NAME, (now + 100 - 50 * i, now + 100 - 50 * i))
+    t = _run(tmp_path, "b", 2, ckpt_path="last")
+    assert t.ckpt_path == str(tmp_path / "b" / "version_0" / "checkpoints" / "epoch=0-step=4")
+    t = _run(tmp_path, "a", 3, ckpt_path="last")
+    assert t.ckpt_path == str(ck_a / "epoch=1-step=8") and t.global_step == 12
+    assert "ckpt_path='last' resumes" in capsys.readouterr().err
+
+
+# -- 10: compatibility before anything is loaded -----------------------------------------------------
+@pytest.fixture
+def saved(tmp_path):
+    t = make(tmp_path, [ModelCheckpoint(dirpath=str(tmp_path / "ck"))], max_epochs=1)
+    t.fit(AdamModule(), loader())
+    return tmp_path / "ck" / "epoch=0-step=4"
+
+
+class AdamModule(LinearModule):
+    def __init__(self, opt: str = "AdamW", **kw):
+        super().__init__(**kw)
+        self.opt = opt
+
+    def configure_optimizers(self):
+        return getattr(torch.optim, self.opt)(self.parameters(), lr=0.01)
+
+
+def _meta(ckpt, **changes):
+    meta = json.loads((ckpt / cio.META_NAME).read_text())
+    meta.update(changes)
+    (ckpt / cio.META_NAME).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("opt", ["SGD", "Adam"])
+def test_optimizer_class_mismatch_is_refused_before_loading(saved, opt):
+    module = AdamModule(opt=opt)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"AdamW.*{opt}"):
+        make(saved.parent.parent, max_epochs=3, enable_checkpointing=False).fit(module, loader(), ckpt_path=str(saved))
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())   # nothing loaded
+
+
+def test_dtype_change_in_safetensors_header_is_refused(saved):
+    wfile = saved / cio.WEIGHTS_NAME
+    raw = wfile.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n].replace(b'"F32"', b'"I32"')
+    wfile.write_bytes(raw[:8] + header + raw[8 + n:])
+    with pytest.raises(CheckpointError, match="dtype mismatches"):
+        AdamModule.load_from_checkpoint(str(saved))
+
+
+def test_versions_newer_ember_and_other_torch_are_warned(saved):
+    _meta(saved, ember_version="99.0.0", torch_version="1.0.0")
+    with pytest.warns(UserWarning, match="newer than this ember") as rec:
+        AdamModule.load_from_checkpoint(str(saved))
+    assert any("torch 1.0.0" in str(w.message) for w in rec)
