@@ -20,8 +20,8 @@ from ember import distributed as _dist
 from ember.accelerator_compat import AccelerateNames
 from ember.accelerator_state import _InOrder, _Islice, _MultiContext, _Yield, _only  # noqa: F401
 from ember.accelerator_state import (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard,
-                                     DistributedOperationError, check_collective, check_log_with, is_scheduler,
-                                     wrap_forward, unwrap_forward)
+                                     DistributedOperationError, accumulation_window, check_collective,
+                                     check_log_with, is_scheduler, wrap_forward, unwrap_forward)
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.precision import Precision
 
@@ -30,20 +30,6 @@ __all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DataL
 
 _NULL = contextlib.nullcontext()
 _REDUCTIONS = ("sum", "mean", "max", "min", "none")
-
-
-def accumulation_window(index: int, total: int | None, steps: int) -> tuple[bool, int]:
-    """The accumulation rule of the Trainer and the Accelerator (docs/accelerator.md,
-    "The optimizer step"): for micro-batch ``index`` (0-based, counted from the start
-    of the epoch) of ``total`` (None: unknown length), return whether the optimizer
-    steps after it and the size of its window. Windows hold ``steps`` micro-batches;
-    the last window of an epoch of known length may be shorter and its losses are
-    divided by its own size, so every step equals one big batch of its samples."""
-    if total is not None:
-        last = total - total % steps   # where a short last window starts
-        if index >= last:
-            return index + 1 == total, total - last
-    return (index + 1) % steps == 0, steps
 
 
 class Accelerator(AccelerateNames):

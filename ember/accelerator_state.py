@@ -20,6 +20,21 @@ from ember.errors import DistributedOperationError, MisconfigurationError, inval
 _END = object()
 
 
+# -- the accumulation rule (Trainer and Accelerator) -----------------------------------------
+def accumulation_window(index: int, total: int | None, steps: int) -> tuple[bool, int]:
+    """The accumulation rule of the Trainer and the Accelerator (docs/accelerator.md,
+    "The optimizer step"): for micro-batch ``index`` (0-based, counted from the start
+    of the epoch) of ``total`` (None: unknown length), return whether the optimizer
+    steps after it and the size of its window. Windows hold ``steps`` micro-batches;
+    the last window of an epoch of known length may be shorter and its losses are
+    divided by its own size, so every step equals one big batch of its samples."""
+    if total is not None:
+        last = total - total % steps   # where a short last window starts
+        if index >= last:
+            return index + 1 == total, total - last
+    return (index + 1) % steps == 0, steps
+
+
 # -- optimizer / scheduler ------------------------------------------------------------------
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """A prepared optimizer. ``step()`` goes through the strategy and precision (loss

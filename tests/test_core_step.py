@@ -10,8 +10,6 @@ spells the rule out give bit-identical weights (``torch.equal``).
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F

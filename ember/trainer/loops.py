@@ -230,7 +230,8 @@ class FitLoop:
                         out = training_step(batch, batch_idx)
                     loss = out if type(out) is torch.Tensor else extract_loss(out)
                     if loss is not None:
-                        if check_loss is not None and (check_every or (boundary and (t.global_step + 1) % log_every == 0)):
+                        if check_loss is not None and (
+                                check_every or (boundary and (t.global_step + 1) % log_every == 0)):
                             check_loss(t, loss, batch_idx)
                         backward(loss)   # divided by the window's size; scaled under 16-mixed
                 finally:
