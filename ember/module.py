@@ -1,8 +1,10 @@
 """TrainModule and DataModule: what users subclass."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +23,20 @@ class AttributeDict(dict):
 
     def __setattr__(self, key, value):
         self[key] = value
+
+
+def _copy_hparams(h: dict) -> "AttributeDict":
+    try:
+        return AttributeDict(copy.deepcopy(dict(h)))
+    except Exception:   # objects that cannot be deep-copied are shared
+        return AttributeDict(dict(h))
+
+
+def _raw_optimizer(opt: Any) -> Any:
+    """The torch optimizer under ember's wrappers (manual-optimization, accelerated)."""
+    while not isinstance(opt, torch.optim.Optimizer) and "optimizer" in getattr(opt, "__dict__", {}):
+        opt = opt.optimizer
+    return opt
 
 
 class TrainModule(nn.Module):
@@ -68,6 +84,7 @@ class TrainModule(nn.Module):
             if isinstance(v, nn.Module):
                 continue  # modules are not hyperparameters
             self.hparams[k] = v
+        self._hparams_initial = _copy_hparams(self.hparams)   # hparams_initial: as first saved
 
     # -- context ---------------------------------------------------------------
     @property
@@ -100,6 +117,148 @@ class TrainModule(nn.Module):
     @property
     def current_epoch(self) -> int:
         return self._trainer.current_epoch if self._trainer is not None else 0
+
+    # -- Lightning helpers ------------------------------------------------------------
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """A copy of ``hparams`` as :meth:`save_hyperparameters` recorded them (later
+        changes to ``self.hparams`` do not show here)."""
+        return _copy_hparams(self.__dict__.get("_hparams_initial") or AttributeDict())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's floating-point parameters (the default dtype when it has none)."""
+        p = next((p for p in self.parameters() if p.is_floating_point()), None)
+        return p.dtype if p is not None else torch.get_default_dtype()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all processes (0 outside a Trainer)."""
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (0 outside a Trainer)."""
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def logger(self) -> Any:
+        """The trainer's first logger (None without one)."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list:
+        """The trainer's loggers (empty outside a Trainer)."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    def freeze(self) -> None:
+        """Stop gradients for every parameter and switch to eval mode."""
+        for p in self.parameters():
+            p.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Let every parameter train again and switch to train mode."""
+        for p in self.parameters():
+            p.requires_grad = True
+        self.train()
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Manual optimization with several optimizers: only the parameters of
+        ``optimizer`` keep ``requires_grad``; those held only by the other optimizers
+        get ``requires_grad=False`` until :meth:`untoggle_optimizer`."""
+        saved: dict = {}
+        for opt in self.trainer.optimizers:
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p not in saved:
+                        saved[p] = p.requires_grad
+                        p.requires_grad = False
+        for g in _raw_optimizer(optimizer).param_groups:
+            for p in g["params"]:
+                p.requires_grad = saved.get(p, p.requires_grad)
+        self._param_requires_grad_state = saved
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Give the other optimizers' parameters back the ``requires_grad`` they had
+        before :meth:`toggle_optimizer`."""
+        raw = _raw_optimizer(optimizer)
+        saved = self.__dict__.get("_param_requires_grad_state") or {}
+        for opt in self.trainer.optimizers:
+            if _raw_optimizer(opt) is raw:
+                continue
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p in saved:
+                        p.requires_grad = saved[p]
+        self._param_requires_grad_state = {}
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``with self.toggled_optimizer(opt):`` toggles ``opt`` in, untoggles on exit."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: "float | None" = None,
+                       gradient_clip_algorithm: "str | None" = None) -> "torch.Tensor | None":
+        """Clip ``optimizer``'s gradients (manual optimization, after backward) through
+        the strategy, as the training loop does: unscaled first under 16-mixed, total
+        norm over sharded (DTensor) gradients. ``gradient_clip_val`` /
+        ``gradient_clip_algorithm`` ("norm" or "value") default to the Trainer's.
+        Returns the total norm before clipping ("norm"), else None."""
+        t = self.trainer
+        val = t.gradient_clip_val if gradient_clip_val is None else gradient_clip_val
+        algorithm = gradient_clip_algorithm or t.gradient_clip_algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise MisconfigurationError(f"clip_gradients(gradient_clip_algorithm={algorithm!r}): use 'norm' or 'value'")
+        if val is None or val == 0:
+            return None
+        if t.strategy.owns_optimizer_step:
+            raise MisconfigurationError(f"under the {t.strategy.name} strategy the engine clips gradients: set "
+                                        "'gradient_clipping' in its config instead of calling clip_gradients")
+        return t.strategy.clip_gradients(t.model, _raw_optimizer(optimizer), float(val), algorithm)
+
+    def to_torchscript(self, file_path: "str | None" = None, method: str = "script",
+                       example_inputs: Any = None, **kwargs: Any) -> Any:
+        """``torch.jit.script`` (or ``method="trace"`` with ``example_inputs``, default
+        ``self.example_input_array``) of this module in eval mode; saved to
+        ``file_path`` when given. Train mode is restored afterwards."""
+        mode = self.training
+        self.eval()
+        try:
+            if method == "script":
+                out = torch.jit.script(self, **kwargs)
+            elif method == "trace":
+                inputs = example_inputs if example_inputs is not None else getattr(self, "example_input_array", None)
+                if inputs is None:
+                    raise MisconfigurationError("to_torchscript(method='trace') needs example_inputs= (or "
+                                                "self.example_input_array)")
+                out = torch.jit.trace(self, example_inputs=inputs, **kwargs)
+            else:
+                raise MisconfigurationError(f"to_torchscript(method={method!r}): use 'script' or 'trace'")
+        finally:
+            self.train(mode)
+        if file_path is not None:
+            torch.jit.save(out, file_path)
+        return out
+
+    @torch.no_grad()
+    def to_onnx(self, file_path: Any, input_sample: Any = None, **kwargs: Any) -> Any:
+        """``torch.onnx.export`` of this module in eval mode with ``input_sample``
+        (default ``self.example_input_array``); needs the ``onnx`` packages torch's
+        exporter uses."""
+        sample = input_sample if input_sample is not None else getattr(self, "example_input_array", None)
+        if sample is None:
+            raise MisconfigurationError("to_onnx needs input_sample= (or self.example_input_array)")
+        mode = self.training
+        self.eval()
+        try:
+            return torch.onnx.export(self, sample if isinstance(sample, tuple) else (sample,), file_path, **kwargs)
+        finally:
+            self.train(mode)
 
     # -- logging -----------------------------------------------------------------
     def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True, on_step: bool | None = None,

@@ -217,3 +217,93 @@ def test_base_finetuning_needs_overrides_and_backbone(tmp_path):
         _fit(tmp_path, 1, module=NoBackbone())
     with pytest.raises(NotImplementedError, match="freeze_before_training"):
         BaseFinetuning().freeze_before_training(Backboned())
+
+
+# ----------------------------------------------------------------------------- TrainModule helpers
+class TwoOpt(ember.TrainModule):
+    """GAN-shaped manual optimization: two optimizers, toggled, gradients clipped."""
+
+    def __init__(self, clip=0.05, algorithm="norm"):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.g = nn.Linear(4, 4)
+        self.d = nn.Linear(4, 1)
+        self.seen = []
+        self.example_input_array = torch.randn(2, 4)
+
+    def forward(self, x):
+        return self.d(self.g(x))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        with self.toggled_optimizer(opt_g):
+            self.seen.append((self.g.weight.requires_grad, self.d.weight.requires_grad))
+            loss = self(x).pow(2).mean()
+            self.manual_backward(loss)
+            norm = self.clip_gradients(opt_g, self.hparams.clip, self.hparams.algorithm)
+            grads = [p.grad for p in self.g.parameters()]
+            after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self.seen.append((norm, after, max(g.abs().max() for g in grads)))
+            opt_g.step()
+            opt_g.zero_grad()
+        self.seen.append((self.g.weight.requires_grad, self.d.weight.requires_grad))
+        assert self.d.weight.grad is None                      # the untoggled model got no gradient
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.g.parameters(), lr=0.1), torch.optim.SGD(self.d.parameters(), lr=0.1)
+
+
+def _fit_two(tmp_path, **kw):
+    torch.manual_seed(0)
+    m = TwoOpt(**kw.pop("module_kw", {}))
+    kw = {"max_steps": 2, **kw}
+    trainer = ember.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path, devices="cpu", **kw)
+    trainer.fit(m, DataLoader(regression_data(16, 4), batch_size=8))
+    return m, trainer
+
+
+def test_toggled_optimizer_and_clip_gradients_norm(tmp_path):
+    m, _ = _fit_two(tmp_path)
+    assert m.seen[0] == (True, False) and m.seen[2] == (True, True)     # toggled in, then restored
+    norm, after, _ = m.seen[1]
+    assert norm > 0.05 and after == pytest.approx(0.05, rel=1e-4)       # norm before, clipped to 0.05
+
+
+def test_clip_gradients_value_and_unscaled_under_16_mixed(tmp_path):
+    m, _ = _fit_two(tmp_path, module_kw={"clip": 0.01, "algorithm": "value"})
+    assert m.seen[1][0] is None and m.seen[1][2] <= 0.01 + 1e-7
+    m, _ = _fit_two(tmp_path, precision="16-mixed", max_steps=8, module_kw={"clip": 1e9})
+    finite = [(n.item(), a.item()) for n, a, _ in m.seen[1::3] if torch.isfinite(n)]   # first steps overflow
+    ref, _ = _fit_two(tmp_path / "fp32", module_kw={"clip": 1e9})
+    assert finite
+    for norm, after in finite:
+        assert norm == pytest.approx(after, rel=1e-3)      # the gradients were unscaled in place
+        assert 0.1 < norm / ref.seen[1][0].item() < 10     # the true norm (a scaled one is >= 2**10 times more)
+
+
+def test_module_helpers(tmp_path):
+    m, trainer = _fit_two(tmp_path)
+    assert m.global_rank == 0 and m.local_rank == 0 and m.logger is None and m.loggers == []
+    assert m.dtype == torch.float32 and m.to(torch.float64).dtype == torch.float64
+    m.hparams.clip = 1.0
+    assert m.hparams_initial == {"clip": 0.05, "algorithm": "norm"} and m.hparams.clip == 1.0
+    m.float().freeze()
+    assert not m.training and not any(p.requires_grad for p in m.parameters())
+    m.unfreeze()
+    assert m.training and all(p.requires_grad for p in m.parameters())
+    x = torch.randn(3, 4)
+    traced = m.to_torchscript(tmp_path / "m.pt", method="trace")
+    assert torch.allclose(torch.jit.load(tmp_path / "m.pt")(x), m(x)) and torch.allclose(traced(x), m(x))
+    assert m.training                                      # mode restored
+    with pytest.raises(ember.errors.MisconfigurationError, match="trace"):
+        m.to_torchscript(method="bogus")
+
+
+def test_to_onnx(tmp_path):
+    pytest.importorskip("onnxscript")
+    m = TwoOpt()
+    m.to_onnx(tmp_path / "m.onnx")
+    assert (tmp_path / "m.onnx").stat().st_size > 0
