@@ -38,6 +38,7 @@ class _Snapshot:
     def __init__(self, trainer, module):
         self.trainer, self.module = trainer, module
         self.attrs = dict(trainer.__dict__)
+        self.attrs["loop_state"] = copy.copy(trainer.loop_state)   # the loop mutates it in place
         self.module_state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
         self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
         self.module_dict = {k: module.__dict__.get(k, _MISSING) for k in ("_trainer", "_results", "training_step")}
@@ -102,8 +103,8 @@ def _search_settings(trainer, callback: Callback, max_steps: int) -> None:
     trainer.check_val_every_n_epoch, trainer.val_check_interval = None, 1.0
     trainer.log_every_n_steps = 2**62        # no step metrics (and no per-log-point loss check)
     trainer.fast_dev_run = 0
-    trainer.current_epoch = trainer.global_step = trainer._batches_done = 0
-    trainer._epoch_finished = trainer._grads_pending = trainer.should_stop = False
+    from ember.trainer.progress import LoopState
+    trainer.loop_state = LoopState()
     trainer.callback_metrics, trainer.logged_metrics = {}, {}
     trainer._results = {s: Results(s) for s in trainer._results}   # the user's accumulators stay untouched
     if "profiler" in trainer.__dict__:
@@ -202,7 +203,8 @@ class _LRFinder(Callback):
         if trainer.global_step > self._step and trainer.global_step % self.check_every == 0:
             self._collect(trainer)
             if self.threshold is not None and _diverged(self.values, self.threshold):
-                self.diverged = trainer.should_stop = True
+                self.diverged = True
+                trainer.request_stop("should_stop", agreed=True)   # the losses were reduced over ranks
 
     def on_train_end(self, trainer, module):
         self._collect(trainer)

@@ -227,7 +227,9 @@ def test_parse_duration():
 def test_timer_stops_after_the_step_that_used_up_the_budget(tmp_path):
     timer = Timer(duration=1e-9, verbose=False)
     t = fit(tmp_path, Scripted(), [timer])
-    assert t.global_step == 1 and t.current_epoch == 1   # the epoch-end work still ran
+    # a stop mid-epoch is recorded as mid-epoch: no epoch-end work, the epoch is not counted
+    assert t.global_step == 1 and t.current_epoch == 0 and t.batches_done == 1
+    assert t.stop_reason == "timer" and t.should_stop
 
 
 def test_timer_with_no_budget_left_does_not_train(tmp_path):

@@ -1,6 +1,9 @@
 """ModelCheckpoint: save checkpoints periodically and keep the top-k by a monitored
 metric. Every rank calls the save (sharded strategies write shards); only global
-rank zero links ``last`` and deletes files. Its bookkeeping is part of the
+rank zero links ``last`` and deletes files. Whether to save, the file name and the
+monitored score are rank zero's, broadcast in one collective at each save point, so
+every rank takes the same save/keep/delete decision (a metric logged without
+``sync_dist`` cannot make ranks disagree). Its bookkeeping is part of the
 checkpoint, so top-k stays consistent across resumes."""
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from ember.callbacks.base import Callback
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
+#: stop reasons after which the fit saves where it stopped (``on_train_end``)
+_MID_EPOCH_STOPS = ("max_time", "timer", "early_stopping", "should_stop")
 
 
 class ModelCheckpoint(Callback):
@@ -143,7 +148,7 @@ class ModelCheckpoint(Callback):
             if trainer.world_size == 1:
                 due = time.monotonic() - self._last_time >= self.train_time_interval
             elif trainer.global_step % trainer.log_every_n_steps == 0:   # agree without a per-step collective
-                due = bool(trainer.strategy.broadcast(time.monotonic() - self._last_time >= self.train_time_interval))
+                due = trainer.strategy.agree(time.monotonic() - self._last_time >= self.train_time_interval, "rank0")
         if due:
             self._save(trainer)
 
@@ -152,8 +157,8 @@ class ModelCheckpoint(Callback):
             return
         self._val_ran = True
         # mid-epoch validations only; at an epoch end the save happens in on_train_epoch_end
-        if self.save_on_train_epoch_end or trainer._epoch_finished \
-                or trainer._batches_done >= trainer.num_training_batches:
+        if self.save_on_train_epoch_end or trainer.epoch_finished \
+                or trainer.batches_done >= trainer.num_training_batches:
             return
         if self.monitor is not None and not self.every_n_train_steps and not self.train_time_interval \
                 and self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
@@ -161,6 +166,13 @@ class ModelCheckpoint(Callback):
 
     def on_train_epoch_end(self, trainer, module):
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer, module):
+        # a fit stopped mid-epoch (max_time, Timer, EarlyStopping, should_stop) saves where it
+        # stopped, so ckpt_path="last" continues at the next batch (every rank agreed on the stop)
+        if trainer.stop_reason in _MID_EPOCH_STOPS and not trainer.epoch_finished \
+                and trainer.batches_done and trainer.global_step != self._last_global_step_saved:
             self._save(trainer)
 
     # -- names --------------------------------------------------------------------------------
@@ -195,7 +207,7 @@ class ModelCheckpoint(Callback):
         only not yet available (a validation metric before the first validation)."""
         if self._val_ran:
             return True
-        return trainer._epoch_finished and not trainer._val_loaders
+        return trainer.epoch_finished and not trainer.val_dataloaders
 
     # -- saving -------------------------------------------------------------------------------
     def _is_better(self, score: float, than: float) -> bool:
@@ -210,6 +222,20 @@ class ModelCheckpoint(Callback):
         if getattr(trainer, "fast_dev_run", 0):   # a smoke test writes nothing (as in Lightning)
             return
         missing = self._missing(trainer)
+        score = None
+        if self.monitor is not None and not missing:
+            score = float(trainer.callback_metrics[self.monitor])
+            if math.isnan(score):   # a NaN ranks last
+                score = math.inf if self.mode == "min" else -math.inf
+        step = trainer.global_step
+        ext = ".safetensors" if self.save_weights_only else ""
+        path = None
+        if not missing:
+            name = self.format_checkpoint_name(trainer.callback_metrics, trainer.current_epoch, step)
+            path = self._free_path(os.path.join(self.dirpath, name + ext), step, ext)
+        if trainer.world_size > 1:
+            # rank zero's view decides (its metric, its directory listing): one collective
+            missing, score, path = trainer.strategy.broadcast((missing, score, path))
         if missing:
             msg = (f"ModelCheckpoint(monitor={self.monitor!r}, filename={self.filename!r}) could not find "
                    f"{missing}; logged metrics are {sorted(trainer.callback_metrics)}. Log it with "
@@ -220,19 +246,8 @@ class ModelCheckpoint(Callback):
                 warnings.warn(msg + " Skipping this save (no validation has run yet).", stacklevel=2)
             self._warned = True
             return
-        score = None
-        if self.monitor is not None:
-            score = float(trainer.callback_metrics[self.monitor])
-            if math.isnan(score):   # a NaN ranks last
-                score = math.inf if self.mode == "min" else -math.inf
-        step = trainer.global_step
         self._last_global_step_saved = step
         self._last_time = time.monotonic()
-        ext = ".safetensors" if self.save_weights_only else ""
-        name = self.format_checkpoint_name(trainer.callback_metrics, trainer.current_epoch, step)
-        path = self._free_path(os.path.join(self.dirpath, name + ext), step, ext)
-        if trainer.world_size > 1:
-            path = trainer.strategy.broadcast(path)   # rank zero's view of the directory decides
         others = {p: s for p, s in self.best_k_models.items() if p != path}
         if self.save_top_k == 0:
             keep = False

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 import sys
 
-import torch
-
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 
@@ -66,7 +64,7 @@ class EarlyStopping(Callback):
         if self.check_on_train_epoch_end is None:
             vci = trainer.val_check_interval
             once_per_epoch = isinstance(vci, float) and vci >= 1.0 and trainer.check_val_every_n_epoch == 1
-            self._on_epoch_end = once_per_epoch or not trainer._val_loaders
+            self._on_epoch_end = once_per_epoch or not trainer.val_dataloaders
         else:
             self._on_epoch_end = self.check_on_train_epoch_end
 
@@ -92,13 +90,12 @@ class EarlyStopping(Callback):
             return
         current = float(value)
         stop, reason = self._evaluate(current)
-        if trainer.world_size > 1:   # one small collective per check (epoch or validation end)
-            flag = torch.tensor([1.0 if stop else 0.0], device=trainer.strategy.root_device)
-            stop = bool(trainer.strategy.reduce(flag, "max").item())
+        # one small collective per check (epoch or validation end): every rank stops together
+        stop = trainer.strategy.agree(bool(stop), "max")
         if stop:
             self.stopped_epoch = trainer.current_epoch
             self.stopping_reason = reason
-            trainer.should_stop = True
+            trainer.request_stop("early_stopping", agreed=True)
         if reason and self.verbose:
             self._print(trainer, reason)
 

@@ -34,13 +34,13 @@ def _epoch_total(t) -> float:
     total = t.num_training_batches
     if t.max_steps is not None and t.max_steps >= 0:
         left = max(t.max_steps - t.global_step, 0) * max(t.accumulate_grad_batches, 1)
-        total = min(total, t._batches_done + left)
+        total = min(total, t.batches_done + left)
     return total
 
 
 def _eval_total(t, stage: str) -> float | None:
     """Batches of a validation/test/predict pass (None when a loader has no length)."""
-    loaders = t._val_loaders if stage == "validate" and t.stage == "fit" else getattr(t, "_eval_loaders", [])
+    loaders = t.val_dataloaders if stage == "validate" and t.stage == "fit" else getattr(t, "_eval_loaders", [])
     limit = t.limit_val_batches if stage == "validate" else None
     total = 0
     for loader in loaders:
@@ -130,7 +130,7 @@ class RichProgressBar(ProgressBar):
         if not trainer.is_global_zero:
             return
         self._trainer = trainer
-        self._epoch, self._done, self._in_epoch = trainer.current_epoch, trainer._batches_done, False
+        self._epoch, self._done, self._in_epoch = trainer.current_epoch, trainer.batches_done, False
         self._total = _epoch_total(trainer)
         if self._live():
             self._start_rich()
@@ -144,7 +144,7 @@ class RichProgressBar(ProgressBar):
         if not trainer.is_global_zero:
             return
         self._t0 = time.monotonic()
-        self._start_batch = self._done = trainer._batches_done
+        self._start_batch = self._done = trainer.batches_done
         self._epoch = trainer.current_epoch
         self._total = _epoch_total(trainer)
         self._in_epoch = True
@@ -155,7 +155,7 @@ class RichProgressBar(ProgressBar):
     def on_train_epoch_end(self, trainer, module):
         if not trainer.is_global_zero:
             return
-        self._done = trainer._batches_done   # an epoch cut short (max_steps, should_stop) shows where
+        self._done = trainer.batches_done   # an epoch cut short (max_steps, should_stop) shows where
         self._in_epoch = False
         if self._progress is None:
             self._print_line(trainer)
@@ -164,7 +164,7 @@ class RichProgressBar(ProgressBar):
 
     def on_train_end(self, trainer, module):
         if trainer.is_global_zero and self._in_epoch:   # stopped mid-epoch (preemption): freeze where it was
-            self._done, self._in_epoch = trainer._batches_done, False
+            self._done, self._in_epoch = trainer.batches_done, False
         self._shutdown()
 
     def on_exception(self, trainer, module, exception):
@@ -260,7 +260,7 @@ class RichProgressBar(ProgressBar):
             return
         if self._task is not None:
             if self._in_epoch:
-                self._done = t._batches_done
+                self._done = t.batches_done
             el = max(time.monotonic() - self._t0, 1e-9)
             rate = (self._done - self._start_batch) / el
             p.update(self._task, completed=self._done, description=self._describe(),
@@ -302,7 +302,7 @@ class RichProgressBar(ProgressBar):
     def _print_line(self, t) -> None:
         if t is None:
             return
-        done = t._batches_done if self._in_epoch else self._done
+        done = t.batches_done if self._in_epoch else self._done
         el = time.monotonic() - self._t0
         rate = (done - self._start_batch) / max(el, 1e-9)
         total = self._total

@@ -1,7 +1,8 @@
 """Timer: measure the time spent in training, validation and testing, and stop the
 fit once the training time reaches a duration. The elapsed training time is part of
 the checkpoint, so the budget spans resumes. Per step it costs one
-``time.monotonic()`` call (under several processes the ranks agree at log points)."""
+``time.monotonic()`` call; it only asks the Trainer to stop, and the ranks agree on
+the stop at the loop's check points (``ember/trainer/loops.py``)."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -94,9 +95,6 @@ class Timer(Callback):
     def on_train_start(self, trainer, module):
         self._start["train"], self._end["train"] = time.monotonic(), None
 
-    def on_train_end(self, trainer, module):
-        self._end["train"] = time.monotonic()
-
     def on_validation_start(self, trainer, module):
         self._start["validate"], self._end["validate"] = time.monotonic(), None
 
@@ -111,25 +109,24 @@ class Timer(Callback):
 
     def on_fit_start(self, trainer, module):
         if self._duration is not None and self.time_elapsed("train") >= self._duration:
-            trainer.should_stop = True   # the budget was used up before the checkpoint was saved
+            trainer.request_stop("timer")   # the budget was used up before the checkpoint was saved
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.world_size > 1 and trainer.global_step % trainer.log_every_n_steps:
-            return
         self._check(trainer)
 
     def on_train_epoch_end(self, trainer, module):
         self._check(trainer)
 
     def _check(self, trainer) -> None:
-        stop = self.time_elapsed("train") >= self._duration
-        if trainer.world_size > 1:   # rank zero's clock decides, so every rank stops at the same step
-            stop = bool(trainer.strategy.broadcast(stop))
-        if stop and not trainer.should_stop:
-            trainer.should_stop = True
-            if self._verbose and trainer.is_global_zero:
-                print(f"ember: Timer stopped the fit after {self.time_elapsed('train'):.1f} s of training "
-                      f"(duration {self._duration:.1f} s) at step {trainer.global_step}.", file=sys.stderr, flush=True)
+        # a local request: the loop agrees on it with the other ranks (no collective here)
+        if not trainer.should_stop and self.time_elapsed("train") >= self._duration:
+            trainer.request_stop("timer")
+
+    def on_train_end(self, trainer, module):
+        self._end["train"] = time.monotonic()
+        if trainer.stop_reason == "timer" and self._verbose and trainer.is_global_zero:
+            print(f"ember: Timer stopped the fit after {self.time_elapsed('train'):.1f} s of training "
+                  f"(duration {self._duration:.1f} s) at step {trainer.global_step}.", file=sys.stderr, flush=True)
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self):

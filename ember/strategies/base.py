@@ -177,6 +177,27 @@ class Strategy:
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return tensor
 
+    def agree(self, decision, how: str = "max"):
+        """One decision for every rank, with one small collective (none on one process).
+
+        ``decision`` is a bool, a number, or a list of numbers (several decisions in one
+        collective). ``how``: ``"max"`` (a bool: True when any rank says True), ``"min"``
+        (a bool: True only when every rank says True; Lightning's
+        ``reduce_boolean_decision(all=True)``) or ``"rank0"`` (rank 0's value). Returns the
+        agreed value(s) in the same form. Every rank must call it at the same point."""
+        if how not in ("max", "min", "rank0"):
+            from ember.errors import invalid_choice
+            raise invalid_choice("agree(how)", how, ["max", "min", "rank0"])
+        if self.world_size == 1:
+            return decision
+        many = isinstance(decision, (list, tuple))
+        values = list(decision) if many else [decision]
+        flag = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.root_device)
+        out = self.broadcast(flag, 0) if how == "rank0" else self.reduce(flag, how)
+        kinds = [type(v) for v in values]
+        res = [bool(x) if k is bool else int(x) if k is int else float(x) for k, x in zip(kinds, out.tolist())]
+        return res if many else res[0]
+
     # -- checkpoints -------------------------------------------------------------
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights, on every rank that needs them."""

@@ -62,6 +62,7 @@ import torch
 
 from ember import data as edata
 from ember.errors import MisconfigurationError
+from ember.trainer.progress import agree_stop
 from ember.trainer.state import check_finite_loss
 
 _DL_SUFFIX = re.compile(r"/dataloader_idx_(\d+)")
@@ -95,14 +96,16 @@ class FitLoop:
     # ------------------------------------------------------------------ epochs
     def run(self) -> None:
         t = self.t
+        ls = t.loop_state
         t._call_hook("on_train_start")
+        agree_stop(t, force=True)   # a stop asked for before training (Timer budget used up)
         while not self._done():
             self.run_epoch()
-            if t._stop_now:
-                break
-            t._epoch_finished = True
+            if ls.stop_reason is not None and ls.batches_done < t.num_training_batches:
+                break   # stopped mid-epoch: no epoch-end work; a resume continues at the next batch
+            ls.epoch_finished = True
             t._emit_epoch(t._results["train"])
-            if t._val_loaders and (t.current_epoch + 1) % max(t.check_val_every_n_epoch or 1, 1) == 0 \
+            if t._val_loaders and (ls.epoch + 1) % max(t.check_val_every_n_epoch or 1, 1) == 0 \
                     and t.check_val_every_n_epoch is not None and not t._val_ran_at_batch_end:
                 t._run_validation()
             t._step_schedulers("epoch")
@@ -115,24 +118,23 @@ class FitLoop:
             if results.late:   # values logged in on_train_epoch_end
                 t._emit_epoch(results, names=results.late)
                 results.late = set()
-            t.current_epoch += 1
-            t._batches_done = 0
-            t._epoch_finished = False
-            t._check_signal(force=True)
-            if t._stop_now or t.should_stop:
+            ls.epoch += 1
+            ls.batches_done = 0
+            ls.epoch_finished = False
+            if ls.stop_reason is not None or agree_stop(t, force=True):
                 break
         t._call_hook("on_train_end")
 
     def _done(self) -> bool:
         t = self.t
-        if t.max_steps >= 0 and t.global_step >= t.max_steps:
+        ls = t.loop_state
+        if ls.stop_reason is not None:
             return True
-        if t.max_epochs is not None and t.max_epochs >= 0 and t.current_epoch >= t.max_epochs:
+        if t.max_steps >= 0 and ls.global_step >= t.max_steps:
+            ls.stop_reason = "max_steps"
             return True
-        if t.should_stop or t._stop_now:
-            return True
-        if t._deadline is not None and time.monotonic() >= t._deadline:
-            t.should_stop = True   # as when the deadline passes mid-epoch
+        if t.max_epochs is not None and t.max_epochs >= 0 and ls.epoch >= t.max_epochs:
+            ls.stop_reason = "max_epochs"
             return True
         return False
 
@@ -140,17 +142,18 @@ class FitLoop:
     def run_epoch(self) -> None:
         t = self.t
         module, model, strategy, precision = t.module, t.model, t.strategy, t.strategy.precision
+        ls = t.loop_state
         loader = t._train_loader
-        edata.set_epoch(loader, t.current_epoch)
+        edata.set_epoch(loader, ls.epoch)
         t._val_ran_at_batch_end = False
         results = t._results["train"]
-        if not t._batches_done:   # a resumed epoch keeps the accumulators restored from the checkpoint
+        if not ls.batches_done:   # a resumed epoch keeps the accumulators restored from the checkpoint
             results.reset()
         module._results = results
         module.train()
         t._call_hook("on_train_epoch_start")
 
-        start = t._batches_done
+        start = ls.batches_done
         limit = t.num_training_batches
         if start >= limit:
             return
@@ -186,6 +189,11 @@ class FitLoop:
         log_every = t.log_every_n_steps
         val_every = t._val_every_n_batches
         deadline = t._deadline
+        # stop requests are acted on at optimizer-step boundaries: on one process at every one
+        # (no collective), under several processes at log points and after a validation, where
+        # the ranks agree with one small all-reduce (agree_stop)
+        multi = strategy.world_size > 1
+        agree_due = False
         training_step = module.training_step
         ahead = None
         if acc_n > 1 and automatic and not edata.has_length(loader):
@@ -210,7 +218,7 @@ class FitLoop:
             if cast is not None:
                 batch = cast(batch)
             results.batch, results._batch_size = batch, None
-            t._batch_idx = batch_idx
+            ls.batch_idx = batch_idx
             if h_start:
                 _call(h_start, t, module, batch, batch_idx)
             if m_start is not None and m_start(batch, batch_idx) == -1:
@@ -222,7 +230,7 @@ class FitLoop:
                 sync_ctx = no_sync(model, True) if (use_no_sync and not boundary) else None
                 if sync_ctx is not None:
                     sync_ctx.__enter__()
-                try:
+                try:   # no_sync is left on every path, an exception included
                     if fwd_ctx is not None:
                         with fwd_ctx():
                             out = training_step(batch, batch_idx)
@@ -231,15 +239,15 @@ class FitLoop:
                     loss = out if type(out) is torch.Tensor else extract_loss(out)
                     if loss is not None:
                         if check_loss is not None and (
-                                check_every or (boundary and (t.global_step + 1) % log_every == 0)):
+                                check_every or (boundary and (ls.global_step + 1) % log_every == 0)):
                             check_loss(t, loss, batch_idx)
                         backward(loss)   # divided by the window's size; scaled under 16-mixed
                 finally:
                     if sync_ctx is not None:
                         sync_ctx.__exit__(None, None, None)
                 # optimizer step on the last micro-batch of the window
-                if boundary and (loss is not None or t._grads_pending):
-                    t._grads_pending = False
+                if boundary and (loss is not None or ls.grads_pending):
+                    ls.grads_pending = False
                     if before_step:
                         t._before_optimizer_step(opt.optimizer)   # sees unscaled gradients
                     if clip_fn is not None:    # each optimizer's gradients (unscaled first)
@@ -255,13 +263,14 @@ class FitLoop:
                             zero_grad(set_to_none=True)
                     if update_scale is not None:   # 16-mixed: one scale update after every optimizer stepped
                         update_scale()
-                    t.global_step += 1
+                    ls.global_step += 1
                     if step_sched:
                         t._step_schedulers("step")   # not after a skipped step
-                    if t.global_step % log_every == 0:
+                    if ls.global_step % log_every == 0:
                         t._emit_step(results)
+                        agree_due = multi
                 elif loss is not None:
-                    t._grads_pending = True
+                    ls.grads_pending = True
             else:
                 if fwd_ctx is not None:   # manual optimization also runs forward under autocast
                     with fwd_ctx():
@@ -271,25 +280,31 @@ class FitLoop:
                 if t._manual_steps_since_log >= log_every:
                     t._manual_steps_since_log = 0
                     t._emit_step(results)
-            t._batches_done = batch_idx + 1
+                    agree_due = multi
+            ls.batches_done = batch_idx + 1
             if h_end:
                 _call(h_end, t, module, out, batch, batch_idx)
             if m_end is not None:
                 m_end(out, batch, batch_idx)
             if val_every and (batch_idx + 1) % val_every == 0 and t._val_loaders:
                 t._val_ran_at_batch_end = batch_idx + 1 >= limit
-                if (t.current_epoch + 1) % max(t.check_val_every_n_epoch or 1, 1) == 0:
+                if (ls.epoch + 1) % max(t.check_val_every_n_epoch or 1, 1) == 0:
                     t._run_validation()
                     module.train()
-            if t.should_stop and boundary:
+                    agree_due = multi
+            if t.max_steps >= 0 and ls.global_step >= t.max_steps:
                 break
-            if t.max_steps >= 0 and t.global_step >= t.max_steps:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                t.should_stop = True
-                break
-            if t._signal_pending and boundary and t._check_signal():
-                break
+            if boundary:
+                if multi:
+                    if agree_due or ls.stop_agreed:
+                        agree_due = False
+                        if agree_stop(t):
+                            break
+                else:
+                    if deadline is not None and ls.stop_request is None and time.monotonic() >= deadline:
+                        ls.stop_request = "max_time"
+                    if (ls.stop_request is not None or t._signal_pending) and agree_stop(t):
+                        break
         else:
             if batch_idx < 0 and start == 0:
                 raise MisconfigurationError("the train dataloader yielded no batches; check the dataset "

@@ -98,7 +98,7 @@ def _results_state(results) -> list:
 
 def _pending_grads(t):
     """Gradients of a partly accumulated window (None at a window boundary)."""
-    if not t._grads_pending or t._epoch_finished:
+    if not t.loop_state.grads_pending or t.loop_state.epoch_finished:
         return None
     if t.strategy.is_sharded or t.strategy.owns_optimizer_step:
         warnings.warn(f"checkpoint saved inside a gradient accumulation window under the {t.strategy.name} "
@@ -112,8 +112,8 @@ def _pending_grads(t):
 
 def trainer_state(t) -> dict:
     from ember import checkpoint_io as cio
-    epoch, done = (t.current_epoch + 1, 0) if t._epoch_finished else (t.current_epoch, t._batches_done)
-    mid_epoch = done > 0
+    loop = t.loop_state.state_dict()
+    mid_epoch = loop["batches_done"] > 0
     per_rank = {"rng": cio.collect_rng_states(),
                 "results": _results_state(t._results["train"]) if mid_epoch else [],
                 "grads": _pending_grads(t)}
@@ -121,8 +121,7 @@ def trainer_state(t) -> dict:
     metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     return {
         "version": STATE_VERSION,
-        "loop": {"epoch": epoch, "global_step": t.global_step, "batches_done": done,
-                 "accumulate_grad_batches": t.accumulate_grad_batches,
+        "loop": {**loop, "accumulate_grad_batches": t.accumulate_grad_batches,
                  "num_training_batches": t.num_training_batches if t.num_training_batches != float("inf") else -1},
         "schedulers": [c["scheduler"].state_dict() for c in t.lr_scheduler_configs],
         "precision": t.strategy.precision.state_dict(),
@@ -369,7 +368,7 @@ def _restore_grads(t, grads: dict, path: str) -> None:
     for n, g in grads.items():
         p = params[n]
         p.grad = g.to(device=p.device, dtype=p.dtype)
-    t._grads_pending = True
+    t.loop_state.grads_pending = True
 
 
 def _restore_callbacks_first(t, path: str) -> None:
@@ -416,8 +415,10 @@ def restore(t, path: str, full: bool) -> None:
                               f"{len(t.lr_scheduler_configs)}")
     _warn_setup_changes(t, state.get("meta") or {}, path)
     loop = state["loop"]
-    t.current_epoch, t.global_step, t._batches_done = loop["epoch"], loop["global_step"], loop["batches_done"]
-    t._epoch_finished, t._grads_pending = False, False
+    try:
+        t.loop_state.load_state_dict(loop)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: the loop position in {cio.STATE_NAME} is unreadable ({err!r})") from err
     for cfg, s in zip(t.lr_scheduler_configs, scheds):
         cfg["scheduler"].load_state_dict(s)
     t.strategy.precision.load_state_dict(state.get("precision", {}))
@@ -439,10 +440,10 @@ def restore(t, path: str, full: bool) -> None:
     same_world = len(state.get("rng") or []) == t.world_size
     rank = t.global_rank
     results = state.get("results") or []
-    if t._batches_done and same_world and results:
+    if t.loop_state.batches_done and same_world and results:
         _restore_results(t, results[rank])
     grads = state.get("grads")
-    if grads and t._batches_done:
+    if grads and t.loop_state.batches_done:
         if not same_world or loop.get("accumulate_grad_batches") != t.accumulate_grad_batches:
             warnings.warn(f"{path} was saved inside a gradient accumulation window with another world size or "
                           "accumulate_grad_batches; the partly accumulated gradients are dropped", stacklevel=3)
@@ -490,8 +491,9 @@ def install_signal_handlers(t) -> None:
             t._prev_handlers[s] = signal.signal(s, handler)
         except (ValueError, OSError):
             pass
-    # under several processes every rank checks at the same steps (log points): no per-step collective
-    t._signal_pending = t.world_size > 1
+    # under several processes the ranks agree at log points (progress.agree_stop); one process
+    # acts at the next optimizer step
+    t._signal_pending = False
 
 
 def uninstall_signal_handlers(t) -> None:
@@ -504,18 +506,9 @@ def uninstall_signal_handlers(t) -> None:
     t._signal_pending = False
 
 
-def check_signal(t, force: bool = False) -> bool:
-    """Act on SIGTERM/SIGUSR1 (called after an optimizer step): save ``last`` and leave
-    the fit loop. Under several processes the ranks agree at log points (and epoch ends)
-    with one small all-reduce, so no collective runs per step."""
-    received = getattr(t, "_signal_received", None)
-    if t.world_size > 1:
-        if not force and t.global_step % t.log_every_n_steps:
-            return False
-        flag = torch.tensor([float(received or 0)], device=t.strategy.root_device)
-        received = int(t.strategy.reduce(flag, "max").item()) or None
-    if not received:
-        return False
+def save_for_preemption(t, received: int) -> None:
+    """Act on SIGTERM/SIGUSR1 once every rank agreed on it (``progress.agree_stop``, at an
+    optimizer step): save ``last``, say so, requeue on SLURM, and mark the fit to end."""
     name = signal.Signals(received).name
     cb = t.checkpoint_callback
     if cb is not None and hasattr(cb, "save_last_now"):
@@ -534,10 +527,8 @@ def check_signal(t, force: bool = False) -> bool:
                 subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
             except (OSError, subprocess.SubprocessError) as err:
                 print(f"ember: scontrol requeue {job} failed: {err}", file=sys.stderr, flush=True)
-    t._stop_now = True
     t.interrupted = True
     t._preempted = True
-    return True
 
 
 def exit_if_preempted(t) -> None:

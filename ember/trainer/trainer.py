@@ -20,6 +20,7 @@ from ember.trainer import summary as _summary
 from ember.trainer.logging import Results, to_host
 from ember.trainer.loops import EvalLoop, FitLoop, limit_batches
 from ember.trainer.optim import ManualOptimizer, configure_optimizers, step_schedulers
+from ember.trainer.progress import REQUEST_CODE, LoopState
 
 
 def _parse_max_time(v):
@@ -168,10 +169,8 @@ class Trainer:
         _checks.check_logger_arg(logger)
         self._logger_arg = logger
         self.loggers = []
-        # state
-        self.current_epoch = 0
-        self.global_step = 0
-        self.should_stop = False
+        # state: the loop position and control, in one object (trainer/progress.py)
+        self.loop_state = LoopState()
         self.callback_metrics: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, float] = {}
         self.module: TrainModule | None = None
@@ -184,12 +183,8 @@ class Trainer:
         self._results = {s: Results(s) for s in ("train", "validate", "test", "sanity")}
         self._env_ready = False
         self._resumed = False
-        self._stop_now = False
         self._signal_pending = False
-        self._batches_done = 0
-        self._batch_idx = 0
-        self._epoch_finished = False
-        self._grads_pending = False
+        self._signal_received = None
         self._val_ran_at_batch_end = False
         self._manual_steps_since_log = 0
         self._deadline = None
@@ -214,11 +209,90 @@ class Trainer:
     logger = property(lambda self: self.loggers[0] if self.loggers else None)
     lightning_module = property(lambda self: self.module)
 
+    # the loop position (read by callbacks and the module; the loop itself uses loop_state)
+    @property
+    def current_epoch(self) -> int:
+        """The current epoch (0-based); after a fit that finished its epochs, their number."""
+        return self.loop_state.epoch
+
+    @current_epoch.setter
+    def current_epoch(self, v: int) -> None:
+        self.loop_state.epoch = v
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken."""
+        return self.loop_state.global_step
+
+    @global_step.setter
+    def global_step(self, v: int) -> None:
+        self.loop_state.global_step = v
+
+    @property
+    def batch_idx(self) -> int:
+        """Index in the epoch of the current (or last) training batch."""
+        return self.loop_state.batch_idx
+
+    @property
+    def batches_done(self) -> int:
+        """Training batches finished in the current epoch."""
+        return self.loop_state.batches_done
+
+    @property
+    def is_last_batch(self) -> bool:
+        """Whether the current training batch is the last one of the epoch."""
+        return self.loop_state.batch_idx + 1 >= self.num_training_batches
+
+    @property
+    def epoch_finished(self) -> bool:
+        """Whether every batch of the current epoch is done and its epoch-end work runs."""
+        return self.loop_state.epoch_finished
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the last fit stopped, agreed by every rank: one of ``max_epochs``, ``max_steps``,
+        ``max_time``, ``early_stopping``, ``timer``, ``should_stop``, ``preempted``,
+        ``interrupted``, ``exception``; None while it runs."""
+        return self.loop_state.stop_reason
+
+    @property
+    def should_stop(self) -> bool:
+        """Set it to True (in any hook) to stop the fit. The request takes effect at the next
+        optimizer step that is a check point: every step on one process; under several
+        processes the ranks agree every ``log_every_n_steps`` steps, after a validation and
+        at epoch ends (see ``ember/trainer/loops.py``). A stop mid-epoch is recorded as
+        mid-epoch: a resume continues at the next batch."""
+        return self.loop_state.stop_request is not None
+
+    @should_stop.setter
+    def should_stop(self, v: bool) -> None:
+        if not v:
+            self.loop_state.stop_request, self.loop_state.stop_agreed = None, False
+        elif self.loop_state.stop_request is None:
+            self.loop_state.stop_request = "should_stop"
+
+    def request_stop(self, reason: str = "should_stop", agreed: bool = False) -> None:
+        """Ask the fit to stop for ``reason`` (``should_stop``, ``early_stopping``, ``timer`` or
+        ``max_time``): as ``trainer.should_stop = True``, with the reason recorded in
+        :attr:`stop_reason`. Agreed with the other ranks as described under :attr:`should_stop`;
+        ``agreed=True`` says every rank makes this same request at the same step (it was decided
+        after a collective), so the ranks act on it at the next optimizer step."""
+        if reason not in REQUEST_CODE:
+            from ember.errors import invalid_choice
+            raise invalid_choice("request_stop(reason)", reason, list(REQUEST_CODE))
+        self.loop_state.stop_request = reason
+        self.loop_state.stop_agreed = agreed
+
     @property
     def log_dir(self) -> str:
         if self.loggers:
             return self.loggers[0].log_dir
         return self.default_root_dir
+
+    @property
+    def val_dataloaders(self) -> list:
+        """The validation dataloaders of the current fit (prepared for the strategy)."""
+        return list(self._val_loaders)
 
     @property
     def checkpoint_callbacks(self) -> list:
@@ -310,7 +384,9 @@ class Trainer:
         if ckpt_path is not None:
             ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)   # errors before any work
         self.stage = stage
-        self.should_stop = self._stop_now = self.interrupted = self._resumed = False
+        self.interrupted = self._resumed = False
+        if stage == "fit":
+            self.loop_state.stop_request = self.loop_state.stop_reason = None
         anomaly = torch.is_anomaly_enabled()
         if self.detect_anomaly:
             torch.autograd.set_detect_anomaly(True)   # for this run only; restored below
@@ -327,7 +403,8 @@ class Trainer:
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
             if stage == "fit":   # a later fit() restarts the broken epoch from its first batch
-                self._batches_done, self._epoch_finished, self._grads_pending = 0, False, False
+                self.loop_state.stop_reason = "interrupted" if self.interrupted else "exception"
+                self.loop_state.reset_epoch()
                 for opt in self.optimizers:
                     opt.zero_grad(set_to_none=True)
             for h in self._hooks["on_exception"]:
@@ -590,7 +667,3 @@ class Trainer:
             if self.is_global_zero:
                 for lg in self.loggers:
                     lg.log_metrics({name: v}, step=self.global_step)
-
-    # preemption (installed by state.install_signal_handlers)
-    def _check_signal(self, force: bool = False) -> bool:
-        return _state.check_signal(self, force)
