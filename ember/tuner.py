@@ -38,7 +38,7 @@ class _Snapshot:
     def __init__(self, trainer, module):
         self.trainer, self.module = trainer, module
         self.attrs = dict(trainer.__dict__)
-        self.attrs["loop_state"] = copy.copy(trainer.loop_state)   # the loop mutates it in place
+        self.loop_fields = dict(vars(trainer.loop_state))   # the loop mutates it in place
         self.module_state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
         self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
         self.module_dict = {k: module.__dict__.get(k, _MISSING) for k in ("_trainer", "_results", "training_step")}
@@ -52,6 +52,7 @@ class _Snapshot:
         t.__dict__.clear()
         t.__dict__.update(self.attrs)
         t.__dict__.update(keep)
+        vars(t.loop_state).update(self.loop_fields)
         with torch.no_grad():
             m.load_state_dict(self.module_state)   # copies in place: the parameters stay the same objects
         for p, g in self.grads:
@@ -104,7 +105,7 @@ def _search_settings(trainer, callback: Callback, max_steps: int) -> None:
     trainer.log_every_n_steps = 2**62        # no step metrics (and no per-log-point loss check)
     trainer.fast_dev_run = 0
     from ember.trainer.progress import LoopState
-    trainer.loop_state = LoopState()
+    vars(trainer.loop_state).update(vars(LoopState()))
     trainer.callback_metrics, trainer.logged_metrics = {}, {}
     trainer._results = {s: Results(s) for s in trainer._results}   # the user's accumulators stay untouched
     if "profiler" in trainer.__dict__:

@@ -387,6 +387,7 @@ class Trainer:
         self.interrupted = self._resumed = False
         if stage == "fit":
             self.loop_state.stop_request = self.loop_state.stop_reason = None
+            self.loop_state.stop_agreed = False
         anomaly = torch.is_anomaly_enabled()
         if self.detect_anomaly:
             torch.autograd.set_detect_anomaly(True)   # for this run only; restored below
