@@ -97,7 +97,7 @@ def _describe_stop(t, reason: str | None) -> str:
 def fit_summary(t, wall_time: float) -> str:
     """The end-of-fit summary text."""
     reason = stop_reason(t)
-    epochs = t.current_epoch + (1 if getattr(t, "_batches_done", 0) else 0)
+    epochs = t.current_epoch + (1 if t.batches_done else 0)
     lines = [f"Fit stopped: {_describe_stop(t, reason)}",
              f"  epochs: {epochs}, steps: {t.global_step}, wall time: {_duration(wall_time)}"]
     cb = t.checkpoint_callback
