@@ -307,3 +307,43 @@ def test_to_onnx(tmp_path):
     m = TwoOpt()
     m.to_onnx(tmp_path / "m.onnx")
     assert (tmp_path / "m.onnx").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- Trainer call shapes
+from conftest import LinearModule as _Linear  # noqa: E402
+
+
+def test_trainer_accelerator_argument():
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    t = ember.Trainer(accelerator="cpu", devices=1, **quiet)
+    assert t.strategy.root_device.type == "cpu" and t.world_size == 1
+    assert ember.Trainer(accelerator="auto", **quiet).strategy.root_device.type == \
+        ember.Trainer(**quiet).strategy.root_device.type
+    if not torch.cuda.is_available():
+        with pytest.raises(ember.errors.MisconfigurationError, match="no CUDA device"):
+            ember.Trainer(accelerator="gpu", devices=2, **quiet)
+    else:
+        assert ember.Trainer(accelerator="gpu", devices=1, **quiet).strategy.root_device.type == "cuda"
+    if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        with pytest.raises(ember.errors.MisconfigurationError, match="MPS is not available"):
+            ember.Trainer(accelerator="mps", **quiet)
+    with pytest.raises(ember.errors.MisconfigurationError, match="'tpu' is not supported"):
+        ember.Trainer(accelerator="tpu", **quiet)
+
+
+def test_lightning_call_shapes(tmp_path, capsys):
+    t = ember.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
+    m = _Linear()
+    dl = DataLoader(regression_data(16, 4), batch_size=8)
+    t.fit(model=m, train_dataloaders=dl)
+    assert t.global_step == 2
+    capsys.readouterr()
+    out = t.validate(model=m, dataloaders=dl, verbose=False)
+    assert "val/loss" in out[0] and capsys.readouterr().out == ""
+    assert t.test(model=m, dataloaders=dl, verbose=False)[0]
+    assert t.predict(model=m, dataloaders=dl, return_predictions=False) is None
+    preds = t.predict(m, dl, return_predictions=True)
+    assert torch.cat(preds).shape == (16, 1)
+    with pytest.raises(ember.errors.MisconfigurationError, match="once"):
+        t.fit(m, dl, model=m)

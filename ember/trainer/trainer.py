@@ -102,9 +102,11 @@ class Trainer:
                  default_root_dir: str | os.PathLike | None = None, deterministic: bool | str = False,
                  seed: int | None = None, compile: bool | dict = False, fast_dev_run: bool | int = False,
                  detect_anomaly: bool = False, activation_checkpointing: type | tuple | Any = None,
-                 profiler: str | Any = None, report: bool = False) -> None:
+                 profiler: str | Any = None, report: bool = False, accelerator: str | None = None) -> None:
+        from ember.lightning_compat import resolve_accelerator
         from ember.precision import Precision
         from ember.strategies import build_strategy
+        devices = resolve_accelerator(accelerator, devices)   # Lightning's accelerator= onto devices=
         if precision in ("auto", None):
             precision = os.environ.get("EMBER_PRECISION", "32-true")
         self._precision = Precision.from_string(precision)
@@ -332,34 +334,39 @@ class Trainer:
         return int(total)
 
     # ------------------------------------------------------------------ entry points
-    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            datamodule: DataModule | None = None, ckpt_path: str | None = None) -> None:
-        """Train ``module``. Data: ``train_dataloaders``/``val_dataloaders`` (a DataLoader or a
+    def fit(self, module: TrainModule | None = None, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: DataModule | None = None, ckpt_path: str | None = None, *,
+            model: TrainModule | None = None) -> None:
+        """Train ``module`` (or ``model=``, Lightning's name). Data: ``train_dataloaders``/``val_dataloaders`` (a DataLoader or a
         list), a ``datamodule``, or the module's ``train_dataloader()``/``val_dataloader()``.
         ``ckpt_path``: a checkpoint folder, "last" or "best" to resume from (exactly)."""
+        module = _one_module(module, model)
         self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, val=val_dataloaders)
 
     def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
                  datamodule: DataModule | None = None, ckpt_path: str | None = None,
-                 verbose: bool = True) -> list[dict]:
+                 verbose: bool = True, *, model: TrainModule | None = None) -> list[dict]:
         """Run one validation pass; returns one dict of epoch metrics per dataloader and
         (``verbose``, rank 0) prints them as a table. ``module`` defaults to the fitted one."""
-        self._verbose = verbose
+        self._verbose, module = verbose, _one_module(module, model)
         return self._run("validate", module, datamodule, ckpt_path, val=dataloaders)
 
     def test(self, module: TrainModule | None = None, dataloaders: Any = None,
              datamodule: DataModule | None = None, ckpt_path: str | None = None,
-             verbose: bool = True) -> list[dict]:
+             verbose: bool = True, *, model: TrainModule | None = None) -> list[dict]:
         """Run the test loop (``test_step``); returns one dict of metrics per dataloader and
         (``verbose``, rank 0) prints them as a table."""
-        self._verbose = verbose
+        self._verbose, module = verbose, _one_module(module, model)
         return self._run("test", module, datamodule, ckpt_path, test=dataloaders)
 
     def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
-                datamodule: DataModule | None = None, ckpt_path: str | None = None) -> list:
+                datamodule: DataModule | None = None, ckpt_path: str | None = None,
+                return_predictions: bool | None = None, *, model: TrainModule | None = None) -> list | None:
         """Run ``predict_step`` over the data; returns the outputs in dataset order (a list per
-        dataloader when there are several), the same on every rank."""
-        return self._run("predict", module, datamodule, ckpt_path, predict=dataloaders)
+        dataloader when there are several), the same on every rank; None with
+        ``return_predictions=False`` (Lightning's argument: e.g. a prediction writer keeps them)."""
+        out = self._run("predict", _one_module(module, model), datamodule, ckpt_path, predict=dataloaders)
+        return None if return_predictions is False else out
 
     def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
         """Write a checkpoint folder at ``path`` (atomically); ``weights_only``: no trainer state."""
@@ -668,3 +675,10 @@ class Trainer:
             if self.is_global_zero:
                 for lg in self.loggers:
                     lg.log_metrics({name: v}, step=self.global_step)
+
+
+def _one_module(module: Any, model: Any) -> Any:
+    """``fit(module)`` or Lightning's ``fit(model=...)``; both is an error."""
+    if model is not None and module is not None:
+        raise MisconfigurationError("pass the module once: positionally or as model=, not both")
+    return module if model is None else model
