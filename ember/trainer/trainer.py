@@ -62,6 +62,7 @@ class Trainer:
         devices: "auto", "cpu", "cuda", "cuda:N", "mps", a number of processes, or a list of CUDA indices.
         strategy: "auto", "single", "ddp", "fsdp", "deepspeed", "model_parallel" or a Strategy instance.
         num_nodes: number of machines (each runs ``devices`` processes).
+        accelerator: Lightning's "auto", "cpu", "gpu"/"cuda" or "mps", mapped onto ``devices``.
         precision: "32-true" (default), "64-true", "16-mixed", "bf16-mixed", "16-true" or "bf16-true".
         accumulate_grad_batches: micro-batches per optimizer step.
         gradient_clip_val: clip gradients to this norm (or value); None: no clipping.
