@@ -79,6 +79,20 @@ def build_loggers(t) -> list:
     return out
 
 
+def agree_log_versions(t) -> None:
+    """Under several processes, every logger that picks its ``version_N`` folder by listing
+    the directory takes rank 0's choice (one broadcast at setup), so ``trainer.log_dir``
+    and the checkpoint folder are the same on every rank."""
+    from ember.loggers.base import FileLogger
+    folder = [lg for lg in t.loggers if isinstance(lg, FileLogger)]
+    if t.world_size == 1 or not folder:
+        return
+    versions = [lg.version for lg in folder] if t.is_global_zero else None
+    versions = t.strategy.broadcast(versions)
+    for lg, v in zip(folder, versions):
+        lg._version = v
+
+
 # ----------------------------------------------------------------------------- save
 def _cpu(v):
     return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v

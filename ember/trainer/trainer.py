@@ -389,6 +389,7 @@ class Trainer:
             datamodule, loaders = loaders[first], {**loaders, first: None}
         if ckpt_path is None and stage == "fit":
             ckpt_path = _state.elastic_resume_path(self)   # "last" after an elastic restart
+        by_name = ckpt_path in ("last", "best")
         if ckpt_path is not None:
             ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)   # errors before any work
         self.stage = stage
@@ -401,6 +402,10 @@ class Trainer:
             torch.autograd.set_detect_anomaly(True)   # for this run only; restored below
         try:
             self._setup(module, datamodule, stage, loaders)
+            if by_name and self.world_size > 1:
+                # "last"/"best" is rank 0's resolution: every rank restores the same checkpoint
+                # (file listings and modification times may differ between nodes)
+                ckpt_path = self.strategy.broadcast(ckpt_path)
             if ckpt_path is not None:
                 _state.restore(self, ckpt_path, full=(stage == "fit"))
                 _summary.restored(self, ckpt_path)
@@ -452,6 +457,7 @@ class Trainer:
                 self._data_seed = self.seed
         self._needs_transfer = self.strategy.root_device.type != "cpu"
         self.loggers = _state.build_loggers(self) if stage == "fit" or not self.loggers else self.loggers
+        _state.agree_log_versions(self)   # rank 0 picks the run folders, before callbacks read log_dir
         self._hooks = hook_table(self.callbacks)
         if datamodule is not None:
             if self.strategy.is_local_zero:
