@@ -31,7 +31,7 @@ a hook nobody overrides is never called)::
              manual_backward / opt.step() / its schedulers; each opt.step() is a global step)
             on_train_batch_end
             if val_check_interval reached mid-epoch: validation loop
-            stop when max_steps / max_time / should_stop / preemption signal
+            stop when max_steps, or at a check point when a stop was agreed (below)
         emit epoch metrics of the training stage
         if epoch % check_val_every_n_epoch == 0: validation loop   # on_validation_* hooks
         epoch-interval schedulers (ReduceLROnPlateau reads its monitor)
@@ -41,6 +41,30 @@ a hook nobody overrides is never called)::
     on_train_end
     on_fit_end
     teardown
+
+Where the ranks agree (each decision made once; never a collective per step)::
+
+    setup                 rank 0 picks the logger version folders (trainer.log_dir), broadcast
+                          (state.agree_log_versions); ckpt_path "last"/"best" is rank 0's
+                          resolution, broadcast, so every rank restores the same checkpoint
+    fit start, epoch end  stop: one all-reduce of [stop request, preemption signal] (agree_stop
+                          in trainer/progress.py, through Strategy.agree)
+    log points            (every log_every_n_steps optimizer steps) the same stop agreement:
+                          should_stop set on any rank, Timer, max_time (each rank's clock),
+                          SIGTERM/SIGUSR1 on any rank; the highest request wins, a signal first
+    after a validation    the same stop agreement at the next optimizer step (mid-epoch
+                          EarlyStopping); EarlyStopping itself agrees on its decision (max)
+    ModelCheckpoint save  whether to save, the name and the monitored score are rank 0's,
+                          broadcast in one collective per save point, so save/keep/delete and
+                          the top-k bookkeeping are the same on every rank; train_time_interval
+                          is rank 0's clock, checked at log points
+    validation points     by batch count and epoch: the same on every rank by construction
+    max_steps / epochs    counters: the same on every rank by construction
+
+On one process the same checks run without a collective: a stop request is acted on at
+the next optimizer step. A stop at an optimizer step before the epoch's last batch is
+recorded as mid-epoch (``trainer.stop_reason``; the checkpoint holds the same epoch and
+the next batch; no epoch-end work, epoch-interval schedulers do not step).
 
 Validation / test loop::
 
