@@ -81,6 +81,86 @@ class LoopState:
         self.batches_done, self.batch_idx, self.epoch_finished, self.grads_pending = 0, 0, False, False
 
 
+class LoopProperties:
+    """The Trainer's public view of its :class:`LoopState` (``self.loop_state``)."""
+
+    loop_state: LoopState
+    num_training_batches: "int | float"
+
+    @property
+    def current_epoch(self) -> int:
+        """The current epoch (0-based); after a fit that finished its epochs, their number."""
+        return self.loop_state.epoch
+
+    @current_epoch.setter
+    def current_epoch(self, v: int) -> None:
+        self.loop_state.epoch = v
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken."""
+        return self.loop_state.global_step
+
+    @global_step.setter
+    def global_step(self, v: int) -> None:
+        self.loop_state.global_step = v
+
+    @property
+    def batch_idx(self) -> int:
+        """Index in the epoch of the current (or last) training batch."""
+        return self.loop_state.batch_idx
+
+    @property
+    def batches_done(self) -> int:
+        """Training batches finished in the current epoch."""
+        return self.loop_state.batches_done
+
+    @property
+    def is_last_batch(self) -> bool:
+        """Whether the current training batch is the last one of the epoch."""
+        return self.loop_state.batch_idx + 1 >= self.num_training_batches
+
+    @property
+    def epoch_finished(self) -> bool:
+        """Whether every batch of the current epoch is done and its epoch-end work runs."""
+        return self.loop_state.epoch_finished
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the last fit stopped, agreed by every rank: one of ``max_epochs``, ``max_steps``,
+        ``max_time``, ``early_stopping``, ``timer``, ``should_stop``, ``preempted``,
+        ``interrupted``, ``exception``; None while it runs."""
+        return self.loop_state.stop_reason
+
+    @property
+    def should_stop(self) -> bool:
+        """Set it to True (in any hook) to stop the fit. The request takes effect at the next
+        optimizer step that is a check point: every step on one process; under several
+        processes the ranks agree every ``log_every_n_steps`` steps, after a validation and
+        at epoch ends (see ``ember/trainer/loops.py``). A stop mid-epoch is recorded as
+        mid-epoch: a resume continues at the next batch."""
+        return self.loop_state.stop_request is not None
+
+    @should_stop.setter
+    def should_stop(self, v: bool) -> None:
+        if not v:
+            self.loop_state.stop_request, self.loop_state.stop_agreed = None, False
+        elif self.loop_state.stop_request is None:
+            self.loop_state.stop_request = "should_stop"
+
+    def request_stop(self, reason: str = "should_stop", agreed: bool = False) -> None:
+        """Ask the fit to stop for ``reason`` (``should_stop``, ``early_stopping``, ``timer`` or
+        ``max_time``): as ``trainer.should_stop = True``, with the reason recorded in
+        :attr:`stop_reason`. Agreed with the other ranks as described under :attr:`should_stop`;
+        ``agreed=True`` says every rank makes this same request at the same step (it was decided
+        after a collective), so the ranks act on it at the next optimizer step."""
+        if reason not in REQUEST_CODE:
+            from ember.errors import invalid_choice
+            raise invalid_choice("request_stop(reason)", reason, list(REQUEST_CODE))
+        self.loop_state.stop_request = reason
+        self.loop_state.stop_agreed = agreed
+
+
 def agree_stop(t, force: bool = False) -> bool:
     """Decide, once for every rank, whether the fit stops here; True when it does.
 
