@@ -205,3 +205,63 @@ def test_versions_newer_ember_and_other_torch_are_warned(saved):
     with pytest.warns(UserWarning, match="newer than this ember") as rec:
         AdamModule.load_from_checkpoint(str(saved))
     assert any("torch 1.0.0" in str(w.message) for w in rec)
+
+
+# -- 12: corruption and a full disk --------------------------------------------------------------
+def test_disk_full_while_writing_names_the_path_and_keeps_older_checkpoints(tmp_path, monkeypatch):
+    import errno
+    t = make(tmp_path, enable_checkpointing=False, max_epochs=1)
+    t.fit(LinearModule(), loader())
+    t.save_checkpoint(str(tmp_path / "good"))
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **kw):   # what the kernel answers when the disk fills mid-write
+        real_save(obj, f, *a, **kw)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"the disk is full: writing checkpoint .*new"):
+        t.save_checkpoint(str(tmp_path / "new"))
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["good"] and cio.is_checkpoint(tmp_path / "good")
+
+
+def test_corrupt_rng_state_and_one_file_mode(saved):
+    modes = {oct(os.stat(saved / n).st_mode & 0o777) for n in os.listdir(saved)}
+    assert len(modes) == 1, modes
+    sfile = saved / cio.STATE_NAME
+    state = torch.load(sfile, weights_only=True)
+    state["rng"][0]["python"] = (3, [1, 2], None)
+    torch.save(state, sfile)
+    meta = json.loads((saved / cio.META_NAME).read_text())
+    meta["files"][cio.STATE_NAME] = os.path.getsize(sfile)
+    (saved / cio.META_NAME).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="RNG state is corrupt"):
+        make(saved.parent.parent, max_epochs=3, enable_checkpointing=False).fit(AdamModule(), loader(),
+                                                                               ckpt_path=str(saved))
+
+
+# -- 13, 14: a run that trains nothing or on NaN ---------------------------------------------------
+class NoneSteps(LinearModule):
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+def test_training_step_returning_none_on_every_batch_is_an_error_not_an_endless_loop(tmp_path):
+    for kw in ({"max_steps": 10, "max_epochs": None}, {"max_epochs": 2}):
+        t = make(tmp_path, enable_checkpointing=False, **kw)
+        with pytest.raises(MisconfigurationError, match="epoch 0 made no optimizer step.*training_step returned None"):
+            t.fit(NoneSteps(), loader())
+
+
+class NanAfter(LinearModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step >= 2 else loss
+
+
+def test_nan_loss_is_caught_at_epoch_end_and_before_a_save(tmp_path):
+    from ember.errors import NonFiniteLossError
+    t = make(tmp_path, [ModelCheckpoint(dirpath=str(tmp_path / "ck"))], log_every_n_steps=50)
+    with pytest.raises(NonFiniteLossError, match="not finite"):
+        t.fit(NanAfter(), loader())
+    assert not os.path.exists(tmp_path / "ck") or not cio.list_checkpoints(tmp_path / "ck")

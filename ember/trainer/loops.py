@@ -87,7 +87,7 @@ import torch
 from ember import data as edata
 from ember.errors import MisconfigurationError
 from ember.trainer.progress import agree_stop
-from ember.trainer.state import check_finite_loss
+from ember.trainer.state import check_epoch_trained, check_finite_loss
 
 _DL_SUFFIX = re.compile(r"/dataloader_idx_(\d+)")
 
@@ -124,9 +124,11 @@ class FitLoop:
         t._call_hook("on_train_start")
         agree_stop(t, force=True)   # a stop asked for before training (Timer budget used up)
         while not self._done():
+            steps_before, batches_before = ls.global_step, ls.batches_done
             self.run_epoch()
             if ls.stop_reason is not None and ls.batches_done < t.num_training_batches:
                 break   # stopped mid-epoch: no epoch-end work; a resume continues at the next batch
+            check_epoch_trained(t, steps_before, batches_before)
             ls.epoch_finished = True
             t._emit_epoch(t._results["train"])
             if t._val_loaders and (ls.epoch + 1) % max(t.check_val_every_n_epoch or 1, 1) == 0 \
@@ -262,6 +264,7 @@ class FitLoop:
                         out = training_step(batch, batch_idx)
                     loss = out if type(out) is torch.Tensor else extract_loss(out)
                     if loss is not None:
+                        t._last_loss = loss   # checked at the epoch end and before a save (no sync here)
                         if check_loss is not None and (
                                 check_every or (boundary and (ls.global_step + 1) % log_every == 0)):
                             check_loss(t, loss, batch_idx)

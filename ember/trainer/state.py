@@ -164,6 +164,7 @@ def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
     from ember.checkpoint_checks import check_save_target
     path = os.fspath(path)
     check_save_target(path, "trainer.save_checkpoint")   # every rank, read-only: no collective
+    check_finite_at(t, f"before saving checkpoint {path}")
     state = {} if weights_only else trainer_state(t)
     if not weights_only:
         for cb in t.callbacks:
@@ -483,6 +484,38 @@ def check_finite_loss(t, loss: torch.Tensor, batch_idx: int) -> None:
            "non-finite earlier: pass Trainer(detect_anomaly=True) to check every step and locate the first one. ")
         + "Lower the learning rate, clip gradients (gradient_clip_val) or use precision='16-mixed' or "
           "'bf16-mixed'.")
+
+
+def check_finite_at(t, when: str) -> None:
+    """The last training loss is finite (one sync, and under several processes one
+    reduction so every rank raises): called at each epoch end and before each save."""
+    loss = getattr(t, "_last_loss", None)
+    if loss is None or not isinstance(loss, torch.Tensor) or t.strategy.precision.scaler is not None \
+            or t.strategy.owns_optimizer_step:
+        return
+    bad = (~torch.isfinite(loss.detach().float())).float()
+    if t.world_size > 1:
+        bad = t.strategy.reduce(bad, "max")
+    if bad.item():
+        t._last_loss = None
+        raise NonFiniteLossError(
+            f"the training loss is not finite {when} (global step {t.global_step}, epoch {t.current_epoch}); "
+            "nothing was saved from it. Pass Trainer(detect_anomaly=True) to find the first bad step; lower "
+            "the learning rate, clip gradients (gradient_clip_val) or use a mixed precision")
+
+
+def check_epoch_trained(t, steps_before: int, batches_before: int) -> None:
+    """After a full epoch: it made at least one optimizer step (automatic optimization),
+    and its last loss is finite. global_step is the same on every rank, so every rank
+    decides alike without a collective."""
+    module, ls = t.module, t.loop_state
+    if getattr(module, "automatic_optimization", True) and ls.global_step == steps_before \
+            and ls.batches_done > batches_before and not ls.grads_pending and ls.stop_reason is None:
+        raise MisconfigurationError(
+            f"epoch {ls.epoch} made no optimizer step: {type(module).__name__}.training_step returned None "
+            f"(skip the batch) on all {ls.batches_done - batches_before} batch(es). Return the loss (a tensor "
+            "or {'loss': ...}) for the batches that should train")
+    check_finite_at(t, f"at the end of epoch {t.current_epoch}")
 
 
 # ----------------------------------------------------------------------------- preemption

@@ -188,6 +188,7 @@ class Trainer(LoopProperties):
         self._resumed = False
         self._signal_pending = False
         self._signal_received = None
+        self._last_loss = None   # the latest training loss, checked at epoch ends and before saves
         self._val_ran_at_batch_end = False
         self._manual_steps_since_log = 0
         self._deadline = None
