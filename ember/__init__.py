@@ -35,8 +35,14 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
 
     import torch
     if seed is None:
-        seed = int(os.environ.get("EMBER_GLOBAL_SEED", random.randint(0, 2**31 - 1)))
-    seed = int(seed)
+        seed = os.environ.get("EMBER_GLOBAL_SEED", random.randint(0, 2**31 - 1))
+    try:
+        if isinstance(seed, (bool, float)):
+            raise ValueError
+        seed = int(seed)
+    except (TypeError, ValueError):
+        from ember.errors import MisconfigurationError
+        raise MisconfigurationError(f"seed={seed!r} is not valid; use an integer (e.g. seed=42)") from None
     os.environ["EMBER_GLOBAL_SEED"] = str(seed)
     if workers:
         os.environ["EMBER_SEED_WORKERS"] = "1"

@@ -265,3 +265,9 @@ def test_nan_loss_is_caught_at_epoch_end_and_before_a_save(tmp_path):
     with pytest.raises(NonFiniteLossError, match="not finite"):
         t.fit(NanAfter(), loader())
     assert not os.path.exists(tmp_path / "ck") or not cio.list_checkpoints(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("seed", ["abc", 1.5, True])
+def test_bad_seed_is_a_clear_error(seed):
+    with pytest.raises(MisconfigurationError, match="seed=.* is not valid; use an integer"):
+        ember.Trainer(seed=seed, logger=False, enable_progress_bar=False)
