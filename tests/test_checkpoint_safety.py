@@ -271,3 +271,15 @@ def test_nan_loss_is_caught_at_epoch_end_and_before_a_save(tmp_path):
 def test_bad_seed_is_a_clear_error(seed):
     with pytest.raises(MisconfigurationError, match="seed=.* is not valid; use an integer"):
         ember.Trainer(seed=seed, logger=False, enable_progress_bar=False)
+
+
+def test_numpy_scalar_can_be_logged(tmp_path):
+    import numpy as np
+
+    class M(LinearModule):
+        def training_step(self, batch, batch_idx):
+            self.log("np", np.float32(2.5) + batch_idx, on_step=False, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+    t = make(tmp_path, enable_checkpointing=False, max_epochs=1)
+    t.fit(M(), loader())
+    assert float(t.callback_metrics["np"]) == pytest.approx(2.5 + 1.5)   # epoch mean of 2.5..5.5

@@ -121,7 +121,8 @@ class Results:
         if self.stage != "train" and on_step and not on_epoch:
             pass  # allowed: per-step validation values (emitted at every step's log point)
         metric = value if _is_metric(value) else None
-        if metric is None and not isinstance(value, (torch.Tensor, int, float, bool)):
+        if metric is None and not isinstance(value, (torch.Tensor, int, float, bool)) \
+                and not (type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0):   # np.float32(1)
             raise MisconfigurationError(
                 f"self.log({name!r}, value): expected a tensor, a number or a torchmetrics.Metric, "
                 f"got {type(value).__name__}")
