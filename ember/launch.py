@@ -318,7 +318,7 @@ def launch(args: argparse.Namespace) -> int:
         run_args.training_script_args = list(args.script_args)
         torchrun.run(run_args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = first_failure(err.failures)
         if failure.exitcode < 0:
             how = f"was killed by signal {failure.signal_name()}"
             code = 128 - failure.exitcode
@@ -332,6 +332,21 @@ def launch(args: argparse.Namespace) -> int:
         print(f"ember: error: launch: stopped by signal {err.sigval.name}", file=sys.stderr)
         return 128 + int(err.sigval)
     return 0
+
+
+def first_failure(failures: dict) -> tuple:
+    """The (global rank, failure) that started a failed job, from torchrun's failures.
+
+    A rank that raised records its error (ember's excepthook writes torchrun's error file,
+    with the time it failed); the ranks stopped because of it (killed by the agent's
+    SIGTERM, or reporting that a peer went away, which writes no error file) come after.
+    So: the earliest recorded error; else the earliest exit with a code; else any."""
+    def key(item):
+        rank, f = item
+        data = getattr(f, "error_file_data", None) or {}
+        recorded = isinstance(data.get("message"), dict)   # written by ErrorHandler (torchrun's "<NONE>" if not)
+        return (0 if recorded else 1 if f.exitcode > 0 else 2, f.timestamp, rank)
+    return min(failures.items(), key=key)
 
 
 # --------------------------------------------------------------------------- config wizard

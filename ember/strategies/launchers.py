@@ -282,6 +282,7 @@ def _excepthook(exc_type, exc, tb):
                 f"(its error is reported above or in its log): {exc_type.__name__}: {line[:300]}")
     else:
         _PREV_EXCEPTHOOK(exc_type, exc, tb)
+        _record_for_torchrun(exc)
     if launcher is not None:
         launcher.terminate()
     try:  # what the interpreter would run at exit (loggers, ...), then leave
@@ -293,6 +294,19 @@ def _excepthook(exc_type, exc, tb):
 
 
 _PREV_EXCEPTHOOK = sys.excepthook
+
+
+def _record_for_torchrun(exc: BaseException) -> None:
+    """Under torchrun / ``ember launch``: write the agent's error file for this rank's own
+    error (not for a rank that only lost its peer), so the launcher names the rank that
+    failed first rather than one stopped because of it."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(exc)
+    except Exception:  # never let the report hide the error
+        pass
 
 
 def _exit_handler() -> None:
