@@ -334,12 +334,14 @@ def load_torch(path: str | os.PathLike) -> Any:
 
 # -- checkpoint directories -----------------------------------------------------------------
 def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_state: dict | None,
-                     meta: dict, keep_existing_tmp: bool = False) -> str:
+                     meta: dict, keep_existing_tmp: bool = False, extra_files: dict[str, int] | None = None) -> str:
     """Write checkpoint directory ``path`` atomically and return its path.
 
     ``weights=None`` writes no ``model.safetensors`` (a sharded strategy has
     already written ``model/`` into ``tmp_path(path)``: pass ``keep_existing_tmp=True``).
-    ``trainer_state=None`` makes a weights-only checkpoint. ``meta.json`` goes last.
+    ``trainer_state=None`` makes a weights-only checkpoint. ``meta.json`` goes last and
+    lists every file with its size, ``extra_files`` (``{relative name: bytes}``, e.g. a
+    sharded strategy's verified shard files) included, so a load checks them all.
     """
     import ember
     path = os.path.normpath(os.fspath(path))
@@ -359,6 +361,7 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
             if trainer_state is not None:
                 save_torch(trainer_state, os.path.join(tmp, STATE_NAME))
                 files[STATE_NAME] = os.path.getsize(os.path.join(tmp, STATE_NAME))
+            files.update(extra_files or {})
             meta["files"] = files
             with open(os.path.join(tmp, META_NAME), "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True, default=str)

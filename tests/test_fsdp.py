@@ -55,6 +55,15 @@ def test_training_matches_single_process_reference(results):
     assert r0["val_loss"] == pytest.approx(r0["val_expected"], rel=1e-5)     # validation loop under FSDP
 
 
+def test_commit_checks_every_ranks_shard(results):
+    for rank in (0, 1):
+        r = results("shard_commit", rank)
+        assert r["error"] is not None and "rank 1's shard __1_0.distcp is missing" in r["error"], r
+        assert r["committed"] is False
+    assert results("shard_commit")["listed"] == ["model/.metadata", "model/__0_0.distcp", "model/__1_0.distcp",
+                                                 "trainer_state.pt"]
+
+
 def test_accumulation_keeps_gradients_sharded_by_default(results):
     r = results("accumulation")
     # mid-window, every parameter already holds its reduce-scattered shard of the gradient

@@ -484,11 +484,25 @@ class FSDPStrategy(DDPStrategy):
         self._commit(path, state, meta)
 
     def _commit(self, path: str, state: dict | None, meta: dict) -> None:
+        """Rank 0 renames ``NAME.tmp`` into place only when every shard file the DCP
+        metadata names is there with its bytes (listed in ``meta.json``). A missing shard,
+        or a failed write on rank 0, raises on every rank (rank 0's verdict is broadcast
+        instead of a closing barrier, so no rank waits for one that failed)."""
         from ember import checkpoint_io as cio
-        self.barrier("save_checkpoint:shards")       # every rank's shards are on disk
+        from ember.strategies.full_load import verify_dcp_shards
+        self.barrier("save_checkpoint:shards")       # every rank has returned from its write
+        error = None
         if self.is_global_zero:
-            cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True)
-        self.barrier("save_checkpoint:commit")
+            try:
+                shards = verify_dcp_shards(os.path.join(cio.tmp_path(path), cio.DCP_WEIGHTS_DIR), path)
+                cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True, extra_files=shards)
+            except Exception as err:     # reported to every rank below, raised here as it is
+                error = err
+        verdict = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if verdict is not None:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"checkpoint {path} was not committed: {verdict}")
 
     def _finish_pending_save(self) -> None:
         """Wait for a background (``async_save``) write, then commit its directory."""

@@ -1,4 +1,8 @@
-"""Loading a full (unsharded) checkpoint into a sharded model without every rank
+"""Sharded checkpoints across ranks: loading a full (unsharded) checkpoint into a
+sharded model without every rank reading it, and checking a sharded save before it
+is committed.
+
+Loading a full checkpoint without every rank
 reading it: rank 0 reads and checks ``model.safetensors`` and ``trainer_state.pt``,
 then torch's ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
 ``broadcast_from_rank0=True`` send each tensor to the other ranks, which keep only
@@ -10,6 +14,7 @@ one tensor in flight elsewhere. Used by :class:`~ember.strategies.fsdp.FSDPStrat
 from __future__ import annotations
 
 import os
+import re
 
 from torch import nn
 
@@ -68,3 +73,36 @@ def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: lis
     small["optimizers"] = [{"stored_in": "loaded by the strategy from rank 0"}] * len(stateless)
     small["meta"] = meta
     return small
+
+
+_SHARD_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def verify_dcp_shards(folder: str, path: str) -> dict[str, int]:
+    """Check a DCP folder that every rank has written: each file its ``.metadata``
+    names exists and holds the bytes recorded for it. Returns ``{"model/<file>": size}``
+    for ``meta.json``; raises CheckpointError naming the rank whose shard is missing or
+    short (files are ``__<rank>_<n>.distcp``)."""
+    from ember import checkpoint_checks as checks
+    from ember import checkpoint_io as cio
+    meta_file = os.path.join(folder, ".metadata")
+    if not os.path.isfile(meta_file):
+        raise CheckpointError(f"checkpoint {path}: the DCP metadata {meta_file} was not written")
+    md = checks.dcp_reader(folder).read_metadata()
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        name = info.relative_path
+        need[name] = max(need.get(name, 0), int(info.offset) + int(info.length))
+    out = {f"{cio.DCP_WEIGHTS_DIR}/.metadata": os.path.getsize(meta_file)}
+    for name, size in sorted(need.items()):
+        fp = checks.member(folder, name, ".metadata")
+        m = _SHARD_RANK.match(name)
+        who = f"rank {m.group(1)}'s shard" if m else "shard"
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"checkpoint {path} not committed: {who} {name} is missing from {folder}")
+        have = os.path.getsize(fp)
+        if have < size:
+            raise CheckpointError(f"checkpoint {path} not committed: {who} {name} has {have} bytes, "
+                                  f"the DCP metadata needs {size}")
+        out[f"{cio.DCP_WEIGHTS_DIR}/{name}"] = have
+    return out

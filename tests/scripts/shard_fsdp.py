@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 shard_fsdp.py OUT w2
     python shard_fsdp.py OUT w1b       # one process: resume the world-2 checkpoint
 """
+import json
 import os
 import sys
 
@@ -289,6 +290,31 @@ elif MODE == "w2":
     res, _ = resume_and_compare(os.path.join(OUT, "full_ckpt"), "full_full.pt", 2)
     res["files"] = sorted(os.listdir(os.path.join(OUT, "full_ckpt")))
     sc.write_result(OUT, "full_type", res, rank)
+
+    # 12. a commit checks every rank's shard: one missing -> nothing committed, an error on
+    #     every rank naming the rank; a complete one lists each shard in meta.json
+    class DropsRank1Shard(FSDPStrategy):
+        def _commit(self, path, state, meta):
+            self.barrier()
+            if self.is_global_zero:
+                os.remove(os.path.join(cio.tmp_path(path), cio.DCP_WEIGHTS_DIR, "__1_0.distcp"))
+            super()._commit(path, state, meta)
+
+    res = {}
+    t = trainer(DropsRank1Shard(auto_wrap_policy={sc.Block}), max_steps=1)
+    t.fit(sc.make_net(), sc.loader())
+    try:
+        t.save_checkpoint(os.path.join(OUT, "dropped_ckpt"))
+        res["error"] = None
+    except Exception as err:
+        res["error"] = f"{type(err).__name__}: {err}"
+    res["committed"] = os.path.exists(os.path.join(OUT, "dropped_ckpt"))
+    t = trainer(fsdp(), max_steps=1)
+    t.fit(sc.make_net(), sc.loader())
+    t.save_checkpoint(os.path.join(OUT, "listed_ckpt"))
+    with open(os.path.join(OUT, "listed_ckpt", "meta.json")) as f:
+        res["listed"] = sorted(json.load(f)["files"])
+    sc.write_result(OUT, "shard_commit", res, rank)
 
 elif MODE == "w1b":
     res, _ = resume_and_compare(os.path.join(OUT, "w2_ckpt"), "w2_full.pt", 1)
