@@ -51,7 +51,9 @@ def test_elastic_resume_only_after_a_restart_and_only_with_a_checkpoint(tmp_path
     assert _state.elastic_resume_path(t) is None          # first attempt: start afresh
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert _state.elastic_resume_path(t) is None          # restarted before any checkpoint
-    from ember import checkpoint_io as cio
-    cio.write_checkpoint(os.path.join(tmp_path, "checkpoints", "epoch=0-step=1"), {"w": torch.zeros(1)}, {},
-                         {"strategy": "single", "world_size": 1})
+    from torch.utils.data import DataLoader, TensorDataset
+    from conftest import LinearModule
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+    ember.Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  devices="cpu", max_steps=1).fit(LinearModule(), loader)     # writes this run's checkpoint
     assert _state.elastic_resume_path(t) == "last"

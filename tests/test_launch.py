@@ -216,9 +216,13 @@ def test_launch_ember_fit_on_two_processes(tmp_path):
     from pathlib import Path
     import yaml
     config = Path(__file__).resolve().parents[1] / "examples" / "cli" / "config.yaml"
+    # the config's class_path names toy.ToyRegressor: its folder goes on PYTHONPATH (ember
+    # never adds a config file's folder to sys.path itself)
+    pythonpath = os.pathsep.join(p for p in (str(config.parent), os.environ.get("PYTHONPATH")) if p)
     r = ember("launch", "--num-processes", 2, "--strategy", "ddp", "--mixed_precision", "bf16",
               "-m", "ember", "fit", "--config", config, "--trainer.max_steps", 2,
-              "--trainer.logger.save_dir", "logs", cwd=tmp_path, env=_env(tmp_path), timeout=120)
+              "--trainer.logger.save_dir", "logs", cwd=tmp_path, env=_env(tmp_path, PYTHONPATH=pythonpath),
+              timeout=120)
     assert r.returncode == 0, r.stderr
     runs = list((tmp_path / "logs").glob("*/version_*"))
     assert len(runs) == 1                      # rank 0 alone made the run directory

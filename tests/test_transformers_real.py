@@ -41,8 +41,10 @@ def test_rotten_tomatoes_split():
 
 
 def test_example_config_resolves():
+    # rotten_tomatoes_data.py is imported from PYTHONPATH (ember never adds a config's folder to sys.path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, "-m", "ember", "fit", "--config", str(EXAMPLES / "rotten_tomatoes.yaml"),
-                           "--print_config"], capture_output=True, text=True, timeout=120)
+                           "--print_config"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "class_path: rotten_tomatoes_data.MiniLMClassifier" in proc.stdout
     assert "lr: 0.0001" in proc.stdout and "class_path: ember.integrations.transformers.ExportBestPretrained" in proc.stdout

