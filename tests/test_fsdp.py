@@ -64,6 +64,13 @@ def test_commit_checks_every_ranks_shard(results):
                                                  "trainer_state.pt"]
 
 
+def test_exception_drops_a_pending_async_save(results):
+    for rank in (0, 1):
+        r = results("async_dropped", rank)
+        assert r["error"] == "boom after the save started"
+        assert r["committed"] is False and r["warned"] is True
+
+
 def test_accumulation_keeps_gradients_sharded_by_default(results):
     r = results("accumulation")
     # mid-window, every parameter already holds its reduce-scattered shard of the gradient

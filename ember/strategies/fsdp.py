@@ -356,6 +356,16 @@ class FSDPStrategy(DDPStrategy):
         self._finish_pending_save()
         super().teardown()
 
+    def on_exception(self, exc: BaseException) -> None:
+        """After an exception (the Trainer calls this before teardown), a pending
+        ``async_save`` is dropped, not committed: a commit needs every rank at its
+        collectives, and a rank that failed must end at once rather than wait there. Its
+        ``NAME.tmp`` stays behind and never counts as a checkpoint."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            warnings.warn(f"the asynchronous save of {pending[1]} was not committed: the run failed "
+                          f"({type(exc).__name__})", UserWarning, stacklevel=2)
+
     # -- step ------------------------------------------------------------------------
     def optimizer_step(self, optimizer, module: nn.Module | None = None, closure=None) -> None:
         if self.precision.scaler is None:

@@ -316,6 +316,28 @@ elif MODE == "w2":
         res["listed"] = sorted(json.load(f)["files"])
     sc.write_result(OUT, "shard_commit", res, rank)
 
+    # 13. an exception after an async save started: the save is dropped, not committed at
+    #     teardown (no collective on the error path)
+    class FailAfterSave(ember.callbacks.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                trainer.save_checkpoint(os.path.join(OUT, "async_failed"))
+                raise RuntimeError("boom after the save started")
+
+    t = trainer(fsdp(async_save=True), max_steps=3, callbacks=[FailAfterSave()])
+    import warnings as _w
+    with _w.catch_warnings(record=True) as caught:
+        _w.simplefilter("always")
+        try:
+            t.fit(sc.make_net(), sc.loader())
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+    t.strategy.barrier()     # the test's own sync point, after fit ended on both ranks
+    sc.write_result(OUT, "async_dropped", {
+        "error": err, "committed": os.path.exists(os.path.join(OUT, "async_failed")),
+        "warned": any("was not committed" in str(w.message) for w in caught)}, rank)
+
 elif MODE == "w1b":
     res, _ = resume_and_compare(os.path.join(OUT, "w2_ckpt"), "w2_full.pt", 1)
     sc.write_result(OUT, "from_world2", res, 0)
