@@ -37,6 +37,7 @@ from torch import nn
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.strategies.base import _NULL
 from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
+from ember.strategies.full_load import load_full_weights  # noqa: F401  (public here since it was written)
 from ember.strategies.ddp import DDPStrategy
 
 _STATE_DICT_TYPES = ("sharded", "full")
@@ -638,24 +639,3 @@ def _no_gradient_sync(module):
         yield
     finally:
         module.set_requires_gradient_sync(True)
-
-
-def load_full_weights(path: str) -> dict[str, torch.Tensor]:
-    """Full weights of a checkpoint written by :class:`FSDPStrategy`, in one process,
-    without a process group (e.g. to build a plain module for inference)."""
-    from ember import checkpoint_io as cio
-    from ember.checkpoint_checks import dcp_planner, dcp_reader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    import torch.distributed.checkpoint as dcp
-    weights, _, _ = cio.read_checkpoint(path, load_state=False)
-    if weights is not None:
-        return weights
-    folder = os.path.join(os.fspath(path), cio.DCP_WEIGHTS_DIR)
-    md = dcp_reader(folder).read_metadata().state_dict_metadata
-    prefix = _DCP_KEY_MODEL + "."
-    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
-          if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=folder, no_dist=True, storage_reader=dcp_reader(folder), planner=dcp_planner())
-    return {k[len(prefix):]: v for k, v in sd.items()}

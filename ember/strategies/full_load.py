@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
+import torch
 from torch import nn
 
 from ember.errors import CheckpointError
@@ -106,3 +108,24 @@ def verify_dcp_shards(folder: str, path: str) -> dict[str, int]:
                                   f"the DCP metadata needs {size}")
         out[f"{cio.DCP_WEIGHTS_DIR}/{name}"] = have
     return out
+
+
+def load_full_weights(path: str) -> dict[str, torch.Tensor]:
+    """Full weights of a checkpoint written by :class:`FSDPStrategy`, in one process,
+    without a process group (e.g. to build a plain module for inference)."""
+    from ember import checkpoint_io as cio
+    from ember.checkpoint_checks import dcp_planner, dcp_reader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    import torch.distributed.checkpoint as dcp
+    weights, _, _ = cio.read_checkpoint(path, load_state=False)
+    if weights is not None:
+        return weights
+    folder = os.path.join(os.fspath(path), cio.DCP_WEIGHTS_DIR)
+    md = dcp_reader(folder).read_metadata().state_dict_metadata
+    prefix = "model."     # FSDPStrategy saves {"model": ..., "optim": ...}
+    sd = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.items()
+          if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=folder, no_dist=True, storage_reader=dcp_reader(folder), planner=dcp_planner())
+    return {k[len(prefix):]: v for k, v in sd.items()}
