@@ -500,7 +500,7 @@ class FSDPStrategy(DDPStrategy):
         or a failed write on rank 0, raises on every rank (rank 0's verdict is broadcast
         instead of a closing barrier, so no rank waits for one that failed)."""
         from ember import checkpoint_io as cio
-        from ember.strategies.full_load import verify_dcp_shards
+        from ember.strategies.full_load import raise_rank0_error, verify_dcp_shards
         self.barrier("save_checkpoint:shards")       # every rank has returned from its write
         error = None
         if self.is_global_zero:
@@ -509,11 +509,7 @@ class FSDPStrategy(DDPStrategy):
                 cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True, extra_files=shards)
             except Exception as err:     # reported to every rank below, raised here as it is
                 error = err
-        verdict = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-        if verdict is not None:
-            if error is not None:
-                raise error
-            raise CheckpointError(f"checkpoint {path} was not committed: {verdict}")
+        raise_rank0_error(self, error, f"checkpoint {path} was not committed")
 
     def _finish_pending_save(self) -> None:
         """Wait for a background (``async_save``) write, then commit its directory."""

@@ -23,6 +23,18 @@ from torch import nn
 from ember.errors import CheckpointError
 
 
+def raise_rank0_error(strategy, error: "BaseException | None", what: str) -> None:
+    """Rank 0's outcome of a step only it ran (a read, a commit), on every rank: one
+    broadcast, then rank 0 raises its own exception and the others a CheckpointError
+    ``"<what>: <rank 0's error>"``; nothing when rank 0 succeeded. Every rank must call it
+    (it replaces a closing barrier, so no rank waits for one that failed)."""
+    verdict = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+    if verdict is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{what}: {verdict}")
+
+
 def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: list, strict: bool = True,
                          weights_only: bool = False) -> dict:
     """Load ``path`` (a checkpoint whose weights are ``model.safetensors``) into the
@@ -45,11 +57,7 @@ def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: lis
                                       "optimizer(s) are set up")
         except Exception as err:     # reported to every rank below, raised here as it is
             error = err
-    verdict = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-    if verdict is not None:
-        if error is not None:
-            raise error
-        raise CheckpointError(f"rank 0 could not load {os.fspath(path)}: {verdict}")
+    raise_rank0_error(strategy, error, f"rank 0 could not load {os.fspath(path)}")
     # the small part of the trainer state (loop position, RNG, callbacks) goes to every rank,
     # with the hyperparameters of optimizers that hold no state tensors (plain SGD): torch's
     # broadcast_from_rank0 needs at least one state tensor to know the device
