@@ -18,6 +18,13 @@ cancels; "incl. setup" divides a whole N-step run by N.
 Variants: raw (hand-written loop), trainer (ember Trainer with DEFAULT settings:
 progress bar, model summary, TensorBoard logger, checkpointing), accelerator
 (ember Accelerator custom loop).
+
+``--data samples`` (default): a TensorDataset of samples, batch_size=64 — the
+DataLoader's per-index RandomSampler runs in the raw loop, ember's resumable
+sampler (index lists) in the ember variants, so the raw loop makes MORE calls.
+``--data batches``: a dataset of pre-made batches read with batch_size=None, so
+every variant's sampler does the same one-index-per-step work and the call counts
+compare the loops alone (the figure quoted as "calls per step" in the README).
 """
 from __future__ import annotations
 
@@ -33,10 +40,13 @@ import time
 VARIANTS = ("raw", "trainer", "accelerator")
 
 
+DATA = "samples"   # set from --data in the child
+
+
 def _setup(steps: int):
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
-    from torch.utils.data._utils.collate import default_collate
+    from torch.utils.data import DataLoader, Dataset, TensorDataset
+    from torch.utils.data._utils.collate import default_collate, default_convert
     torch.set_num_threads(1)
     torch.manual_seed(0)
     stamps = []
@@ -45,9 +55,27 @@ def _setup(steps: int):
         stamps.append(time.perf_counter())
         return default_collate(samples)
 
-    x = torch.randn(steps * 64, 32)
-    y = torch.randint(0, 10, (steps * 64,))
-    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, collate_fn=collate)
+    if DATA == "batches":
+        class Batches(Dataset):   # pre-made batches: one index per step for every sampler
+            def __init__(self):
+                self.x = torch.randn(steps, 64, 32)
+                self.y = torch.randint(0, 10, (steps, 64))
+
+            def __len__(self):
+                return steps
+
+            def __getitem__(self, i):
+                return self.x[i], self.y[i]
+
+        def convert(batch):
+            stamps.append(time.perf_counter())
+            return default_convert(batch)
+
+        loader = DataLoader(Batches(), batch_size=None, shuffle=True, collate_fn=convert)
+    else:
+        x = torch.randn(steps * 64, 32)
+        y = torch.randint(0, 10, (steps * 64,))
+        loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True, collate_fn=collate)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     return torch, loader, net, stamps
 
@@ -129,12 +157,16 @@ def main():
     p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--data", choices=("samples", "batches"), default="samples",
+                   help="samples: TensorDataset, batch_size=64; batches: pre-made batches, batch_size=None")
     p.add_argument("--callgrind", action="store_true",
                    help="also count machine instructions per step under valgrind (slow: minutes per variant)")
     p.add_argument("--callgrind-steps", type=int, default=300)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    global DATA
+    DATA = args.data
     if args.child:
         print(json.dumps(child(args.child, args.steps, args.warmup, args.profile)))
         return
@@ -143,7 +175,7 @@ def main():
 
     def run(v, *extra):
         out = subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(args.steps),
-                              "--warmup", str(args.warmup), *extra], capture_output=True, text=True, env=env)
+                              "--warmup", str(args.warmup), "--data", args.data, *extra], capture_output=True, text=True, env=env)
         if out.returncode:
             sys.exit(f"{v} failed:\n{out.stderr[-3000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -159,13 +191,13 @@ def main():
     for v in variants:
         c1 = run(v, "--profile")["calls_per_step"] * args.steps
         c2 = json.loads(subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(2 * args.steps),
-                                        "--warmup", str(args.warmup), "--profile"], capture_output=True, text=True,
+                                        "--warmup", str(args.warmup), "--data", args.data, "--profile"], capture_output=True, text=True,
                                        env=env).stdout.strip().splitlines()[-1])["calls_per_step"] * 2 * args.steps
         calls[v] = (c2 - c1) / args.steps
         calls_total[v] = c1 / args.steps
     instr = callgrind_instructions(variants, args, env) if args.callgrind else {}
     raw = statistics.median(rates["raw"]) if "raw" in rates else None
-    print(f"\ntiny MLP 32-64-10, batch 64, {args.steps} steps, torch.set_num_threads(1), "
+    print(f"\ndata={args.data}: tiny MLP 32-64-10, batch 64, {args.steps} steps, torch.set_num_threads(1), "
           f"{args.reps} interleaved reps, median steady-state steps/s after step {args.warmup}\n")
     print("ratio vs raw: of the medians | median of the per-repetition ratios (each variant against the raw run "
           "of its own repetition, which cancels slow drifts of the machine) | of the best repetitions\n")
@@ -203,7 +235,7 @@ def callgrind_instructions(variants, args, env) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             res = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
                                   sys.executable, __file__, "--child", v, "--steps", str(steps),
-                                  "--warmup", "0"], capture_output=True, text=True, env=env)
+                                  "--warmup", "0", "--data", args.data], capture_output=True, text=True, env=env)
         m = re.search(r"Collected : (\d+)", res.stderr)
         if res.returncode or not m:
             sys.exit(f"callgrind run of {v} failed:\n{res.stderr[-2000:]}")
