@@ -141,6 +141,7 @@ def test_run_record_with_a_logger_without_folder(tmp_path):
 
 def test_cli_run_report_shows_the_config(tmp_path, monkeypatch, capsys):
     cfg = os.path.join(os.path.dirname(__file__), "..", "examples", "cli", "config.yaml")
+    monkeypatch.syspath_prepend(os.path.dirname(cfg))   # toy.py importable, as PYTHONPATH=examples/cli in the docs
     monkeypatch.chdir(tmp_path)
     assert cli_main(["fit", "-c", cfg, "--trainer.report", "true", "--trainer.profiler", "simple",
                      "--trainer.max_epochs", "1"]) == 0

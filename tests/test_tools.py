@@ -149,6 +149,7 @@ def test_prediction_writer_intervals(make_trainer):
 
 def test_ember_predict_writes_predictions(tmp_path, monkeypatch, capsys):
     cfg = Path(__file__).parent.parent / "examples" / "cli" / "config.yaml"
+    monkeypatch.syspath_prepend(str(cfg.parent))   # toy.py importable, as PYTHONPATH=examples/cli in the docs
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "preds" / "p.pt"
     assert cli_main(["predict", "-c", str(cfg), "--trainer.logger", "false", "--output", str(out)]) == 0
