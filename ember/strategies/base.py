@@ -215,14 +215,21 @@ class Strategy:
     def save_checkpoint(self, path: str, module: nn.Module, optimizers: list,
                         trainer_state: dict, meta: dict, weights_only: bool = False) -> None:
         """Write a checkpoint directory atomically (rank zero writes; all ranks return
-        after it is complete). ``trainer_state`` excludes model and optimizers."""
+        after it is complete). ``trainer_state`` excludes model and optimizers. A failed
+        write on rank 0 (a full disk) raises on every rank: rank 0 broadcasts its verdict
+        in place of a closing barrier, so no rank waits for it until the timeout."""
         from ember import checkpoint_io as cio
+        from ember.strategies.full_load import raise_rank0_error
         weights = self.module_state_dict(module)
         opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
+        error = None
         if self.is_global_zero:
-            state = dict(trainer_state, optimizers=opt_states) if not weights_only else None
-            cio.write_checkpoint(path, weights, state, meta)
-        self.barrier("save_checkpoint")
+            try:
+                state = dict(trainer_state, optimizers=opt_states) if not weights_only else None
+                cio.write_checkpoint(path, weights, state, meta)
+            except Exception as err:     # reported to every rank below, raised here as it is
+                error = err
+        raise_rank0_error(self, error, f"checkpoint {os.fspath(path)} was not written on rank 0")
 
     def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
         """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one

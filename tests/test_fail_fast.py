@@ -1,0 +1,45 @@
+"""Error paths end every rank within seconds, and rank 0 alone makes the decisions it
+broadcasts (issue 12 items 5 and 9): two real gloo processes (tests/scripts/failfast_ddp.py)
+with a 60 s process-group timeout, so waiting for it shows as a failure."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPTS = Path(__file__).parent / "scripts"
+_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+
+
+def _run(mode, tmp_path, timeout=150):
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    p = subprocess.run([sys.executable, str(SCRIPTS / "failfast_ddp.py"), mode, str(tmp_path)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.timeout(200)
+def test_failed_write_on_rank0_reaches_every_rank(tmp_path):
+    r0, r1 = _run("save_enospc", tmp_path)
+    for r in (r0, r1):
+        assert r["error"] is not None and "the disk is full" in r["error"], r
+        assert r["seconds"] < 20, r          # not the 60 s process-group timeout
+    assert r0["error"].startswith("CheckpointError")
+    assert r1["error"].startswith("CheckpointError: checkpoint ") and "was not written on rank 0" in r1["error"]
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.timeout(200)
+def test_ckpt_path_last_is_resolved_by_rank0_only(tmp_path):
+    r0, r1 = _run("ckpt_last", tmp_path)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    assert r0["resumed"] == r1["resumed"] and r0["resumed"].endswith("last")
+    assert r0["global_step"] == r1["global_step"] == 5
+    assert r0["weights"] == r1["weights"]
