@@ -64,7 +64,11 @@ Where the ranks agree (each decision made once; never a collective per step)::
 On one process the same checks run without a collective: a stop request is acted on at
 the next optimizer step. A stop at an optimizer step before the epoch's last batch is
 recorded as mid-epoch (``trainer.stop_reason``; the checkpoint holds the same epoch and
-the next batch; no epoch-end work, epoch-interval schedulers do not step).
+the next batch; no epoch-end work, epoch-interval schedulers do not step). ``max_steps``
+reached before the epoch's last batch is such a stop too: ModelCheckpoint saves where it
+stopped (as for the other mid-epoch stops), and neither the epoch-end validation nor the
+training epoch metrics of the partial epoch are emitted (their accumulators are in the
+checkpoint: a resumed run emits the whole epoch's values once, at its real end).
 
 Validation / test loop::
 
@@ -320,6 +324,7 @@ class FitLoop:
                     module.train()
                     agree_due = multi
             if t.max_steps >= 0 and ls.global_step >= t.max_steps:
+                ls.stop_reason = "max_steps"   # before the epoch's last batch: a mid-epoch stop
                 break
             if boundary:
                 if multi:
