@@ -184,16 +184,36 @@ class Strategy:
         collective). ``how``: ``"max"`` (a bool: True when any rank says True), ``"min"``
         (a bool: True only when every rank says True; Lightning's
         ``reduce_boolean_decision(all=True)``) or ``"rank0"`` (rank 0's value). Returns the
-        agreed value(s) in the same form. Every rank must call it at the same point."""
+        agreed value(s) in the same form. Every rank must call it at the same point.
+
+        A rank that does not arrive within the process-group timeout is named in the
+        error (a DistributedOperationError): each rank counts its agreement points in
+        the rendezvous store (a small write, no collective), read only on the error path."""
         if how not in ("max", "min", "rank0"):
             from ember.errors import invalid_choice
             raise invalid_choice("agree(how)", how, ["max", "min", "rank0"])
         if self.world_size == 1:
             return decision
+        from ember.distributed import mark_arrival, missing_ranks
         many = isinstance(decision, (list, tuple))
         values = list(decision) if many else [decision]
         flag = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.root_device)
-        out = self.broadcast(flag, 0) if how == "rank0" else self.reduce(flag, how)
+        arrival = mark_arrival()
+        try:
+            out = self.broadcast(flag, 0) if how == "rank0" else self.reduce(flag, how)
+        except Exception as err:
+            missing = missing_ranks(arrival)
+            if not missing:
+                raise
+            from ember.errors import DistributedOperationError
+            who = ", ".join(map(str, missing))
+            limit = getattr(self, "timeout", None)
+            within = f" within the process-group timeout ({limit.total_seconds():g} s)" if limit is not None else ""
+            raise DistributedOperationError(
+                f"rank(s) {who} never arrived at the ranks' agreement point (a log point or an epoch end, "
+                f"where they agree on stopping){within}: rank(s) {who} failed, hang or are much slower (see "
+                f"their own output). If they are only slow, raise the strategy's timeout=. ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''})") from err
         kinds = [type(v) for v in values]
         res = [bool(x) if k is bool else int(x) if k is int else float(x) for k, x in zip(kinds, out.tolist())]
         return res if many else res[0]
