@@ -5,6 +5,11 @@ alone makes (2 CPU processes, gloo, ember's own launcher), run by tests/test_fai
 
 MODE ``save_enospc``: rank 0's checkpoint write fails with ENOSPC; every rank must raise
 the real error within seconds (process-group timeout 60 s).
+MODE ``agree_timeout``: rank 1 sleeps 8 s in a batch hook just before a log point (where
+the ranks agree on stopping) under a 4 s process-group timeout: rank 0's error names rank 1.
+MODE ``peer_fails`` (under ``ember launch``): rank 1 raises in training_step while rank 0
+is blocked in a call that does not return to Python (process-group timeout 20 s); rank 1
+writes ROOT/failed_at (the time) just before it raises.
 MODE ``ckpt_last``: ``ckpt_path="last"`` where rank 1's view of the run folder (its
 ``default_root_dir``, a separate folder) holds no checkpoint: both ranks restore rank 0's.
 Every rank writes ROOT/<MODE>_<rank>.json.
@@ -14,6 +19,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -91,8 +97,68 @@ def ckpt_last(root):
             "weights": [p.detach().flatten().tolist() for p in t2.module.parameters()]}
 
 
+def agree_timeout(root):
+    from ember.callbacks import Callback
+
+    class SleepBeforeLogPoint(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_rank == 1 and batch_idx == 1:   # global_step 2: a log point
+                time.sleep(8)
+
+    t = trainer(root, timeout=4, log_every_n_steps=2, callbacks=[SleepBeforeLogPoint()])
+    start = time.monotonic()
+    try:
+        t.fit(Net(), loader())
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": t.global_rank}
+
+
+class FailsOnRank1WhileRank0Waits(Net):
+    """Rank 0 blocks in a call that does not return to Python (a wait on the launcher's
+    store, as a rank stuck in a collective whose peer is alive), rank 1 raises."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0 and batch_idx == 1:
+            _store().wait(["failfast/never"], timedelta(seconds=90))
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            with open(os.path.join(ROOT, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            raise RuntimeError("boom on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+def peer_fails(root):
+    t = trainer(root, timeout=20)
+    t.fit(FailsOnRank1WhileRank0Waits(), loader())
+    return {"error": None, "rank": t.global_rank}
+
+
+def _store():
+    import torch.distributed as dist
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=60))
+
+
+def ready(rank):
+    """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
+    process-group timeout is not spent on one process importing slower than the other."""
+    store = _store()
+    store.add("failfast/ready", 1)
+    deadline = time.monotonic() + 60
+    while int(store.add("failfast/ready", 0)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 if __name__ == "__main__":
     mode, root = sys.argv[1], sys.argv[2]
-    out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last}[mode](root)
+    ROOT = root
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        ready(int(os.environ["RANK"]))
+    out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last, "agree_timeout": agree_timeout,
+           "peer_fails": peer_fails}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
