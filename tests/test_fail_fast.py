@@ -77,3 +77,12 @@ def test_launcher_sigterm_after_a_failed_rank_stops_a_blocked_rank_at_once(tmp_p
     assert "RuntimeError: boom on rank 1" in p.stderr and "Traceback" in p.stderr
     assert "ember: rank 0 stops now: SIGTERM from the launcher after another rank failed" in p.stderr
     assert "ember: error: launch: rank 1 (local rank 1) exited with code 1" in p.stderr
+
+
+@pytest.mark.timeout(200)
+def test_no_sync_is_left_when_the_step_raises(tmp_path):
+    """Issue 12 item 9: no_sync is exception-safe in the Trainer's step and in
+    Accelerator.accumulate (DDP's gradient sync is back on after the exception)."""
+    for r in _run("no_sync_exception", tmp_path, launch=True):
+        assert r["error"] == "raised under no_sync" and r["trainer_sync"] is True, r
+        assert r["acc_error"] == "raised in accumulate" and r["acc_sync"] is True, r

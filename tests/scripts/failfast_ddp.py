@@ -10,6 +10,9 @@ the ranks agree on stopping) under a 4 s process-group timeout: rank 0's error n
 MODE ``peer_fails`` (under ``ember launch``): rank 1 raises in training_step while rank 0
 is blocked in a call that does not return to Python (process-group timeout 20 s); rank 1
 writes ROOT/failed_at (the time) just before it raises.
+MODE ``no_sync_exception``: an exception inside a micro-batch that skips the gradient
+all-reduce (accumulation 2), in the Trainer's step and in ``Accelerator.accumulate``: DDP's
+sync flag is restored on both paths.
 MODE ``ckpt_last``: ``ckpt_path="last"`` where rank 1's view of the run folder (its
 ``default_root_dir``, a separate folder) holds no checkpoint: both ranks restore rank 0's.
 Every rank writes ROOT/<MODE>_<rank>.json.
@@ -137,6 +140,35 @@ def peer_fails(root):
     return {"error": None, "rank": t.global_rank}
 
 
+class RaisesInWindow(Net):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:      # the first micro-batch of the second window: under no_sync
+            raise ValueError("raised under no_sync")
+        return super().training_step(batch, batch_idx)
+
+
+def no_sync_exception(root):
+    t = trainer(root, accumulate_grad_batches=2)
+    try:
+        t.fit(RaisesInWindow(), loader())
+        err = None
+    except ValueError as e:
+        err = str(e)
+    out = {"error": err, "rank": t.global_rank, "trainer_sync": t.model.require_backward_grad_sync}
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=60), gradient_accumulation_steps=2)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = acc.prepare(net, opt)
+    try:
+        with acc.accumulate(model):      # the first micro-batch of a window: under no_sync
+            assert not model.require_backward_grad_sync
+            raise ValueError("raised in accumulate")
+    except ValueError as e:
+        out["acc_error"] = str(e)
+    out["acc_sync"] = model.require_backward_grad_sync
+    return out
+
+
 def _store():
     import torch.distributed as dist
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -159,6 +191,7 @@ if __name__ == "__main__":
     if "TORCHELASTIC_RUN_ID" in os.environ:
         ready(int(os.environ["RANK"]))
     out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last, "agree_timeout": agree_timeout,
+           "no_sync_exception": no_sync_exception,
            "peer_fails": peer_fails}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
