@@ -7,15 +7,16 @@ when one rank failed, then waits 30 s before SIGKILL; a rank blocked in a collec
 (or any call that does not return to Python) cannot even run the Python-level handler,
 so the job lingered for the whole grace period. While a fit runs under torchrun, a
 watcher thread reads the signals as they arrive (``signal.set_wakeup_fd``: the C-level
-handler writes the signal number at once, whatever the main thread is doing) and ends
-the process with the default SIGTERM action when
+handler writes the signal number at once, whatever the main thread is doing) and,
+on SIGTERM, ends the process with the default SIGTERM action when a rank on this node
+has recorded its error (its torchrun error file exists): the SIGTERM is then the agent
+stopping the job, not a preemption.
 
-- a rank on this node has recorded its error (its torchrun error file exists): the
-  SIGTERM is the agent stopping the job, not a preemption; or
-- a second SIGTERM arrives (the first one was not acted on yet, or the sender insists).
-
-``EMBER_SIGTERM_FAIL_FAST=0`` turns the watcher off (every SIGTERM is then only a
-preemption request). Outside torchrun nothing is installed.
+A second SIGTERM is deliberately not a reason: under SLURM a preempted step's workers
+get SIGTERM both from SLURM and from the agent forwarding its own, and they must still
+save. A peer that died without recording an error (SIGKILL, a segfault) leaves the
+agent's grace period as the bound. ``EMBER_SIGTERM_FAIL_FAST=0`` turns the watcher off
+(every SIGTERM is then only a preemption request). Outside torchrun nothing is installed.
 """
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ def _die(why: str) -> None:
 
 
 def _watch(sock: socket.socket) -> None:
-    seen = 0
     while True:
         try:
             data = sock.recv(64)
@@ -63,15 +63,10 @@ def _watch(sock: socket.socket) -> None:
             return
         if not data:
             return
-        for signum in data:
-            if signum != int(signal.SIGTERM):
-                continue
-            seen += 1
+        if int(signal.SIGTERM) in data:
             failed = peer_failed()
             if failed:
                 _die(f"SIGTERM from the launcher after another rank failed (its error: {failed})")
-            if seen >= 2:
-                _die("a second SIGTERM")
 
 
 class Watcher:
