@@ -351,3 +351,43 @@ def destroy() -> None:
     """Barrier, then destroy the default process group (ember otherwise does this at exit)."""
     from ember.strategies.launchers import shutdown_process_group
     shutdown_process_group(barrier=True)
+
+
+# -- who did not arrive ----------------------------------------------------------------
+_ARRIVALS = {"n": 0}
+_ARRIVAL_KEY = "ember/arrived/rank{}"
+
+
+def mark_arrival():
+    """Count an agreement point on this rank in the rendezvous store (one small write to
+    the store, no collective): ``(store, n)`` for :func:`missing_ranks`, or None without a
+    process group. Every rank passes the agreement points in the same order, so after the
+    ``n``-th one a rank whose count is below ``n`` never arrived there."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return None
+    from torch.distributed import distributed_c10d as c10d
+    _ARRIVALS["n"] += 1
+    n = _ARRIVALS["n"]
+    try:
+        store = c10d._get_default_store()
+        store.set(_ARRIVAL_KEY.format(dist.get_rank()), str(n))
+    except Exception:   # no store to write to: the error path just says less
+        return None
+    return store, n
+
+
+def missing_ranks(arrival) -> list[int]:
+    """The ranks that did not reach the agreement point ``arrival`` (from
+    :func:`mark_arrival`); empty when unknown (the store is gone)."""
+    if arrival is None:
+        return []
+    store, n = arrival
+    missing = []
+    try:
+        for r in range(dist.get_world_size()):
+            key = _ARRIVAL_KEY.format(r)
+            if not store.check([key]) or int(store.get(key)) < n:
+                missing.append(r)
+    except Exception:
+        return []
+    return missing

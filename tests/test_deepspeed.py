@@ -69,6 +69,24 @@ class TestZeRO:
         assert env["RANK"] == "0" and env["LOCAL_RANK"] == "0" and env["WORLD_SIZE"] == "2"
         assert env["MASTER_ADDR"] and env["MASTER_PORT"]
 
+    def test_commit_checks_every_ranks_files(self, results):
+        for rank in (0, 1):
+            r = results("shard_commit", rank)
+            assert r["committed"] is False, r
+            assert r["error"] is not None and "not committed" in r["error"], r
+        name = results("shard_commit", 1)["dropped"][0]
+        assert name.startswith("zero_pp_rank_1_")
+        for rank in (0, 1):
+            assert f"rank 1's file {name} is missing" in results("shard_commit", rank)["error"]
+        listed = results("shard_commit")["listed"]
+        assert "trainer_state.pt" in listed
+        for r in (0, 1):                           # each rank's ZeRO partition, listed with its bytes
+            assert f"model/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" in listed, listed
+            if results.stage == 3:
+                assert f"model/zero_pp_rank_{r}_mp_rank_00_model_states.pt" in listed, listed
+        if results.stage != 3:
+            assert "model/mp_rank_00_model_states.pt" in listed, listed
+
     def test_no_clipping_unless_asked(self, results):
         r = results("noclip")
         assert r["max_diff"] < 1e-5

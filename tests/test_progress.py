@@ -103,7 +103,8 @@ def test_progress_bar_metrics_are_the_logged_values(tmp_path):
 
 
 def test_eta_follows_max_steps_and_validation_has_its_own_bar(tmp_path):
-    t, text = _fit(tmp_path, _console(100), max_steps=5, max_epochs=3)
+    # a validation after batch 4; max_steps stops mid-epoch after batch 5 (no epoch-end validation)
+    t, text = _fit(tmp_path, _console(100), max_steps=5, max_epochs=3, val_check_interval=4)
     lines = _final_frame(text, "Epoch 0/2")
     assert re.search(rf" 5/5 +{_TIME} < {_TIME}", lines[0]), lines[0]
     assert "/8" not in lines[0] and "Epoch 1" not in text

@@ -76,6 +76,8 @@ CAUSES = {
                                               check_on_train_epoch_end=False)], {}, 0),
     # SIGUSR1 during epoch 1, batch 1: `last` is saved at the step after batch 2
     "preempted": (lambda: [At(1, 1, lambda t: os.kill(os.getpid(), signal.SIGUSR1))], {}, 1),
+    # the step budget ends at the step after batch 2 of epoch 1 (3 steps per epoch)
+    "max_steps": (lambda: [], {"max_steps": 4}, 1),
 }
 
 _REF: dict = {}
@@ -103,3 +105,19 @@ def test_stop_mid_epoch_is_recorded_mid_epoch_and_resumes_bit_exact(cause, tmp_p
     module, resumed = run(tmp_path, ckpt_path="last")
     assert resumed.stop_reason == "max_epochs"
     assert differences(_REF["ref"], snapshot(module, resumed)) == []
+
+
+def test_max_steps_mid_epoch_then_a_larger_max_steps_equals_one_run(tmp_path, tmp_path_factory):
+    """max_steps=5 (epoch 1, batch 3 of 7), resumed with max_steps=7, is bit-identical to one
+    max_steps=7 run: the first run neither finished epoch 1 nor stepped its StepLR."""
+    m, t = run(tmp_path_factory.mktemp("straight"), max_steps=7)
+    assert (t.stop_reason, t.global_step, t.current_epoch) == ("max_steps", 7, 2)
+    straight = snapshot(m, t)
+    _, stopped = run(tmp_path, max_steps=5)
+    assert (stopped.stop_reason, stopped.current_epoch, stopped.batches_done) == ("max_steps", 1, 6)
+    assert stopped.lr_scheduler_configs[0]["scheduler"].last_epoch == 1
+    loop = cio.read_checkpoint(os.path.join(tmp_path, "checkpoints", "last"))[1]["loop"]
+    assert (loop["epoch"], loop["batches_done"], loop["global_step"]) == (1, 6, 5)
+    module, resumed = run(tmp_path, ckpt_path="last", max_steps=7)
+    assert (resumed.stop_reason, resumed.global_step) == ("max_steps", 7)
+    assert differences(straight, snapshot(module, resumed)) == []

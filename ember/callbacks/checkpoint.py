@@ -24,7 +24,7 @@ from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")
 #: stop reasons after which the fit saves where it stopped (``on_train_end``)
-_MID_EPOCH_STOPS = ("max_time", "timer", "early_stopping", "should_stop")
+_MID_EPOCH_STOPS = ("max_time", "timer", "early_stopping", "should_stop", "max_steps")
 
 
 class ModelCheckpoint(Callback):
@@ -169,8 +169,8 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_train_end(self, trainer, module):
-        # a fit stopped mid-epoch (max_time, Timer, EarlyStopping, should_stop) saves where it
-        # stopped, so ckpt_path="last" continues at the next batch (every rank agreed on the stop)
+        # a fit stopped mid-epoch (max_time, Timer, EarlyStopping, should_stop, max_steps) saves
+        # where it stopped, so ckpt_path="last" continues at the next batch (every rank agreed)
         if trainer.stop_reason in _MID_EPOCH_STOPS and not trainer.epoch_finished \
                 and trainer.batches_done and trainer.global_step != self._last_global_step_saved:
             self._save(trainer)

@@ -163,8 +163,12 @@ class RichProgressBar(ProgressBar):
             self._sync()
 
     def on_train_end(self, trainer, module):
-        if trainer.is_global_zero and self._in_epoch:   # stopped mid-epoch (preemption): freeze where it was
+        if trainer.is_global_zero and self._in_epoch:   # stopped mid-epoch: freeze (and show) where it was
             self._done, self._in_epoch = trainer.batches_done, False
+            if self._progress is None:
+                self._print_line(trainer)
+            else:
+                self._sync()
         self._shutdown()
 
     def on_exception(self, trainer, module, exception):

@@ -184,16 +184,36 @@ class Strategy:
         collective). ``how``: ``"max"`` (a bool: True when any rank says True), ``"min"``
         (a bool: True only when every rank says True; Lightning's
         ``reduce_boolean_decision(all=True)``) or ``"rank0"`` (rank 0's value). Returns the
-        agreed value(s) in the same form. Every rank must call it at the same point."""
+        agreed value(s) in the same form. Every rank must call it at the same point.
+
+        A rank that does not arrive within the process-group timeout is named in the
+        error (a DistributedOperationError): each rank counts its agreement points in
+        the rendezvous store (a small write, no collective), read only on the error path."""
         if how not in ("max", "min", "rank0"):
             from ember.errors import invalid_choice
             raise invalid_choice("agree(how)", how, ["max", "min", "rank0"])
         if self.world_size == 1:
             return decision
+        from ember.distributed import mark_arrival, missing_ranks
         many = isinstance(decision, (list, tuple))
         values = list(decision) if many else [decision]
         flag = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.root_device)
-        out = self.broadcast(flag, 0) if how == "rank0" else self.reduce(flag, how)
+        arrival = mark_arrival()
+        try:
+            out = self.broadcast(flag, 0) if how == "rank0" else self.reduce(flag, how)
+        except Exception as err:
+            missing = missing_ranks(arrival)
+            if not missing:
+                raise
+            from ember.errors import DistributedOperationError
+            who = ", ".join(map(str, missing))
+            limit = getattr(self, "timeout", None)
+            within = f" within the process-group timeout ({limit.total_seconds():g} s)" if limit is not None else ""
+            raise DistributedOperationError(
+                f"rank(s) {who} never arrived at the ranks' agreement point (a log point or an epoch end, "
+                f"where they agree on stopping){within}: rank(s) {who} failed, hang or are much slower (see "
+                f"their own output). If they are only slow, raise the strategy's timeout=. ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''})") from err
         kinds = [type(v) for v in values]
         res = [bool(x) if k is bool else int(x) if k is int else float(x) for k, x in zip(kinds, out.tolist())]
         return res if many else res[0]
@@ -215,14 +235,21 @@ class Strategy:
     def save_checkpoint(self, path: str, module: nn.Module, optimizers: list,
                         trainer_state: dict, meta: dict, weights_only: bool = False) -> None:
         """Write a checkpoint directory atomically (rank zero writes; all ranks return
-        after it is complete). ``trainer_state`` excludes model and optimizers."""
+        after it is complete). ``trainer_state`` excludes model and optimizers. A failed
+        write on rank 0 (a full disk) raises on every rank: rank 0 broadcasts its verdict
+        in place of a closing barrier, so no rank waits for it until the timeout."""
         from ember import checkpoint_io as cio
+        from ember.strategies.full_load import raise_rank0_error
         weights = self.module_state_dict(module)
         opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
+        error = None
         if self.is_global_zero:
-            state = dict(trainer_state, optimizers=opt_states) if not weights_only else None
-            cio.write_checkpoint(path, weights, state, meta)
-        self.barrier("save_checkpoint")
+            try:
+                state = dict(trainer_state, optimizers=opt_states) if not weights_only else None
+                cio.write_checkpoint(path, weights, state, meta)
+            except Exception as err:     # reported to every rank below, raised here as it is
+                error = err
+        raise_rank0_error(self, error, f"checkpoint {os.fspath(path)} was not written on rank 0")
 
     def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
         """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one

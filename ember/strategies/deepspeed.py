@@ -462,7 +462,8 @@ class DeepSpeedStrategy(DDPStrategy):
     def save_checkpoint(self, path: str, module: nn.Module, optimizers: list, trainer_state: dict,
                         meta: dict, weights_only: bool = False) -> None:
         """``engine.save_checkpoint`` into ``NAME.tmp/model/`` (every rank writes its
-        partitions), then rank 0 adds ``trainer_state.pt`` and ``meta.json`` and renames."""
+        partitions), then rank 0 checks that every rank's files are there (:meth:`_commit`),
+        adds ``trainer_state.pt`` and ``meta.json`` and renames."""
         from ember import checkpoint_io as cio
         path = os.path.normpath(os.fspath(path))
         meta = dict(meta, sharded=True, deepspeed={"zero_stage": self.stage, "tag": TAG})
@@ -470,22 +471,53 @@ class DeepSpeedStrategy(DDPStrategy):
         if weights_only or engine is None:
             weights = self.module_state_dict(module)
             meta["sharded"] = False
+            error = None
             if self.is_global_zero:
-                state = None if weights_only else dict(trainer_state, optimizers=[])
-                cio.write_checkpoint(path, weights, state, meta)
-            self.barrier("save_checkpoint")
+                try:
+                    state = None if weights_only else dict(trainer_state, optimizers=[])
+                    cio.write_checkpoint(path, weights, state, meta)
+                except Exception as err:     # reported to every rank below, raised here as it is
+                    error = err
+            from ember.strategies.full_load import raise_rank0_error
+            raise_rank0_error(self, error, f"checkpoint {path} was not written on rank 0")
             return
         tmp = cio.tmp_path(path)
         if self.is_global_zero:
             cio._remove(tmp)
             os.makedirs(tmp)
         self.barrier("save_checkpoint:tmp")
-        engine.save_checkpoint(tmp, tag=TAG, client_state={}, save_latest=False)
-        self.barrier("save_checkpoint:shards")
+        try:
+            engine.save_checkpoint(tmp, tag=TAG, client_state={}, save_latest=False)
+            mine: "dict[str, int] | str" = _written_by(engine, tmp)
+        except Exception as err:     # reported by rank 0 below, so no rank waits for this one
+            mine = f"{type(err).__name__}: {err}"
+        state = dict(trainer_state, optimizers=[{"stored_in": cio.DCP_WEIGHTS_DIR, "format": "deepspeed"}])
+        self._commit(path, state, meta, mine)
+
+    def _commit(self, path: str, state: dict, meta: dict, mine: "dict[str, int] | str") -> None:
+        """Every rank reports the ZeRO files it wrote (``{name: bytes}``, or its error);
+        rank 0 renames ``NAME.tmp`` into place only when each of them is there with its
+        bytes, all listed in ``meta.json``. A missing or short file, or a failed write on
+        any rank, raises on every rank a CheckpointError naming the rank (rank 0's verdict
+        is broadcast in place of a closing barrier, so no rank waits for one that failed)."""
+        from ember import checkpoint_io as cio
+        from ember.strategies.full_load import raise_rank0_error, verify_shards
+        reports = self.all_gather_object(mine)       # every rank has returned from its write
+        error = None
         if self.is_global_zero:
-            state = dict(trainer_state, optimizers=[{"stored_in": cio.DCP_WEIGHTS_DIR, "format": "deepspeed"}])
-            cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True)
-        self.barrier("save_checkpoint:commit")
+            try:
+                failed = [f"rank {r}: {rep}" for r, rep in enumerate(reports) if isinstance(rep, str)]
+                if failed:
+                    raise CheckpointError(f"checkpoint {path} not committed: the DeepSpeed write failed on "
+                                          + "; ".join(failed))
+                need = {name: (size, f"rank {r}'s file") for r, rep in enumerate(reports)
+                        for name, size in rep.items()}
+                folder = os.path.join(cio.tmp_path(path), TAG)
+                shards = verify_shards(folder, path, need, TAG, "the ranks' DeepSpeed writes")
+                cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True, extra_files=shards)
+            except Exception as err:     # reported to every rank below, raised here as it is
+                error = err
+        raise_rank0_error(self, error, f"checkpoint {path} was not committed")
 
     def load_checkpoint(self, path: str, module: nn.Module, optimizers: list, strict: bool = True,
                         weights_only: bool = False) -> dict:
@@ -540,6 +572,17 @@ def _shapes_of(module: nn.Module):
         shape = tuple(getattr(v, "ds_shape", v.shape))
         shapes[k] = torch.empty(shape, device="meta")
     return type(type(module).__name__, (), {"state_dict": lambda self: shapes})()
+
+
+def _written_by(engine, folder: str) -> dict[str, int]:
+    """``{name: bytes}`` of the files this rank's ``engine.save_checkpoint(folder, tag=TAG)``
+    wrote into ``folder/TAG`` (its ZeRO partition; the model states where it saves them)."""
+    names = []
+    if getattr(engine, "save_zero_checkpoint", False):
+        names.append(engine._get_zero_ckpt_name(folder, TAG))
+    if getattr(engine, "save_non_zero_checkpoint", False):
+        names.append(engine._get_ckpt_name(folder, TAG))
+    return {os.path.basename(n): os.path.getsize(n) for n in names}
 
 
 def _through_engine(engine, name: str):

@@ -459,10 +459,15 @@ class FSDPStrategy(DDPStrategy):
         if self.state_dict_type == "full":
             weights = self.module_state_dict(module)
             opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
+            error = None
             if self.is_global_zero:
-                state = None if weights_only else dict(trainer_state, optimizers=opt_states)
-                cio.write_checkpoint(path, weights, state, meta)
-            self.barrier("save_checkpoint")
+                try:
+                    state = None if weights_only else dict(trainer_state, optimizers=opt_states)
+                    cio.write_checkpoint(path, weights, state, meta)
+                except Exception as err:     # reported to every rank below, raised here as it is
+                    error = err
+            from ember.strategies.full_load import raise_rank0_error
+            raise_rank0_error(self, error, f"checkpoint {path} was not written on rank 0")
             return
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict

@@ -1,6 +1,6 @@
 """Sharded checkpoints across ranks: loading a full (unsharded) checkpoint into a
-sharded model without every rank reading it, and checking a sharded save before it
-is committed.
+sharded model without every rank reading it, and checking a sharded save (FSDP's DCP
+files, DeepSpeed's ZeRO files) before it is committed.
 
 Loading a full checkpoint without every rank
 reading it: rank 0 reads and checks ``model.safetensors`` and ``trainer_state.pt``,
@@ -88,6 +88,25 @@ def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: lis
 _SHARD_RANK = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
+def verify_shards(folder: str, path: str, need: dict[str, tuple[int, str]], prefix: str, where: str) -> dict[str, int]:
+    """Check the files every rank wrote into ``folder`` before a commit: each name in
+    ``need`` (``{name: (bytes at least, whose file, e.g. "rank 1's shard")}``) exists and
+    holds its bytes. Returns ``{"<prefix>/<name>": size}`` for ``meta.json``; raises a
+    CheckpointError naming whose file is missing or short. ``where`` names the listing."""
+    from ember import checkpoint_checks as checks
+    out: dict[str, int] = {}
+    for name, (size, who) in sorted(need.items()):
+        fp = checks.member(folder, name, where)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"checkpoint {path} not committed: {who} {name} is missing from {folder}")
+        have = os.path.getsize(fp)
+        if have < size:
+            raise CheckpointError(f"checkpoint {path} not committed: {who} {name} has {have} bytes, "
+                                  f"{where} needs {size}")
+        out[f"{prefix}/{name}"] = have
+    return out
+
+
 def verify_dcp_shards(folder: str, path: str) -> dict[str, int]:
     """Check a DCP folder that every rank has written: each file its ``.metadata``
     names exists and holds the bytes recorded for it. Returns ``{"model/<file>": size}``
@@ -99,22 +118,14 @@ def verify_dcp_shards(folder: str, path: str) -> dict[str, int]:
     if not os.path.isfile(meta_file):
         raise CheckpointError(f"checkpoint {path}: the DCP metadata {meta_file} was not written")
     md = checks.dcp_reader(folder).read_metadata()
-    need: dict[str, int] = {}
+    need: dict[str, tuple[int, str]] = {}
     for info in (md.storage_data or {}).values():
         name = info.relative_path
-        need[name] = max(need.get(name, 0), int(info.offset) + int(info.length))
-    out = {f"{cio.DCP_WEIGHTS_DIR}/.metadata": os.path.getsize(meta_file)}
-    for name, size in sorted(need.items()):
-        fp = checks.member(folder, name, ".metadata")
         m = _SHARD_RANK.match(name)
-        who = f"rank {m.group(1)}'s shard" if m else "shard"
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"checkpoint {path} not committed: {who} {name} is missing from {folder}")
-        have = os.path.getsize(fp)
-        if have < size:
-            raise CheckpointError(f"checkpoint {path} not committed: {who} {name} has {have} bytes, "
-                                  f"the DCP metadata needs {size}")
-        out[f"{cio.DCP_WEIGHTS_DIR}/{name}"] = have
+        size = max(need.get(name, (0, ""))[0], int(info.offset) + int(info.length))
+        need[name] = (size, f"rank {m.group(1)}'s shard" if m else "shard")
+    out = {f"{cio.DCP_WEIGHTS_DIR}/.metadata": os.path.getsize(meta_file)}
+    out.update(verify_shards(folder, path, need, cio.DCP_WEIGHTS_DIR, "the DCP metadata"))
     return out
 
 

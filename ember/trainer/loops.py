@@ -45,8 +45,11 @@ a hook nobody overrides is never called)::
 Where the ranks agree (each decision made once; never a collective per step)::
 
     setup                 rank 0 picks the logger version folders (trainer.log_dir), broadcast
-                          (state.agree_log_versions); ckpt_path "last"/"best" is rank 0's
-                          resolution, broadcast, so every rank restores the same checkpoint
+                          (state.agree_log_versions); ckpt_path "last"/"best" is resolved on
+                          rank 0 only, broadcast, so every rank restores the same checkpoint
+    each checkpoint save  rank 0's outcome (its write, or its check of every rank's shard
+                          files) is broadcast in place of a closing barrier: a failure
+                          raises on every rank, no rank waits for the timeout
     fit start, epoch end  stop: one all-reduce of [stop request, preemption signal] (agree_stop
                           in trainer/progress.py, through Strategy.agree)
     log points            (every log_every_n_steps optimizer steps) the same stop agreement:
@@ -61,10 +64,17 @@ Where the ranks agree (each decision made once; never a collective per step)::
     validation points     by batch count and epoch: the same on every rank by construction
     max_steps / epochs    counters: the same on every rank by construction
 
+A rank that does not reach an agreement within the process-group timeout is named in
+the error (Strategy.agree counts the agreement points in the rendezvous store).
+
 On one process the same checks run without a collective: a stop request is acted on at
 the next optimizer step. A stop at an optimizer step before the epoch's last batch is
 recorded as mid-epoch (``trainer.stop_reason``; the checkpoint holds the same epoch and
-the next batch; no epoch-end work, epoch-interval schedulers do not step).
+the next batch; no epoch-end work, epoch-interval schedulers do not step). ``max_steps``
+reached before the epoch's last batch is such a stop too: ModelCheckpoint saves where it
+stopped (as for the other mid-epoch stops), and neither the epoch-end validation nor the
+training epoch metrics of the partial epoch are emitted (their accumulators are in the
+checkpoint: a resumed run emits the whole epoch's values once, at its real end).
 
 Validation / test loop::
 
@@ -320,6 +330,7 @@ class FitLoop:
                     module.train()
                     agree_due = multi
             if t.max_steps >= 0 and ls.global_step >= t.max_steps:
+                ls.stop_reason = "max_steps"   # before the epoch's last batch: a mid-epoch stop
                 break
             if boundary:
                 if multi:

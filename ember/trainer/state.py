@@ -541,9 +541,14 @@ def install_signal_handlers(t) -> None:
     # under several processes the ranks agree at log points (progress.agree_stop); one process
     # acts at the next optimizer step
     t._signal_pending = False
+    from ember.trainer import peer_stop   # under torchrun: the launcher's SIGTERM after a failed rank
+    t._sigterm_watcher = peer_stop.start()
 
 
 def uninstall_signal_handlers(t) -> None:
+    watcher, t._sigterm_watcher = getattr(t, "_sigterm_watcher", None), None
+    if watcher is not None:
+        watcher.stop()
     for s, h in getattr(t, "_prev_handlers", {}).items():
         try:
             signal.signal(s, h)

@@ -317,8 +317,10 @@ class Trainer(LoopProperties):
         if ckpt_path is None and stage == "fit":
             ckpt_path = _state.elastic_resume_path(self)   # "last" after an elastic restart
         by_name = ckpt_path in ("last", "best")
-        if ckpt_path is not None:
-            ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)   # errors before any work
+        if ckpt_path is not None and not (by_name and self.world_size > 1 and self.global_rank != 0):
+            # errors before any work; "last"/"best" only on rank 0 (the rank is known from the
+            # environment before setup): the other ranks take rank 0's path, broadcast below
+            ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)
         self.stage = stage
         self.interrupted = self._resumed = False
         if stage == "fit":

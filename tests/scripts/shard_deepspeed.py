@@ -3,6 +3,7 @@ slowly). Started as a plain script: ``Trainer(devices=2)`` starts rank 1 itself.
 
     python shard_deepspeed.py OUT STAGE      # writes OUT/<check>.rank<r>.json
 """
+import json
 import os
 import sys
 
@@ -190,3 +191,32 @@ with torch.no_grad():
 sc.write_result(OUT, "load_weights", {"val_loss": metrics[0]["val/loss"], "expected": expected,
                                       "master_equal": sc.equal(t.strategy.module_state_dict(t.model),
                                                                other.state_dict())}, rank)
+
+# 11. a commit checks every rank's files: rank 1's ZeRO file missing -> nothing committed, an
+#     error on every rank naming rank 1; a complete checkpoint lists every rank's files in meta.json
+class DropsRank1File(DeepSpeedStrategy):
+    def _commit(self, path, state, meta, mine):
+        self.barrier()
+        if self.global_rank == 1 and isinstance(mine, dict):
+            os.remove(os.path.join(cio.tmp_path(path), "model", sorted(mine)[0]))
+            dropped.append(sorted(mine)[0])
+        super()._commit(path, state, meta, mine)
+
+
+dropped = []
+res = {}
+t = trainer(DropsRank1File(devices=2, stage=STAGE, **ZERO), max_steps=1)
+t.fit(sc.make_net(), sc.loader())
+try:
+    t.save_checkpoint(os.path.join(OUT, "dropped_ckpt"))
+    res["error"] = None
+except Exception as err:
+    res["error"] = f"{type(err).__name__}: {err}"
+res["dropped"] = dropped
+res["committed"] = os.path.exists(os.path.join(OUT, "dropped_ckpt"))
+t = trainer(ds(), max_steps=1)
+t.fit(sc.make_net(), sc.loader())
+t.save_checkpoint(os.path.join(OUT, "listed_ckpt"))
+with open(os.path.join(OUT, "listed_ckpt", "meta.json")) as f:
+    res["listed"] = sorted(json.load(f)["files"])
+sc.write_result(OUT, "shard_commit", res, rank)

@@ -1,0 +1,197 @@
+"""Error paths that must not wait for the process-group timeout, and decisions rank 0
+alone makes (2 CPU processes, gloo, ember's own launcher), run by tests/test_fail_fast.py.
+
+    python failfast_ddp.py MODE ROOT
+
+MODE ``save_enospc``: rank 0's checkpoint write fails with ENOSPC; every rank must raise
+the real error within seconds (process-group timeout 60 s).
+MODE ``agree_timeout``: rank 1 sleeps 8 s in a batch hook just before a log point (where
+the ranks agree on stopping) under a 4 s process-group timeout: rank 0's error names rank 1.
+MODE ``peer_fails`` (under ``ember launch``): rank 1 raises in training_step while rank 0
+is blocked in a call that does not return to Python (process-group timeout 20 s); rank 1
+writes ROOT/failed_at (the time) just before it raises.
+MODE ``no_sync_exception``: an exception inside a micro-batch that skips the gradient
+all-reduce (accumulation 2), in the Trainer's step and in ``Accelerator.accumulate``: DDP's
+sync flag is restored on both paths.
+MODE ``ckpt_last``: ``ckpt_path="last"`` where rank 1's view of the run folder (its
+``default_root_dir``, a separate folder) holds no checkpoint: both ranks restore rank 0's.
+Every rank writes ROOT/<MODE>_<rank>.json.
+"""
+import errno
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.strategies import DDPStrategy
+
+
+class Net(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def loader(n=32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def trainer(root, timeout=60, **kw):
+    args = dict(max_epochs=1, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                default_root_dir=root, logger=False, enable_checkpointing=False)
+    args.update(kw)
+    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=timeout), **args)
+
+
+def save_enospc(root):
+    t = trainer(root)
+    t.fit(Net(), loader())
+    if t.global_rank == 0:
+        from ember import checkpoint_io as cio
+        real_save = cio.save_torch
+
+        def full_disk(obj, f, *a, **kw):   # what the kernel answers when the disk fills mid-write
+            real_save(obj, f, *a, **kw)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        cio.save_torch = full_disk
+    start = time.monotonic()
+    try:
+        t.save_checkpoint(os.path.join(root, "ckpt"))
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": t.global_rank}
+
+
+def ckpt_last(root):
+    from ember.callbacks import ModelCheckpoint
+    t = trainer(root, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=3,
+                max_epochs=5)
+    t.fit(Net(), loader())
+    # rank 1 sees a run folder without any checkpoint (as a node whose view of a shared
+    # filesystem lags); rank 0 sees the real one
+    rank = t.global_rank
+    mine = root if rank == 0 else os.path.join(root, "empty_view")
+    os.makedirs(mine, exist_ok=True)
+    t2 = trainer(mine, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=5,
+                 max_epochs=5)
+    try:
+        t2.fit(Net(), loader(), ckpt_path="last")
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "resumed": getattr(t2, "ckpt_path", None), "global_step": t2.global_step, "rank": rank,
+            "weights": [p.detach().flatten().tolist() for p in t2.module.parameters()]}
+
+
+def agree_timeout(root):
+    from ember.callbacks import Callback
+
+    class SleepBeforeLogPoint(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_rank == 1 and batch_idx == 1:   # global_step 2: a log point
+                time.sleep(8)
+
+    t = trainer(root, timeout=4, log_every_n_steps=2, callbacks=[SleepBeforeLogPoint()])
+    start = time.monotonic()
+    try:
+        t.fit(Net(), loader())
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": t.global_rank}
+
+
+class FailsOnRank1WhileRank0Waits(Net):
+    """Rank 0 blocks in a call that does not return to Python (a wait on the launcher's
+    store, as a rank stuck in a collective whose peer is alive), rank 1 raises."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0 and batch_idx == 1:
+            _store().wait(["failfast/never"], timedelta(seconds=90))
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            with open(os.path.join(ROOT, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            raise RuntimeError("boom on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+def peer_fails(root):
+    t = trainer(root, timeout=20)
+    t.fit(FailsOnRank1WhileRank0Waits(), loader())
+    return {"error": None, "rank": t.global_rank}
+
+
+class RaisesInWindow(Net):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:      # the first micro-batch of the second window: under no_sync
+            raise ValueError("raised under no_sync")
+        return super().training_step(batch, batch_idx)
+
+
+def no_sync_exception(root):
+    t = trainer(root, accumulate_grad_batches=2)
+    try:
+        t.fit(RaisesInWindow(), loader())
+        err = None
+    except ValueError as e:
+        err = str(e)
+    out = {"error": err, "rank": t.global_rank, "trainer_sync": t.model.require_backward_grad_sync}
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=60), gradient_accumulation_steps=2)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = acc.prepare(net, opt)
+    try:
+        with acc.accumulate(model):      # the first micro-batch of a window: under no_sync
+            assert not model.require_backward_grad_sync
+            raise ValueError("raised in accumulate")
+    except ValueError as e:
+        out["acc_error"] = str(e)
+    out["acc_sync"] = model.require_backward_grad_sync
+    return out
+
+
+def _store():
+    import torch.distributed as dist
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=60))
+
+
+def ready(rank):
+    """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
+    process-group timeout is not spent on one process importing slower than the other."""
+    store = _store()
+    store.add("failfast/ready", 1)
+    deadline = time.monotonic() + 60
+    while int(store.add("failfast/ready", 0)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    mode, root = sys.argv[1], sys.argv[2]
+    ROOT = root
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        ready(int(os.environ["RANK"]))
+    out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last, "agree_timeout": agree_timeout,
+           "no_sync_exception": no_sync_exception,
+           "peer_fails": peer_fails}[mode](root)
+    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
+        json.dump(out, f)
