@@ -11,7 +11,9 @@ nothing outside it. Every rule lives here:
   unpickler that builds only DCP's own metadata records, and DCP byte items load
   with ``weights_only=True`` (:func:`dcp_reader`, :func:`dcp_planner`);
 - unknown format versions are refused, a newer ember or another torch warned
-  (:func:`check_meta`).
+  (:func:`check_meta`);
+- every file ember wrote itself has a sha256 digest in ``meta.json`` that must match
+  (:func:`check_digests`): a swapped or corrupted file is refused before it is read.
 
 It also holds the checks of what a save may replace (:func:`check_save_target`) and
 how an ``OSError`` while writing is reported (:func:`write_error`).
@@ -149,6 +151,58 @@ def check_meta(meta: dict, path: str | os.PathLike, require_files: bool = True) 
         warnings.warn(f"{path} was written with torch {tv}, this is torch {torch.__version__}; "
                       "loading it anyway", UserWarning, stacklevel=3)
     return files
+
+
+#: content digests recorded in ``meta.json["digests"]`` (``{name: "sha256:<hex>"}``)
+DIGEST_ALGORITHM = "sha256"
+_verified: dict[tuple, str] = {}   # (real path, size, mtime_ns, inode) -> digest already checked
+
+
+def file_digest(fp: str | os.PathLike) -> str:
+    """``"sha256:<hex>"`` of a file's content (about 70 ms per 100 MB; docs/benchmarks.md)."""
+    import hashlib
+    h = hashlib.new(DIGEST_ALGORITHM)
+    with open(fp, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return f"{DIGEST_ALGORITHM}:{h.hexdigest()}"
+
+
+def check_digests(path: str | os.PathLike, meta: dict) -> None:
+    """Each file with a digest in ``meta.json`` has that content: a file swapped for
+    another of the same size (e.g. ``trainer_state.pt`` of another checkpoint of the
+    run) is refused. Checkpoints written before digests were recorded have none and
+    pass. A file already verified unchanged (same size, mtime, inode) is not re-read."""
+    from ember.checkpoint_io import META_NAME
+    path = os.fspath(path)
+    digests = meta.get("digests")
+    if digests is None:
+        return
+    meta_file = os.path.join(path, META_NAME)
+    if not isinstance(digests, dict):
+        raise CheckpointError(f"{meta_file}: 'digests' is {type(digests).__name__}, expected an object "
+                              "{name: 'sha256:<hex>'}")
+    for name, want in digests.items():
+        fp = member(path, name, META_NAME)
+        if not isinstance(want, str) or not re.fullmatch(rf"{DIGEST_ALGORITHM}:[0-9a-f]{{64}}", want):
+            raise CheckpointError(f"{meta_file}: the digest recorded for {name!r} is {want!r}, "
+                                  f"not '{DIGEST_ALGORITHM}:<64 hex digits>'")
+        try:
+            st = os.stat(fp)
+        except OSError:
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing") from None
+        key = (os.path.realpath(fp), st.st_size, st.st_mtime_ns, st.st_ino)
+        if _verified.get(key) == want:
+            continue
+        have = file_digest(fp)
+        if have != want:
+            raise CheckpointError(f"{fp} does not hold the content this checkpoint's {META_NAME} recorded "
+                                  f"({DIGEST_ALGORITHM} {have.split(':')[1][:12]}..., recorded "
+                                  f"{want.split(':')[1][:12]}...): it was replaced (by a file of another "
+                                  "checkpoint?) or corrupted; restore the original file or use another checkpoint")
+        if len(_verified) > 256:
+            _verified.clear()
+        _verified[key] = want
 
 
 def check_sizes(path: str | os.PathLike, files: dict[str, int]) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ember
-from conftest import LinearModule, regression_data
+from conftest import LinearModule, regression_data, reseal
 from ember import checkpoint_io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError
@@ -55,9 +55,7 @@ def rewrite_state(ckpt: Path, edit) -> None:
     state = torch.load(sfile, weights_only=True)
     edit(state)
     torch.save(state, sfile)
-    meta = json.loads((ckpt / cio.META_NAME).read_text())
-    meta["files"][cio.STATE_NAME] = os.path.getsize(sfile)
-    (ckpt / cio.META_NAME).write_text(json.dumps(meta))
+    reseal(ckpt)
 
 
 @pytest.mark.parametrize("dirpath", [None, "same"])
