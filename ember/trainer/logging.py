@@ -190,7 +190,12 @@ def _batch_size(batch) -> int:
 
 def to_host(named: dict, strategy=None) -> dict[str, float]:
     """Reduce the sync_dist values across ranks, then turn everything into Python
-    floats with a single device->host transfer."""
+    floats with a single device->host transfer. Under several processes every rank
+    calls this at each emission point, with or without values: all of them take part
+    in the check that they reduce the same ``sync_dist`` names (:func:`_check_same_keys`)."""
+    multi = strategy is not None and strategy.world_size > 1
+    if multi:
+        _check_same_keys(strategy, [n for n, (e, _) in named.items() if e.sync_dist and e.metric is None])
     if not named:
         return {}
     names = list(named)
@@ -201,10 +206,9 @@ def to_host(named: dict, strategy=None) -> dict[str, float]:
         vals.append(v)
     dev = vals[0].device
     vals = [v.to(dev) for v in vals]
-    if strategy is not None and strategy.world_size > 1:
+    if multi:
         sync = [i for i, n in enumerate(names) if named[n][0].sync_dist and named[n][0].metric is None]
         if sync:
-            _check_same_keys(strategy, [names[i] for i in sync])
             for op in _REDUCE:
                 idx = [i for i in sync if named[names[i]][0].reduce_fx == op]
                 if idx:
@@ -215,9 +219,23 @@ def to_host(named: dict, strategy=None) -> dict[str, float]:
 
 
 def _check_same_keys(strategy, keys: list[str]) -> None:
-    all_keys = strategy.all_gather_object(sorted(keys))
-    if any(k != all_keys[0] for k in all_keys):
-        detail = "; ".join(f"rank {r}: {k}" for r, k in enumerate(all_keys))
-        raise MisconfigurationError(
-            "self.log(..., sync_dist=True): ranks logged different metric names, which would hang the "
-            f"reduction. Log the same names on every rank. {detail}")
+    """Every rank reduces the same ``sync_dist`` names, or every rank raises. One
+    all_gather of two integers (how many names, a digest of them) per emission point;
+    the names themselves are gathered only when the ranks differ."""
+    from ember.data_seed import mix
+    keys = sorted(keys)
+    mine = torch.tensor([len(keys), mix(*keys) if keys else 0], dtype=torch.int64, device=strategy.root_device)
+    gathered = strategy.all_gather(mine).reshape(-1, 2).tolist()
+    if all(g == gathered[0] for g in gathered):
+        return
+    all_keys = strategy.all_gather_object(keys)   # every rank saw the mismatch: all gather the names
+    names = sorted({k for ks in all_keys for k in ks})
+    detail = "; ".join(
+        f"{n!r} on rank(s) {[r for r, ks in enumerate(all_keys) if n in ks]}, "
+        f"not on rank(s) {[r for r, ks in enumerate(all_keys) if n not in ks]}"
+        for n in names if any(n not in ks for ks in all_keys))
+    raise MisconfigurationError(
+        "self.log(..., sync_dist=True): ranks logged different metric names with sync_dist=True since the last "
+        "log point, "
+        f"so their reductions would not match and the run would hang: {detail}. Log every sync_dist metric on "
+        "every rank (log a neutral value where a rank has none), or drop sync_dist=True for it")

@@ -562,9 +562,11 @@ class Trainer(LoopProperties):
     # ------------------------------------------------------------------ metrics
     def _emit_step(self, results: Results) -> None:
         vals = results.step_values()
+        if not vals and self.world_size == 1:
+            return
+        host = to_host(vals, self.strategy)   # every rank: it takes part in the sync_dist names check
         if not vals:
             return
-        host = to_host(vals, self.strategy)
         self._publish(host, {n: vals[n][0] for n in vals})
 
     def _emit_epoch(self, results: Results, log: bool = True, names=None) -> dict:
