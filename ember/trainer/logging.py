@@ -25,7 +25,7 @@ def _is_metric(value) -> bool:
 
 class _Entry:
     __slots__ = ("name", "on_step", "on_epoch", "prog_bar", "logger", "reduce_fx", "sync_dist",
-                 "last", "total", "weight", "metric", "updated")
+                 "last", "total", "weight", "metric", "updated", "given")
 
     def __init__(self, name, on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist, metric):
         self.name, self.on_step, self.on_epoch = name, on_step, on_epoch
@@ -35,6 +35,9 @@ class _Entry:
         self.total = None
         self.weight = 0
         self.updated = False
+        #: (on_step, on_epoch, reduce_fx, sync_dist) as last passed to self.log, unresolved:
+        #: a call passing the same compares one tuple; another set is checked (Results.log)
+        self.given = None
 
     def epoch_value(self):
         if self.metric is not None:
@@ -77,6 +80,8 @@ class Results:
         e = self.entries.get(name)
         if e is None:
             e = self._new_entry(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        elif e.given != (on_step, on_epoch, reduce_fx, sync_dist):
+            self._check_same_options(e, on_step, on_epoch, reduce_fx, sync_dist)
         if self.epoch_end_hook:
             self.late.add(name)
         if e.metric is not None:
@@ -108,9 +113,7 @@ class Results:
             else:
                 e.total = torch.minimum(torch.as_tensor(e.total), torch.as_tensor(value))
 
-    def _new_entry(self, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist):
-        if not isinstance(name, str) or not name:
-            raise MisconfigurationError(f"self.log: name must be a non-empty string, got {name!r}")
+    def _resolve(self, name, on_step, on_epoch, reduce_fx):
         if callable(reduce_fx) and not isinstance(reduce_fx, str):
             reduce_fx = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, reduce_fx)
         if reduce_fx not in _REDUCE:
@@ -118,6 +121,29 @@ class Results:
         d_step, d_epoch = (False, True) if self.epoch_end_hook else _DEFAULTS.get(self.stage, (False, True))
         on_step = d_step if on_step is None else bool(on_step)
         on_epoch = d_epoch if on_epoch is None else bool(on_epoch)
+        return on_step, on_epoch, reduce_fx
+
+    def _check_same_options(self, e, on_step, on_epoch, reduce_fx, sync_dist) -> None:
+        """A name logged again with other options: first time this epoch (another run,
+        epoch or module), they replace the old ones; later in the epoch they must resolve
+        to the same options, or it is an error."""
+        now = dict(zip(("on_step", "on_epoch", "reduce_fx"), self._resolve(e.name, on_step, on_epoch, reduce_fx)),
+                   sync_dist=bool(sync_dist))
+        for opt, v in now.items():
+            if not e.updated:
+                setattr(e, opt, v)
+            elif getattr(e, opt) != v:
+                raise MisconfigurationError(
+                    f"self.log({e.name!r}, ..., {opt}={v!r}) conflicts with an earlier self.log({e.name!r}, ...) "
+                    f"with {opt}={getattr(e, opt)!r} in this {self.stage} stage: one metric name is logged with one "
+                    f"set of options. Pass the same {opt} everywhere {e.name!r} is logged, or use another name")
+        e.given = (on_step, on_epoch, reduce_fx, sync_dist)
+
+    def _new_entry(self, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist):
+        if not isinstance(name, str) or not name:
+            raise MisconfigurationError(f"self.log: name must be a non-empty string, got {name!r}")
+        given = (on_step, on_epoch, reduce_fx, sync_dist)
+        on_step, on_epoch, reduce_fx = self._resolve(name, on_step, on_epoch, reduce_fx)
         if self.stage != "train" and on_step and not on_epoch:
             pass  # allowed: per-step validation values (emitted at every step's log point)
         metric = value if _is_metric(value) else None
@@ -126,7 +152,8 @@ class Results:
             raise MisconfigurationError(
                 f"self.log({name!r}, value): expected a tensor, a number or a torchmetrics.Metric, "
                 f"got {type(value).__name__}")
-        e = _Entry(name, on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist, metric)
+        e = _Entry(name, on_step, on_epoch, prog_bar, logger, reduce_fx, bool(sync_dist), metric)
+        e.given = given
         self.entries[name] = e
         return e
 

@@ -419,14 +419,16 @@ class Trainer(LoopProperties):
         dm = self.datamodule
 
         def pick(given, name, arg):
+            ev = name != "train_dataloader"   # an evaluation loader with no batches is warned about
             if given is not None:
-                return _checks.check_loader(given, arg)
+                return _checks.check_loader(given, arg, warn_empty=ev)
             if dm is not None and overrides(dm, DataModule, name):
-                return _checks.check_loader(getattr(dm, name)(), f"{type(dm).__name__}.{name}()", returned=True)
+                return _checks.check_loader(getattr(dm, name)(), f"{type(dm).__name__}.{name}()", returned=True,
+                                            warn_empty=ev)
             if dm is None and overrides(self.module, TrainModule, name) if hasattr(TrainModule, name) else \
                     (dm is None and hasattr(self.module, name)):
                 return _checks.check_loader(getattr(self.module, name)(), f"{type(self.module).__name__}.{name}()",
-                                            returned=True)
+                                            returned=True, warn_empty=ev)
             return None
 
         def as_list(x):
