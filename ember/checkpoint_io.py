@@ -343,7 +343,7 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     ``trainer_state=None`` makes a weights-only checkpoint. ``meta.json`` goes last and
     lists every file with its size, ``extra_files`` (``{relative name: bytes}``, e.g. a
     sharded strategy's verified shard files) included, so a load checks them all, and
-    the sha256 digest of ``model.safetensors``, ``trainer_state.pt`` and the extra files
+    the content digest of ``model.safetensors``, ``trainer_state.pt`` and the extra files
     named in ``digest_extra``, so a load refuses a swapped or corrupted file.
     """
     import ember

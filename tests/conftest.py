@@ -14,7 +14,7 @@ import ember
 
 
 def reseal(ckpt) -> None:
-    """Record the current size and sha256 digest of every file ``meta.json`` lists, as a
+    """Record the current size and content digest of every file ``meta.json`` lists, as a
     crafter of a consistent (but malicious or mismatched) checkpoint would."""
     import json
 
@@ -26,7 +26,7 @@ def reseal(ckpt) -> None:
         fp = os.path.join(ckpt, name)
         meta["files"][name] = os.path.getsize(fp)
         if name in meta.get("digests", {}):
-            meta["digests"][name] = file_digest(fp)
+            meta["digests"][name] = file_digest(fp, meta["digests"][name].split(":")[0])
     with open(meta_file, "w") as f:
         json.dump(meta, f)
 

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from conftest import LinearModule, regression_data, reseal
+from ember import checkpoint_checks as checks
 from ember import checkpoint_io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError, MisconfigurationError
@@ -250,7 +251,7 @@ def test_swapped_same_size_trainer_state_is_refused_by_its_digest(tmp_path):
     assert os.path.getsize(first / cio.STATE_NAME) == os.path.getsize(second / cio.STATE_NAME)
     meta = json.loads((second / cio.META_NAME).read_text())
     assert set(meta["digests"]) == {cio.WEIGHTS_NAME, cio.STATE_NAME}
-    assert all(v.startswith("sha256:") for v in meta["digests"].values())
+    assert all(v.split(":")[0] in ("xxh3_128", "sha256") for v in meta["digests"].values())
     (second / cio.STATE_NAME).write_bytes((first / cio.STATE_NAME).read_bytes())   # same run, same size
     with pytest.raises(CheckpointError, match=rf"{cio.STATE_NAME} does not hold the content.*recorded"):
         make(tmp_path, max_epochs=3, enable_checkpointing=False).fit(LinearModule(), loader(),
@@ -272,6 +273,14 @@ def test_checkpoints_without_digests_still_load_and_bad_digest_entries_are_named
     t2 = make(tmp_path, max_epochs=2, enable_checkpointing=False)
     t2.fit(LinearModule(), loader(), ckpt_path=str(ckpt))
     assert t2.global_step == 8
+    # sha256 digests (what ember records where xxhash is not installed) are verified too
+    sha = {n: checks.file_digest(ckpt / n, "sha256") for n in meta["digests"]}
+    (ckpt / cio.META_NAME).write_text(json.dumps(dict(old, digests=sha)))
+    cio.read_checkpoint(ckpt)
+    sha[cio.STATE_NAME] = "sha256:" + "0" * 64
+    (ckpt / cio.META_NAME).write_text(json.dumps(dict(old, digests=sha)))
+    with pytest.raises(CheckpointError, match=r"trainer_state.pt does not hold the content .*\(sha256 "):
+        cio.read_checkpoint(ckpt)
     for bad, match in (([1], "'digests' is list"), ({cio.STATE_NAME: "md5:00"}, "digest recorded for"),
                        ({"../x": "sha256:" + "0" * 64}, "leaves the checkpoint")):
         (ckpt / cio.META_NAME).write_text(json.dumps(dict(old, digests=bad)))
