@@ -97,11 +97,16 @@ class _SkipBatchSampler(Sampler[list]):
         self.start = start
 
     def __iter__(self):
-        it = iter(self.batch_sampler)
         start, self.start = self.start, 0
+        return self._batches(start)
+
+    def _batches(self, start: int):
+        # lazy, like a plain batch sampler: nothing is drawn before the DataLoader's
+        # iterator drew its base seed (from the user's generator, when it is the sampler's)
+        it = iter(self.batch_sampler)
         for _ in range(start):  # indices only; no data is read
             next(it, None)
-        return it
+        yield from it
 
     def __len__(self):
         return len(self.batch_sampler)
@@ -186,6 +191,9 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
         return dl   # prepared before
     gen = torch.Generator()
     gen.manual_seed(seed)
+    user_gen = own_generator(getattr(dl, "sampler", None))
+    if user_gen is not None and dl.generator is user_gen:
+        gen = user_gen   # DataLoader(shuffle=True, generator=g): g also draws the worker base seed, as in torch
     kw = _loader_kwargs(dl)
     out = _rebuild(dl, gen, kw, seed=seed, num_replicas=num_replicas, rank=rank, shuffle=shuffle, even=even)
     if out is dl:
@@ -254,12 +262,14 @@ class _ShardedSampler(Sampler[int]):
         self.start = start
 
     def __iter__(self):
-        idx = list(self.sampler)
+        start, self.start = self.start, 0
+        return self._indices(start)
+
+    def _indices(self, start: int):
+        idx = list(self.sampler)   # drawn lazily, at the first index (see _SkipBatchSampler)
         n = math.ceil(len(idx) / self.num_replicas) * self.num_replicas
         idx += idx[: n - len(idx)]
-        out = idx[self.rank::self.num_replicas]
-        start, self.start = self.start, 0
-        return iter(out[start:])
+        yield from idx[self.rank::self.num_replicas][start:]
 
     def __len__(self):
         return math.ceil(len(self.sampler) / self.num_replicas)
@@ -373,7 +383,7 @@ def set_epoch(dl: Any, epoch: int) -> None:
         dl.ember_epoch_generator_state = own.get_state()
     gen = getattr(dl, "generator", None)
     seed = loader_seed(dl, epoch)
-    if isinstance(gen, torch.Generator) and seed is not None:
+    if isinstance(gen, torch.Generator) and seed is not None and gen is not own:   # never reseed the user's
         gen.manual_seed(seed)
 
 

@@ -73,6 +73,9 @@ def _replay_epoch(dl, limit: int) -> None:
     """A checkpoint saved after the epoch's last batch, before its end: the resumed
     epoch trains nothing, so draw its indices (no data is read) as far as the training
     loop's iterator went, which leaves the generator where the next epoch starts."""
+    gen = edata.own_generator(edata.index_sampler(dl))
+    if gen is not None and dl.generator is gen:   # the DataLoader's iterator draws its base seed first
+        torch.empty((), dtype=torch.int64).random_(generator=gen)
     it = iter(dl.batch_sampler if dl.batch_sampler is not None else dl.sampler)
     ahead = 0 if not dl.num_workers else (dl.prefetch_factor or 2) * dl.num_workers
     for _ in range(limit + 1 + ahead):   # the loop asks for one batch past its last
