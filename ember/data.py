@@ -191,7 +191,7 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
         return dl   # prepared before
     gen = torch.Generator()
     gen.manual_seed(seed)
-    user_gen = own_generator(getattr(dl, "sampler", None))
+    user_gen = own_generator(getattr(dl, "sampler", None)) if shuffle is None else None
     if user_gen is not None and dl.generator is user_gen:
         gen = user_gen   # DataLoader(shuffle=True, generator=g): g also draws the worker base seed, as in torch
     kw = _loader_kwargs(dl)
@@ -215,16 +215,17 @@ def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, ran
     if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas:
         return dl
     user_sampler = dl.sampler
+    # a user's sampler with its own generator is kept, unless the caller fixes the order (evaluation)
+    keep = shuffle is None and own_generator(user_sampler) is not None
     if dl.batch_sampler is None:
         # automatic batching off (batch_size=None): each dataset item is one batch
-        if isinstance(user_sampler, (RandomSampler, SequentialSampler)) and own_generator(user_sampler) is None:
+        if isinstance(user_sampler, (RandomSampler, SequentialSampler)) and not keep:
             sampler = ResumableSampler(len(dl.dataset), seed=seed, num_replicas=num_replicas, rank=rank,
                                        shuffle=isinstance(user_sampler, RandomSampler) if shuffle is None else shuffle)
         else:
             sampler = _ShardedSampler(user_sampler, num_replicas, rank) if num_replicas > 1 else user_sampler
         return DataLoader(dl.dataset, batch_size=None, sampler=sampler, generator=gen, **kw)
-    if dl.batch_size is None or not isinstance(user_sampler, (RandomSampler, SequentialSampler)) \
-            or own_generator(user_sampler) is not None:   # a user's sampler with its own generator is kept
+    if dl.batch_size is None or not isinstance(user_sampler, (RandomSampler, SequentialSampler)) or keep:
         if num_replicas > 1:
             # a custom sampler under DDP: shard its output deterministically
             sampler = _ShardedSampler(user_sampler, num_replicas, rank)
