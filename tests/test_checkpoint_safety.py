@@ -288,6 +288,22 @@ def test_checkpoints_without_digests_still_load_and_bad_digest_entries_are_named
             cio.read_checkpoint(ckpt)
 
 
+def test_xxh3_digests_where_xxhash_is_missing_are_warned_and_sizes_still_checked(tmp_path, monkeypatch):
+    pytest.importorskip("xxhash")
+    t = make(tmp_path, [ModelCheckpoint(dirpath=str(tmp_path / "ck"))], max_epochs=1)
+    t.fit(LinearModule(), loader())
+    ckpt = tmp_path / "ck" / "epoch=0-step=4"
+    assert json.loads((ckpt / cio.META_NAME).read_text())["digests"][cio.STATE_NAME].startswith("xxh3_128:")
+    monkeypatch.setattr(checks, "digest_algorithm", lambda: "sha256")   # as without the package
+    checks._verified.clear()
+    with pytest.warns(UserWarning, match="xxh3_128, which needs the xxhash package.*sizes checked only"):
+        cio.read_checkpoint(ckpt)
+    with open(ckpt / cio.STATE_NAME, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        cio.read_checkpoint(ckpt)
+
+
 def test_accelerator_load_state_refuses_symlinked_model_files_and_checks_their_digests(tmp_path):
     def build():
         acc = ember.Accelerator(cpu=True)
