@@ -162,7 +162,9 @@ def save_state(acc, output_dir) -> str:
             cio.save_safetensors(w, os.path.join(tmp, name))
             state["accelerator"]["model_files"][name] = os.path.getsize(os.path.join(tmp, name))
         state["optimizers"] = opt_states
-        cio.write_checkpoint(path, weights[0] if weights else {}, state, meta, keep_existing_tmp=True)
+        files = dict(state["accelerator"]["model_files"])
+        cio.write_checkpoint(path, weights[0] if weights else {}, state, meta, keep_existing_tmp=True,
+                             extra_files=files, digest_extra=tuple(files))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -243,7 +245,7 @@ def _count(what: str, saved: int, have: int, path: str) -> None:
 
 
 def _load_extra_model(strategy, model, path: str, name: str, size, strict: bool) -> None:
-    fp = os.path.join(path, name)
+    fp = cio.checks.member(path, name)   # inside the checkpoint: no symlink out of it
     if not os.path.isfile(fp):
         raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
     if size is not None and os.path.getsize(fp) != size:
@@ -313,6 +315,8 @@ def load_state(acc, input_dir, strict: bool = True) -> dict:
         o.load_state_dict(sd)
     rng = state.get("rng") or []
     own = rng_file(path, strategy.global_rank)
+    if os.path.lexists(own):
+        own = cio.checks.member(path, os.path.basename(own))   # no symlink out of the checkpoint
     if os.path.isfile(own) and not (strategy.is_sharded or strategy.owns_optimizer_step):
         cio.restore_rng_states(cio.load_torch(own))
     elif rng:

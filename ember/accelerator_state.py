@@ -214,13 +214,23 @@ class DataLoaderShard:
 
     def state_dict(self) -> dict:
         s = edata.sampler_of(self.base)
-        return {"epoch": self.epoch, "batches_done": self.batches_done,
-                "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
+        out = {"epoch": self.epoch, "batches_done": self.batches_done,
+               "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
+        gen = edata.own_generator(edata.index_sampler(self.base))
+        if gen is not None:   # a user's sampler with its own generator: the state its pass is drawn from
+            n = self.num_batches
+            mid = self.batches_done > 0 and (n is None or self.batches_done < n)
+            snap = getattr(self.base, "ember_epoch_generator_state", None)
+            out["generator_state"] = snap if mid and snap is not None else gen.get_state()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         s = edata.sampler_of(self.base)
         if state.get("sampler") and isinstance(s, edata.ResumableSampler):
             s.load_state_dict(state["sampler"])
+        gen = edata.own_generator(edata.index_sampler(self.base))
+        if gen is not None and isinstance(state.get("generator_state"), torch.Tensor):
+            gen.set_state(state["generator_state"])
         epoch, done = int(state["epoch"]), int(state["batches_done"])
         try:
             n = len(self.base)

@@ -11,7 +11,9 @@ nothing outside it. Every rule lives here:
   unpickler that builds only DCP's own metadata records, and DCP byte items load
   with ``weights_only=True`` (:func:`dcp_reader`, :func:`dcp_planner`);
 - unknown format versions are refused, a newer ember or another torch warned
-  (:func:`check_meta`).
+  (:func:`check_meta`);
+- every file ember wrote itself has a content digest in ``meta.json`` that must match
+  (:func:`check_digests`): a swapped or corrupted file is refused before it is read.
 
 It also holds the checks of what a save may replace (:func:`check_save_target`) and
 how an ``OSError`` while writing is reported (:func:`write_error`).
@@ -149,6 +151,85 @@ def check_meta(meta: dict, path: str | os.PathLike, require_files: bool = True) 
         warnings.warn(f"{path} was written with torch {tv}, this is torch {torch.__version__}; "
                       "loading it anyway", UserWarning, stacklevel=3)
     return files
+
+
+#: content digests recorded in ``meta.json["digests"]`` (``{name: "<algorithm>:<hex>"}``):
+#: xxh3_128 (about 8 GB/s) when the ``xxhash`` package is installed (wandb brings it),
+#: else sha256 (about 1 GB/s); a load verifies with whichever the checkpoint names
+DIGEST_ALGORITHMS = {"xxh3_128": 32, "sha256": 64}   # name -> hex digits
+_verified: dict[tuple, str] = {}   # (real path, size, mtime_ns, inode) -> digest already checked
+_warned_unverifiable: set = set()
+
+
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_128":
+        import xxhash
+        return xxhash.xxh3_128()
+    import hashlib
+    return hashlib.new(algorithm)
+
+
+def digest_algorithm() -> str:
+    """The algorithm new checkpoints record: xxh3_128 where ``xxhash`` imports, else sha256."""
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "xxh3_128"
+
+
+def file_digest(fp: str | os.PathLike, algorithm: str | None = None) -> str:
+    """``"<algorithm>:<hex>"`` of a file's content (docs/benchmarks.md has the cost)."""
+    algorithm = algorithm or digest_algorithm()
+    h = _hasher(algorithm)
+    with open(fp, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def check_digests(path: str | os.PathLike, meta: dict) -> None:
+    """Each file with a digest in ``meta.json`` has that content: a file swapped for
+    another of the same size (e.g. ``trainer_state.pt`` of another checkpoint of the
+    run) is refused. Checkpoints written before digests were recorded have none and
+    pass. A file already verified unchanged (same size, mtime, inode) is not re-read."""
+    from ember.checkpoint_io import META_NAME
+    path = os.fspath(path)
+    digests = meta.get("digests")
+    if digests is None:
+        return
+    meta_file = os.path.join(path, META_NAME)
+    if not isinstance(digests, dict):
+        raise CheckpointError(f"{meta_file}: 'digests' is {type(digests).__name__}, expected an object "
+                              "{name: '<algorithm>:<hex>'}")
+    for name, want in digests.items():
+        fp = member(path, name, META_NAME)
+        alg, _, hexd = want.partition(":") if isinstance(want, str) else ("", "", "")
+        if alg not in DIGEST_ALGORITHMS or not re.fullmatch(rf"[0-9a-f]{{{DIGEST_ALGORITHMS[alg]}}}", hexd):
+            raise CheckpointError(f"{meta_file}: the digest recorded for {name!r} is {want!r}, not "
+                                  + " or ".join(f"'{a}:<{n} hex digits>'" for a, n in DIGEST_ALGORITHMS.items()))
+        if alg == "xxh3_128" and digest_algorithm() != alg:
+            if path not in _warned_unverifiable:
+                _warned_unverifiable.add(path)
+                warnings.warn(f"{path}: its file digests are xxh3_128, which needs the xxhash package "
+                              "(pip install xxhash); loading it with sizes checked only", UserWarning, stacklevel=4)
+            continue
+        try:
+            st = os.stat(fp)
+        except OSError:
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing") from None
+        key = (os.path.realpath(fp), st.st_size, st.st_mtime_ns, st.st_ino)
+        if _verified.get(key) == want:
+            continue
+        have = file_digest(fp, alg)
+        if have != want:
+            raise CheckpointError(f"{fp} does not hold the content this checkpoint's {META_NAME} recorded "
+                                  f"({alg} {have.split(':')[1][:12]}..., recorded "
+                                  f"{hexd[:12]}...): it was replaced (by a file of another "
+                                  "checkpoint?) or corrupted; restore the original file or use another checkpoint")
+        if len(_verified) > 256:
+            _verified.clear()
+        _verified[key] = want
 
 
 def check_sizes(path: str | os.PathLike, files: dict[str, int]) -> None:

@@ -334,14 +334,17 @@ def load_torch(path: str | os.PathLike) -> Any:
 
 # -- checkpoint directories -----------------------------------------------------------------
 def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_state: dict | None,
-                     meta: dict, keep_existing_tmp: bool = False, extra_files: dict[str, int] | None = None) -> str:
+                     meta: dict, keep_existing_tmp: bool = False, extra_files: dict[str, int] | None = None,
+                     digest_extra: tuple[str, ...] = ()) -> str:
     """Write checkpoint directory ``path`` atomically and return its path.
 
     ``weights=None`` writes no ``model.safetensors`` (a sharded strategy has
     already written ``model/`` into ``tmp_path(path)``: pass ``keep_existing_tmp=True``).
     ``trainer_state=None`` makes a weights-only checkpoint. ``meta.json`` goes last and
     lists every file with its size, ``extra_files`` (``{relative name: bytes}``, e.g. a
-    sharded strategy's verified shard files) included, so a load checks them all.
+    sharded strategy's verified shard files) included, so a load checks them all, and
+    the content digest of ``model.safetensors``, ``trainer_state.pt`` and the extra files
+    named in ``digest_extra``, so a load refuses a swapped or corrupted file.
     """
     import ember
     path = os.path.normpath(os.fspath(path))
@@ -361,8 +364,10 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
             if trainer_state is not None:
                 save_torch(trainer_state, os.path.join(tmp, STATE_NAME))
                 files[STATE_NAME] = os.path.getsize(os.path.join(tmp, STATE_NAME))
+            digests = {n: checks.file_digest(os.path.join(tmp, n)) for n in files}
             files.update(extra_files or {})
-            meta["files"] = files
+            digests.update({n: checks.file_digest(checks.member(tmp, n)) for n in digest_extra})
+            meta["files"], meta["digests"] = files, digests
             with open(os.path.join(tmp, META_NAME), "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True, default=str)
             _set_modes(tmp)
@@ -488,10 +493,11 @@ def read_checkpoint(path: str | os.PathLike, load_state: bool = True
 
 def read_meta_checked(path: str | os.PathLike) -> dict:
     """``meta.json`` of checkpoint directory ``path``, parsed within limits and checked
-    (format version, ``files`` names inside the directory and their sizes)."""
+    (format version, ``files`` names inside the directory, their sizes and digests)."""
     path = os.fspath(path)
     meta = checks.read_meta(checks.member(path, META_NAME))
     checks.check_sizes(path, checks.check_meta(meta, path))
+    checks.check_digests(path, meta)
     return meta
 
 

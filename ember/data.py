@@ -6,7 +6,10 @@ around a :class:`ResumableSampler`: a permutation drawn from its own generator
 any offset. Resuming mid-epoch therefore skips *indices*, never reads the data
 already seen, and leaves the global RNG streams untouched. An
 ``IterableDataset`` is wrapped in a :class:`ShardedIterable` (this rank's and
-this worker's share of the stream). DataLoader workers are seeded from (run
+this worker's share of the stream). A user's sampler carrying its own
+``torch.Generator`` (``RandomSampler(generator=g)``) is kept, generator and seed
+included; its generator's state at each epoch start is recorded so a mid-epoch
+resume draws the same order again (:func:`set_epoch`). DataLoader workers are seeded from (run
 seed, epoch, data-parallel rank, worker): see :mod:`ember.data_seed`.
 """
 from __future__ import annotations
@@ -94,11 +97,16 @@ class _SkipBatchSampler(Sampler[list]):
         self.start = start
 
     def __iter__(self):
-        it = iter(self.batch_sampler)
         start, self.start = self.start, 0
+        return self._batches(start)
+
+    def _batches(self, start: int):
+        # lazy, like a plain batch sampler: nothing is drawn before the DataLoader's
+        # iterator drew its base seed (from the user's generator, when it is the sampler's)
+        it = iter(self.batch_sampler)
         for _ in range(start):  # indices only; no data is read
             next(it, None)
-        return it
+        yield from it
 
     def __len__(self):
         return len(self.batch_sampler)
@@ -122,6 +130,38 @@ def _loader_kwargs(dl: DataLoader) -> dict:
         kw.pop("prefetch_factor", None)
         kw["persistent_workers"] = False
     return kw
+
+
+def own_generator(sampler: Any) -> torch.Generator | None:
+    """The ``torch.Generator`` a user's sampler draws from (``RandomSampler(generator=g)``,
+    ``DataLoader(shuffle=True, generator=g)``), or None. ember keeps such a sampler and its
+    generator instead of replacing it with a :class:`ResumableSampler`."""
+    gen = getattr(sampler, "generator", None)
+    return gen if isinstance(gen, torch.Generator) else None
+
+
+def draws_global_rng(sampler: Any) -> bool:
+    """True for a sampler with a ``generator`` attribute left None (``WeightedRandomSampler``,
+    ``SubsetRandomSampler``): it draws from the global RNG when its iteration starts."""
+    return hasattr(sampler, "generator") and sampler.generator is None and not isinstance(
+        sampler, (ResumableSampler, SequentialSampler))
+
+
+def index_sampler(dl: Any):
+    """The user's index sampler inside a prepared loader (below ember's sharding and
+    skipping wrappers), or None."""
+    if not isinstance(dl, DataLoader):
+        return None
+    s = dl.batch_sampler if isinstance(dl.batch_sampler, _SkipBatchSampler) else dl.sampler
+    while True:
+        if isinstance(s, _SkipBatchSampler):
+            s = s.batch_sampler
+        elif isinstance(s, BatchSampler):
+            s = s.sampler
+        elif isinstance(s, _ShardedSampler):
+            s = s.sampler
+        else:
+            return s
 
 
 def is_shuffled(dl: DataLoader) -> bool:
@@ -151,6 +191,9 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
         return dl   # prepared before
     gen = torch.Generator()
     gen.manual_seed(seed)
+    user_gen = own_generator(getattr(dl, "sampler", None)) if shuffle is None else None
+    if user_gen is not None and dl.generator is user_gen:
+        gen = user_gen   # DataLoader(shuffle=True, generator=g): g also draws the worker base seed, as in torch
     kw = _loader_kwargs(dl)
     out = _rebuild(dl, gen, kw, seed=seed, num_replicas=num_replicas, rank=rank, shuffle=shuffle, even=even)
     if out is dl:
@@ -172,15 +215,17 @@ def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, ran
     if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas:
         return dl
     user_sampler = dl.sampler
+    # a user's sampler with its own generator is kept, unless the caller fixes the order (evaluation)
+    keep = shuffle is None and own_generator(user_sampler) is not None
     if dl.batch_sampler is None:
         # automatic batching off (batch_size=None): each dataset item is one batch
-        if isinstance(user_sampler, (RandomSampler, SequentialSampler)):
+        if isinstance(user_sampler, (RandomSampler, SequentialSampler)) and not keep:
             sampler = ResumableSampler(len(dl.dataset), seed=seed, num_replicas=num_replicas, rank=rank,
                                        shuffle=isinstance(user_sampler, RandomSampler) if shuffle is None else shuffle)
         else:
             sampler = _ShardedSampler(user_sampler, num_replicas, rank) if num_replicas > 1 else user_sampler
         return DataLoader(dl.dataset, batch_size=None, sampler=sampler, generator=gen, **kw)
-    if dl.batch_size is None or not isinstance(user_sampler, (RandomSampler, SequentialSampler)):
+    if dl.batch_size is None or not isinstance(user_sampler, (RandomSampler, SequentialSampler)) or keep:
         if num_replicas > 1:
             # a custom sampler under DDP: shard its output deterministically
             sampler = _ShardedSampler(user_sampler, num_replicas, rank)
@@ -218,12 +263,14 @@ class _ShardedSampler(Sampler[int]):
         self.start = start
 
     def __iter__(self):
-        idx = list(self.sampler)
+        start, self.start = self.start, 0
+        return self._indices(start)
+
+    def _indices(self, start: int):
+        idx = list(self.sampler)   # drawn lazily, at the first index (see _SkipBatchSampler)
         n = math.ceil(len(idx) / self.num_replicas) * self.num_replicas
         idx += idx[: n - len(idx)]
-        out = idx[self.rank::self.num_replicas]
-        start, self.start = self.start, 0
-        return iter(out[start:])
+        yield from idx[self.rank::self.num_replicas][start:]
 
     def __len__(self):
         return math.ceil(len(self.sampler) / self.num_replicas)
@@ -332,9 +379,12 @@ def set_epoch(dl: Any, epoch: int) -> None:
             s.set_epoch(epoch)
         elif hasattr(getattr(s, "batch_sampler", None), "sampler") and hasattr(s.batch_sampler.sampler, "set_epoch"):
             s.batch_sampler.sampler.set_epoch(epoch)
+    own = own_generator(index_sampler(dl))
+    if own is not None:   # its state when this epoch's order is drawn: a mid-epoch resume draws it again
+        dl.ember_epoch_generator_state = own.get_state()
     gen = getattr(dl, "generator", None)
     seed = loader_seed(dl, epoch)
-    if isinstance(gen, torch.Generator) and seed is not None:
+    if isinstance(gen, torch.Generator) and seed is not None and gen is not own:   # never reseed the user's
         gen.manual_seed(seed)
 
 

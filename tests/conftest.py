@@ -13,6 +13,24 @@ from torch.utils.data import DataLoader, TensorDataset
 import ember
 
 
+def reseal(ckpt) -> None:
+    """Record the current size and content digest of every file ``meta.json`` lists, as a
+    crafter of a consistent (but malicious or mismatched) checkpoint would."""
+    import json
+
+    from ember.checkpoint_checks import file_digest
+    meta_file = os.path.join(ckpt, "meta.json")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    for name in meta.get("files", {}):
+        fp = os.path.join(ckpt, name)
+        meta["files"][name] = os.path.getsize(fp)
+        if name in meta.get("digests", {}):
+            meta["digests"][name] = file_digest(fp, meta["digests"][name].split(":")[0])
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+
+
 def regression_data(n: int = 64, dim: int = 4, seed: int = 0) -> TensorDataset:
     """y = x @ w + 0.5 with a fixed w: an easy task every precision can learn."""
     g = torch.Generator().manual_seed(seed)

@@ -222,3 +222,28 @@ def test_wandb_tracker_offline(tmp_path, monkeypatch):
     assert [{k: v for k, v in row.items() if k == "loss"} for row in _history(records)] == [
         {"loss": 0.5}, {"loss": 0.25}]
     assert _config(records) == {"lr": 0.1}
+
+
+@pytest.mark.parametrize("stop_at", [2, 5])   # mid-pass, and on the last batch of the pass
+def test_user_sampler_generator_is_kept_and_load_state_resumes_it_exactly(tmp_path, stop_at):
+    def loader():
+        return DataLoader(TensorDataset(torch.arange(20)), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(7))
+    plain = loader()   # the user's generator and seed decide the order, as in plain PyTorch
+    expected = [sum((b[0].tolist() for b in plain), []) for _ in range(3)]
+    acc = Accelerator(seed=3)
+    dl = acc.prepare(loader())
+    full = [[b[0].tolist() for b in dl] for _ in range(3)]
+    assert [sum(e, []) for e in full] == expected
+    acc = Accelerator(seed=3)
+    dl = acc.prepare(loader())
+    [b for b in dl]   # epoch 0
+    for b in dl:
+        if dl.batches_done == stop_at:
+            acc.save_state(tmp_path / f"s{stop_at}")
+            break
+    acc2 = Accelerator(seed=99)
+    dl2 = acc2.prepare(loader())
+    acc2.load_state(tmp_path / f"s{stop_at}")
+    rest = [b[0].tolist() for b in dl2] + ([b[0].tolist() for b in dl2] if stop_at < 5 else [])
+    assert rest == (full[1][stop_at:] + full[2] if stop_at < 5 else full[2])

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember import checkpoint_io as cio
+from conftest import reseal
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.errors import CheckpointError, MisconfigurationError
 
@@ -360,9 +361,7 @@ def test_pickled_object_in_trainer_state_is_refused_without_running_it(saved):
             return (open, (str(marker), "w"))
 
     torch.save({"version": 1, "loop": {"epoch": 1}, "payload": Evil()}, state_file)
-    meta = json.loads((ckpt / "meta.json").read_text())
-    meta["files"][cio.STATE_NAME] = os.path.getsize(state_file)   # a consistent, but malicious, checkpoint
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    reseal(ckpt)   # a consistent, but malicious, checkpoint
     _fails_cleanly(saved, ckpt, "refusing to load")
     assert not marker.exists()
 

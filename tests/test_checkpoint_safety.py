@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import ember
-from conftest import LinearModule, regression_data
+from conftest import LinearModule, regression_data, reseal
+from ember import checkpoint_checks as checks
 from ember import checkpoint_io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError, MisconfigurationError
@@ -196,6 +197,7 @@ def test_dtype_change_in_safetensors_header_is_refused(saved):
     n = int.from_bytes(raw[:8], "little")
     header = raw[8:8 + n].replace(b'"F32"', b'"I32"')
     wfile.write_bytes(raw[:8] + header + raw[8 + n:])
+    reseal(saved)   # a consistent checkpoint whose header lies about the dtype
     with pytest.raises(CheckpointError, match="dtype mismatches"):
         AdamModule.load_from_checkpoint(str(saved))
 
@@ -232,12 +234,98 @@ def test_corrupt_rng_state_and_one_file_mode(saved):
     state = torch.load(sfile, weights_only=True)
     state["rng"][0]["python"] = (3, [1, 2], None)
     torch.save(state, sfile)
-    meta = json.loads((saved / cio.META_NAME).read_text())
-    meta["files"][cio.STATE_NAME] = os.path.getsize(sfile)
-    (saved / cio.META_NAME).write_text(json.dumps(meta))
+    reseal(saved)
     with pytest.raises(CheckpointError, match="RNG state is corrupt"):
         make(saved.parent.parent, max_epochs=3, enable_checkpointing=False).fit(AdamModule(), loader(),
                                                                                ckpt_path=str(saved))
+
+
+def test_swapped_same_size_trainer_state_is_refused_by_its_digest(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    t = make(tmp_path, max_epochs=1, enable_checkpointing=False)
+    t.fit(LinearModule(), loader())
+    t.save_checkpoint(str(first))
+    t = make(tmp_path, max_epochs=2, enable_checkpointing=False)
+    t.fit(LinearModule(), loader(), ckpt_path=str(first))
+    t.save_checkpoint(str(second))
+    assert os.path.getsize(first / cio.STATE_NAME) == os.path.getsize(second / cio.STATE_NAME)
+    meta = json.loads((second / cio.META_NAME).read_text())
+    assert set(meta["digests"]) == {cio.WEIGHTS_NAME, cio.STATE_NAME}
+    assert all(v.split(":")[0] in ("xxh3_128", "sha256") for v in meta["digests"].values())
+    (second / cio.STATE_NAME).write_bytes((first / cio.STATE_NAME).read_bytes())   # same run, same size
+    with pytest.raises(CheckpointError, match=rf"{cio.STATE_NAME} does not hold the content.*recorded"):
+        make(tmp_path, max_epochs=3, enable_checkpointing=False).fit(LinearModule(), loader(),
+                                                                      ckpt_path=str(second))
+    raw = bytearray((first / cio.WEIGHTS_NAME).read_bytes())   # one flipped bit in the weights
+    raw[-1] ^= 1
+    (first / cio.WEIGHTS_NAME).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"{cio.WEIGHTS_NAME} does not hold the content"):
+        LinearModule.load_from_checkpoint(str(first))
+
+
+def test_checkpoints_without_digests_still_load_and_bad_digest_entries_are_named(tmp_path):
+    t = make(tmp_path, [ModelCheckpoint(dirpath=str(tmp_path / "ck"))], max_epochs=1)
+    t.fit(LinearModule(), loader())
+    ckpt = tmp_path / "ck" / "epoch=0-step=4"
+    meta = json.loads((ckpt / cio.META_NAME).read_text())
+    old = {k: v for k, v in meta.items() if k != "digests"}   # as written before digests were recorded
+    (ckpt / cio.META_NAME).write_text(json.dumps(old))
+    t2 = make(tmp_path, max_epochs=2, enable_checkpointing=False)
+    t2.fit(LinearModule(), loader(), ckpt_path=str(ckpt))
+    assert t2.global_step == 8
+    # sha256 digests (what ember records where xxhash is not installed) are verified too
+    sha = {n: checks.file_digest(ckpt / n, "sha256") for n in meta["digests"]}
+    (ckpt / cio.META_NAME).write_text(json.dumps(dict(old, digests=sha)))
+    cio.read_checkpoint(ckpt)
+    sha[cio.STATE_NAME] = "sha256:" + "0" * 64
+    (ckpt / cio.META_NAME).write_text(json.dumps(dict(old, digests=sha)))
+    with pytest.raises(CheckpointError, match=r"trainer_state.pt does not hold the content .*\(sha256 "):
+        cio.read_checkpoint(ckpt)
+    for bad, match in (([1], "'digests' is list"), ({cio.STATE_NAME: "md5:00"}, "digest recorded for"),
+                       ({"../x": "sha256:" + "0" * 64}, "leaves the checkpoint")):
+        (ckpt / cio.META_NAME).write_text(json.dumps(dict(old, digests=bad)))
+        with pytest.raises(CheckpointError, match=match):
+            cio.read_checkpoint(ckpt)
+
+
+def test_xxh3_digests_where_xxhash_is_missing_are_warned_and_sizes_still_checked(tmp_path, monkeypatch):
+    pytest.importorskip("xxhash")
+    t = make(tmp_path, [ModelCheckpoint(dirpath=str(tmp_path / "ck"))], max_epochs=1)
+    t.fit(LinearModule(), loader())
+    ckpt = tmp_path / "ck" / "epoch=0-step=4"
+    assert json.loads((ckpt / cio.META_NAME).read_text())["digests"][cio.STATE_NAME].startswith("xxh3_128:")
+    monkeypatch.setattr(checks, "digest_algorithm", lambda: "sha256")   # as without the package
+    checks._verified.clear()
+    with pytest.warns(UserWarning, match="xxh3_128, which needs the xxhash package.*sizes checked only"):
+        cio.read_checkpoint(ckpt)
+    with open(ckpt / cio.STATE_NAME, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        cio.read_checkpoint(ckpt)
+
+
+def test_accelerator_load_state_refuses_symlinked_model_files_and_checks_their_digests(tmp_path):
+    def build():
+        acc = ember.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        return acc, acc.prepare(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    acc, (_m0, m1) = build()
+    path = tmp_path / "state"
+    acc.save_state(str(path))
+    meta = json.loads((path / cio.META_NAME).read_text())
+    assert "model_1.safetensors" in meta["digests"] and "model_1.safetensors" in meta["files"]
+    outside = tmp_path / "outside.safetensors"
+    os.replace(path / "model_1.safetensors", outside)
+    os.symlink(outside, path / "model_1.safetensors")
+    with torch.no_grad():
+        m1.weight.add_(1)
+    before = m1.weight.detach().clone()
+    acc2, (_n0, n1) = build()
+    with torch.no_grad():
+        n1.weight.add_(1)
+    with pytest.raises(CheckpointError, match="model_1.safetensors.*outside the checkpoint"):
+        acc2.load_state(str(path))
+    assert torch.equal(n1.weight, before)
 
 
 # -- 13, 14: a run that trains nothing or on NaN ---------------------------------------------------

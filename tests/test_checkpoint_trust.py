@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ember
-from conftest import LinearModule, regression_data
+from conftest import LinearModule, regression_data, reseal
 from ember import checkpoint_io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError
@@ -55,9 +55,7 @@ def rewrite_state(ckpt: Path, edit) -> None:
     state = torch.load(sfile, weights_only=True)
     edit(state)
     torch.save(state, sfile)
-    meta = json.loads((ckpt / cio.META_NAME).read_text())
-    meta["files"][cio.STATE_NAME] = os.path.getsize(sfile)
-    (ckpt / cio.META_NAME).write_text(json.dumps(meta))
+    reseal(ckpt)
 
 
 @pytest.mark.parametrize("dirpath", [None, "same"])
@@ -251,3 +249,34 @@ def test_cli_checks_class_paths_before_building_and_never_imports_from_the_confi
     r = cli("fit", "--config", cfg, "--print_config")
     assert r.returncode == 2 and "No module named 'helpers_next_to_config'" in r.stderr, r.stderr
     assert not marker.exists() and str(downloaded) not in sys.path
+
+
+def test_cli_class_path_in_an_untyped_argument_is_checked_before_building(tmp_path, cli):
+    marker = tmp_path / "pwned"
+    (tmp_path / "untyped_args_model.py").write_text(
+        "from typing import Any\nfrom toy import ToyRegressor\n\n\nclass Wrapped(ToyRegressor):\n"
+        "    def __init__(self, hidden: int, extra=None, anything: Any = None, **kw):\n"
+        "        super().__init__(hidden)\n        self.extra = extra\n")
+    popen = {"class_path": "subprocess.Popen", "init_args": {"args": ["touch", str(marker)]}}
+    base = {"data": {"class_path": "toy.ToyData"}}
+    for key in ("extra", "anything", "via_kwargs"):
+        cfg = tmp_path / f"{key}.yaml"
+        model = {"class_path": "untyped_args_model.Wrapped", "init_args": {"hidden": 2, key: {"nested": [popen]}}}
+        cfg.write_text(json.dumps({**base, "model": model}))
+        r = cli("fit", "--config", cfg, "--trainer.max_epochs", "1")
+        assert r.returncode == 2, r.stderr
+        assert f"model.init_args.{key}.nested[0].class_path: 'subprocess.Popen' is given for an argument without " \
+               "a type, where ember builds only subclasses of Module, Dataset, Callback" in r.stderr, r.stderr
+        assert not marker.exists()
+    linear = {"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 1}}
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text(json.dumps({**base, "model": {"class_path": "untyped_args_model.Wrapped",
+                                                 "init_args": {"hidden": 2, "extra": linear}}}))
+    r = cli("fit", "--config", cfg, "--print_config")
+    assert r.returncode == 0 and "torch.nn.modules.linear.Linear" in r.stdout, r.stderr
+    # a wrong type for a typed argument of a class given by class_path: one line, no traceback
+    cfg.write_text(json.dumps({**base, "model": {"class_path": "toy.ToyRegressor", "init_args": {"hidden": 2}},
+                               "trainer": {"logger": {"class_path": "CSVLogger", "init_args": {"save_dir": 5}}}}))
+    r = cli("fit", "--config", cfg)
+    assert r.returncode == 2 and "trainer.logger.init_args.save_dir: expected str | os.PathLike, got 5" in r.stderr
+    assert "Traceback" not in r.stderr

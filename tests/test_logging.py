@@ -386,3 +386,32 @@ def test_epoch_means_of_low_precision_values_accumulate_in_fp32(make_trainer, pr
     loader = DataLoader(TensorDataset(torch.randn(6400, 4), torch.randn(6400, 1)), batch_size=32)
     out = make_trainer(precision=precision).validate(Const(), loader)
     assert out[0]["val/const"] == pytest.approx(float(torch.tensor(66.14, dtype=dtype)), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- conflicting options
+@pytest.mark.parametrize("opt, first, second", [("on_step", True, False), ("on_epoch", False, True),
+                                                ("reduce_fx", "mean", "max"), ("sync_dist", False, True)])
+def test_conflicting_log_options_in_one_epoch_are_an_error_naming_metric_and_option(make_trainer, opt, first, second):
+    class Twice(LinearModule):
+        def training_step(self, batch, batch_idx):
+            self.log("twice", 1.0, **{opt: first if batch_idx == 0 else second})
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(MisconfigurationError, match=rf"self.log\('twice', \.\.\., {opt}={second!r}\) conflicts with "
+                                                    rf"an earlier .* with {opt}={first!r}"):
+        make_trainer(max_epochs=1).fit(Twice(), DataLoader(regression_data(32), batch_size=8))
+
+
+def test_same_options_resolved_and_a_new_run_with_other_options_are_accepted(make_trainer):
+    class Same(LinearModule):   # explicit values equal to the training defaults: the same options
+        def training_step(self, batch, batch_idx):
+            kw = {"on_step": True, "on_epoch": False, "reduce_fx": torch.mean} if batch_idx % 2 else {}
+            self.log("same", float(batch_idx), **kw)
+            return super().training_step(batch, batch_idx)
+
+    t = make_trainer(max_epochs=1, log_every_n_steps=1)
+    t.fit(Same(), DataLoader(regression_data(32), batch_size=8))
+    assert float(t.callback_metrics["same"]) == 3.0
+    loader, v = values_data(100, 32)
+    out = [t.validate(StatModule(reduce_fx=fx), loader)[0]["stat"] for fx in ("sum", "max")]   # one trainer
+    assert out == [pytest.approx(v.double().sum().item(), rel=1e-6), pytest.approx(v.max().item())]

@@ -169,3 +169,20 @@ def test_fit_help_lists_types_defaults_and_descriptions():
     j = out.index("  log_every_n_steps (int; default 50)")
     assert "every N optimizer steps" in out[j + 1]
     assert "  accumulate_grad_batches (int; default 1)" in out
+
+
+def test_empty_validation_loader_is_warned_naming_the_argument(make_trainer):
+    empty = DataLoader(regression_data(4), batch_size=8, drop_last=True)   # 4 samples, batches of 8: none
+    t = make_trainer(max_epochs=1)
+    with pytest.warns(UserWarning, match=r"val_dataloaders= has no batches .*drop_last=True.*skipped"):
+        t.fit(LinearModule(), DataLoader(regression_data(16), batch_size=8), val_dataloaders=empty)
+    assert t.global_step == 2
+
+    class M(LinearModule):
+        def val_dataloader(self):
+            return [DataLoader(regression_data(8), batch_size=8), empty]
+    with pytest.warns(UserWarning, match=r"M\.val_dataloader\(\) \(#1\) has no batches"):
+        make_trainer().validate(M())
+    with warnings.catch_warnings():   # a loader with batches: no warning
+        warnings.simplefilter("error")
+        make_trainer().validate(LinearModule(), DataLoader(regression_data(8), batch_size=8))

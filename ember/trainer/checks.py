@@ -39,18 +39,33 @@ def logger_from_name(name: str, save_dir: str):
     return loggers.WandbLogger(save_dir=save_dir)
 
 
-def check_loader(value, arg: str, returned: bool = False):
+def check_loader(value, arg: str, returned: bool = False, warn_empty: bool = False):
     """A torch ``Dataset`` where a DataLoader is expected would be iterated one
     unbatched sample at a time: refuse it, naming the argument (``returned``: ``arg``
-    is a hook such as ``MyModule.train_dataloader()``)."""
+    is a hook such as ``MyModule.train_dataloader()``). ``warn_empty`` (evaluation
+    loaders): a DataLoader with no batches is warned about, naming the argument, as
+    Lightning does; its pass is skipped."""
     from torch.utils.data import DataLoader, Dataset
-    for v in value if isinstance(value, (list, tuple)) else [value]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for i, v in enumerate(values):
+        if warn_empty and isinstance(v, DataLoader) and _length(v) == 0:
+            which = f" (#{i})" if len(values) > 1 else ""
+            warnings.warn(f"{arg}{'' if returned else '='}{which} has no batches (an empty dataset, or drop_last=True "
+                          "with fewer samples than batch_size): its pass is skipped. Give it data, or leave it out "
+                          "(limit_val_batches=0 runs no validation)", UserWarning, stacklevel=4)
         if isinstance(v, Dataset) and not isinstance(v, DataLoader):
             what = f"a {type(v).__name__} (a Dataset), not a DataLoader: it would be iterated one unbatched sample at a time"
             if returned:
                 raise MisconfigurationError(f"{arg} returned {what}. Return DataLoader(dataset, batch_size=...) instead")
             raise MisconfigurationError(f"{arg}= got {what}. Pass {arg}=DataLoader(dataset, batch_size=...) instead")
     return value
+
+
+def _length(loader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:   # an IterableDataset without __len__
+        return None
 
 
 def warn_log_interval(t) -> None:

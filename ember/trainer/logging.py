@@ -25,7 +25,7 @@ def _is_metric(value) -> bool:
 
 class _Entry:
     __slots__ = ("name", "on_step", "on_epoch", "prog_bar", "logger", "reduce_fx", "sync_dist",
-                 "last", "total", "weight", "metric", "updated")
+                 "last", "total", "weight", "metric", "updated", "given")
 
     def __init__(self, name, on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist, metric):
         self.name, self.on_step, self.on_epoch = name, on_step, on_epoch
@@ -35,6 +35,9 @@ class _Entry:
         self.total = None
         self.weight = 0
         self.updated = False
+        #: (on_step, on_epoch, reduce_fx, sync_dist) as last passed to self.log, unresolved:
+        #: a call passing the same compares one tuple; another set is checked (Results.log)
+        self.given = None
 
     def epoch_value(self):
         if self.metric is not None:
@@ -77,6 +80,8 @@ class Results:
         e = self.entries.get(name)
         if e is None:
             e = self._new_entry(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        elif e.given != (on_step, on_epoch, reduce_fx, sync_dist):
+            self._check_same_options(e, on_step, on_epoch, reduce_fx, sync_dist)
         if self.epoch_end_hook:
             self.late.add(name)
         if e.metric is not None:
@@ -108,9 +113,7 @@ class Results:
             else:
                 e.total = torch.minimum(torch.as_tensor(e.total), torch.as_tensor(value))
 
-    def _new_entry(self, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist):
-        if not isinstance(name, str) or not name:
-            raise MisconfigurationError(f"self.log: name must be a non-empty string, got {name!r}")
+    def _resolve(self, name, on_step, on_epoch, reduce_fx):
         if callable(reduce_fx) and not isinstance(reduce_fx, str):
             reduce_fx = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, reduce_fx)
         if reduce_fx not in _REDUCE:
@@ -118,6 +121,29 @@ class Results:
         d_step, d_epoch = (False, True) if self.epoch_end_hook else _DEFAULTS.get(self.stage, (False, True))
         on_step = d_step if on_step is None else bool(on_step)
         on_epoch = d_epoch if on_epoch is None else bool(on_epoch)
+        return on_step, on_epoch, reduce_fx
+
+    def _check_same_options(self, e, on_step, on_epoch, reduce_fx, sync_dist) -> None:
+        """A name logged again with other options: first time this epoch (another run,
+        epoch or module), they replace the old ones; later in the epoch they must resolve
+        to the same options, or it is an error."""
+        now = dict(zip(("on_step", "on_epoch", "reduce_fx"), self._resolve(e.name, on_step, on_epoch, reduce_fx)),
+                   sync_dist=bool(sync_dist))
+        for opt, v in now.items():
+            if not e.updated:
+                setattr(e, opt, v)
+            elif getattr(e, opt) != v:
+                raise MisconfigurationError(
+                    f"self.log({e.name!r}, ..., {opt}={v!r}) conflicts with an earlier self.log({e.name!r}, ...) "
+                    f"with {opt}={getattr(e, opt)!r} in this {self.stage} stage: one metric name is logged with one "
+                    f"set of options. Pass the same {opt} everywhere {e.name!r} is logged, or use another name")
+        e.given = (on_step, on_epoch, reduce_fx, sync_dist)
+
+    def _new_entry(self, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist):
+        if not isinstance(name, str) or not name:
+            raise MisconfigurationError(f"self.log: name must be a non-empty string, got {name!r}")
+        given = (on_step, on_epoch, reduce_fx, sync_dist)
+        on_step, on_epoch, reduce_fx = self._resolve(name, on_step, on_epoch, reduce_fx)
         if self.stage != "train" and on_step and not on_epoch:
             pass  # allowed: per-step validation values (emitted at every step's log point)
         metric = value if _is_metric(value) else None
@@ -126,7 +152,8 @@ class Results:
             raise MisconfigurationError(
                 f"self.log({name!r}, value): expected a tensor, a number or a torchmetrics.Metric, "
                 f"got {type(value).__name__}")
-        e = _Entry(name, on_step, on_epoch, prog_bar, logger, reduce_fx, sync_dist, metric)
+        e = _Entry(name, on_step, on_epoch, prog_bar, logger, reduce_fx, bool(sync_dist), metric)
+        e.given = given
         self.entries[name] = e
         return e
 
@@ -190,7 +217,12 @@ def _batch_size(batch) -> int:
 
 def to_host(named: dict, strategy=None) -> dict[str, float]:
     """Reduce the sync_dist values across ranks, then turn everything into Python
-    floats with a single device->host transfer."""
+    floats with a single device->host transfer. Under several processes every rank
+    calls this at each emission point, with or without values: all of them take part
+    in the check that they reduce the same ``sync_dist`` names (:func:`_check_same_keys`)."""
+    multi = strategy is not None and strategy.world_size > 1
+    if multi:
+        _check_same_keys(strategy, [n for n, (e, _) in named.items() if e.sync_dist and e.metric is None])
     if not named:
         return {}
     names = list(named)
@@ -201,10 +233,9 @@ def to_host(named: dict, strategy=None) -> dict[str, float]:
         vals.append(v)
     dev = vals[0].device
     vals = [v.to(dev) for v in vals]
-    if strategy is not None and strategy.world_size > 1:
+    if multi:
         sync = [i for i, n in enumerate(names) if named[n][0].sync_dist and named[n][0].metric is None]
         if sync:
-            _check_same_keys(strategy, [names[i] for i in sync])
             for op in _REDUCE:
                 idx = [i for i in sync if named[names[i]][0].reduce_fx == op]
                 if idx:
@@ -215,9 +246,23 @@ def to_host(named: dict, strategy=None) -> dict[str, float]:
 
 
 def _check_same_keys(strategy, keys: list[str]) -> None:
-    all_keys = strategy.all_gather_object(sorted(keys))
-    if any(k != all_keys[0] for k in all_keys):
-        detail = "; ".join(f"rank {r}: {k}" for r, k in enumerate(all_keys))
-        raise MisconfigurationError(
-            "self.log(..., sync_dist=True): ranks logged different metric names, which would hang the "
-            f"reduction. Log the same names on every rank. {detail}")
+    """Every rank reduces the same ``sync_dist`` names, or every rank raises. One
+    all_gather of two integers (how many names, a digest of them) per emission point;
+    the names themselves are gathered only when the ranks differ."""
+    from ember.data_seed import mix
+    keys = sorted(keys)
+    mine = torch.tensor([len(keys), mix(*keys) if keys else 0], dtype=torch.int64, device=strategy.root_device)
+    gathered = strategy.all_gather(mine).reshape(-1, 2).tolist()
+    if all(g == gathered[0] for g in gathered):
+        return
+    all_keys = strategy.all_gather_object(keys)   # every rank saw the mismatch: all gather the names
+    names = sorted({k for ks in all_keys for k in ks})
+    detail = "; ".join(
+        f"{n!r} on rank(s) {[r for r, ks in enumerate(all_keys) if n in ks]}, "
+        f"not on rank(s) {[r for r, ks in enumerate(all_keys) if n not in ks]}"
+        for n in names if any(n not in ks for ks in all_keys))
+    raise MisconfigurationError(
+        "self.log(..., sync_dist=True): ranks logged different metric names with sync_dist=True since the last "
+        "log point, "
+        f"so their reductions would not match and the run would hang: {detail}. Log every sync_dist metric on "
+        "every rank (log a neutral value where a rank has none), or drop sync_dist=True for it")

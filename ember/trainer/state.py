@@ -126,6 +126,7 @@ def _pending_grads(t):
 
 def trainer_state(t) -> dict:
     from ember import checkpoint_io as cio
+    from ember.trainer.resume_data import data_state
     loop = t.loop_state.state_dict()
     mid_epoch = loop["batches_done"] > 0
     per_rank = {"rng": cio.collect_rng_states(),
@@ -145,6 +146,7 @@ def trainer_state(t) -> dict:
         "grads": [g["grads"] for g in gathered] if any(g["grads"] is not None for g in gathered) else None,
         "callback_metrics": metrics,
         "data_seed": t._data_seed,
+        "data": data_state(t, mid_epoch),   # batch size, dataset length, a user sampler's generator
         "datamodule": t.datamodule.state_dict() if t.datamodule is not None else {},
     }
 
@@ -434,6 +436,8 @@ def restore(t, path: str, full: bool) -> None:
         t.loop_state.load_state_dict(loop)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: the loop position in {cio.STATE_NAME} is unreadable ({err!r})") from err
+    from ember.trainer.resume_data import restore_data
+    restore_data(t, state.get("data"), path)   # refuses a changed batch size / dataset mid-epoch
     for cfg, s in zip(t.lr_scheduler_configs, scheds):
         cfg["scheduler"].load_state_dict(s)
     t.strategy.precision.load_state_dict(state.get("precision", {}))

@@ -421,14 +421,16 @@ class Trainer(LoopProperties):
         dm = self.datamodule
 
         def pick(given, name, arg):
+            ev = name != "train_dataloader"   # an evaluation loader with no batches is warned about
             if given is not None:
-                return _checks.check_loader(given, arg)
+                return _checks.check_loader(given, arg, warn_empty=ev)
             if dm is not None and overrides(dm, DataModule, name):
-                return _checks.check_loader(getattr(dm, name)(), f"{type(dm).__name__}.{name}()", returned=True)
+                return _checks.check_loader(getattr(dm, name)(), f"{type(dm).__name__}.{name}()", returned=True,
+                                            warn_empty=ev)
             if dm is None and overrides(self.module, TrainModule, name) if hasattr(TrainModule, name) else \
                     (dm is None and hasattr(self.module, name)):
                 return _checks.check_loader(getattr(self.module, name)(), f"{type(self.module).__name__}.{name}()",
-                                            returned=True)
+                                            returned=True, warn_empty=ev)
             return None
 
         def as_list(x):
@@ -564,9 +566,11 @@ class Trainer(LoopProperties):
     # ------------------------------------------------------------------ metrics
     def _emit_step(self, results: Results) -> None:
         vals = results.step_values()
+        if not vals and self.world_size == 1:
+            return
+        host = to_host(vals, self.strategy)   # every rank: it takes part in the sync_dist names check
         if not vals:
             return
-        host = to_host(vals, self.strategy)
         self._publish(host, {n: vals[n][0] for n in vals})
 
     def _emit_epoch(self, results: Results, log: bool = True, names=None) -> dict:

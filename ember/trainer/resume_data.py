@@ -1,0 +1,106 @@
+"""What a checkpoint records about the training data, and the checks on resume.
+
+A mid-epoch resume skips the batches the epoch already trained, by index. That is
+exact only when the data is what it was: the same batch size per process and the
+same dataset length (otherwise samples are skipped or trained twice), and the same
+order (a user's sampler with its own generator gets its epoch-start state back; a
+sampler drawing from the global RNG cannot, and is warned about). A changed batch
+size or dataset length is refused unless ``EMBER_ALLOW_DATA_CHANGE=1`` is set (then
+warned). At an epoch end nothing is skipped or repeated: any change is accepted.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from ember import data as edata
+from ember.errors import CheckpointError
+
+#: set to 1 to resume mid-epoch although the batch size or dataset length changed
+ALLOW_DATA_CHANGE_ENV = "EMBER_ALLOW_DATA_CHANGE"
+
+
+def batch_size_of(dl) -> int | None:
+    """Samples per batch of this process's train loader (None: no automatic batching)."""
+    bs = getattr(dl, "batch_size", None)
+    if bs is None:
+        bs = getattr(getattr(dl, "batch_sampler", None), "batch_size", None)
+    return int(bs) if isinstance(bs, int) else None
+
+
+def data_state(t, mid_epoch: bool) -> dict:
+    """The train data's shape and order state, saved in ``trainer_state.pt["data"]``."""
+    dl = t._train_loader
+    gen = edata.own_generator(edata.index_sampler(dl))
+    state = None
+    if gen is not None:   # mid-epoch: the state this epoch's order was drawn from; else the next epoch's
+        state = getattr(dl, "ember_epoch_generator_state", None) if mid_epoch else gen.get_state()
+    return {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl),
+            "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": state}
+
+
+def restore_data(t, saved: dict | None, path: str) -> None:
+    """Check the train data against what ``path`` recorded, and give a user sampler's
+    generator its saved state. Checkpoints written before ``data`` was recorded pass."""
+    if not saved:
+        return
+    dl, ls = t._train_loader, t.loop_state
+    mid = ls.batches_done > 0
+    if mid:
+        _check_shape(dl, saved, path, ls)
+        sampler = edata.index_sampler(dl)
+        if edata.draws_global_rng(sampler):
+            warnings.warn(
+                f"resuming {path} mid-epoch: the train dataloader's {type(sampler).__name__} draws its order from "
+                "the global random generator, so the rest of this epoch is drawn anew (some samples of the epoch "
+                f"may repeat or be left out). Pass {type(sampler).__name__}(..., generator=torch.Generator()"
+                ".manual_seed(seed)) for an exact mid-epoch resume, or save checkpoints at epoch ends",
+                UserWarning, stacklevel=4)
+    gen = edata.own_generator(edata.index_sampler(dl))
+    state = saved.get("generator_state")
+    if gen is not None and isinstance(state, torch.Tensor):
+        try:
+            gen.set_state(state)
+        except (RuntimeError, TypeError) as err:
+            raise CheckpointError(f"{path}: the sampler generator state in trainer_state.pt is corrupt ({err})") from err
+        if mid and ls.batches_done >= t.num_training_batches:
+            _replay_epoch(dl, int(t.num_training_batches))
+
+
+def _replay_epoch(dl, limit: int) -> None:
+    """A checkpoint saved after the epoch's last batch, before its end: the resumed
+    epoch trains nothing, so draw its indices (no data is read) as far as the training
+    loop's iterator went, which leaves the generator where the next epoch starts."""
+    gen = edata.own_generator(edata.index_sampler(dl))
+    if gen is not None and dl.generator is gen:   # the DataLoader's iterator draws its base seed first
+        torch.empty((), dtype=torch.int64).random_(generator=gen)
+    it = iter(dl.batch_sampler if dl.batch_sampler is not None else dl.sampler)
+    ahead = 0 if not dl.num_workers else (dl.prefetch_factor or 2) * dl.num_workers
+    for _ in range(limit + 1 + ahead):   # the loop asks for one batch past its last
+        if next(it, None) is None:
+            return
+
+
+def _check_shape(dl, saved: dict, path: str, ls) -> None:
+    now = {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl)}
+    changed = [(k, saved.get(k), now[k]) for k in now
+               if saved.get(k) is not None and now[k] is not None and saved.get(k) != now[k]]
+    if not changed:
+        return
+    what = ", ".join(f"{k.replace('_', ' ')} {a} -> {b}" for k, a, b in changed)
+    bs = now["batch_size"] or 1
+    effect = (f"the resumed epoch skips the first {ls.batches_done} batches of the new setup "
+              f"({ls.batches_done * bs} samples, where the run trained {ls.batches_done * (saved.get('batch_size') or bs)}"
+              " samples of another order), so samples are skipped or trained twice")
+    if os.environ.get(ALLOW_DATA_CHANGE_ENV, "0") == "1":
+        warnings.warn(f"resuming {path} mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) with a changed "
+                      f"train dataloader ({what}), accepted because {ALLOW_DATA_CHANGE_ENV}=1: {effect}",
+                      UserWarning, stacklevel=5)
+        return
+    raise CheckpointError(
+        f"{path} was saved mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) and the train dataloader "
+        f"changed since ({what}): {effect}. Resume with the batch size and dataset the checkpoint was saved "
+        f"with, resume from a checkpoint saved at an epoch end, or set {ALLOW_DATA_CHANGE_ENV}=1 to accept it "
+        "(with a warning)")

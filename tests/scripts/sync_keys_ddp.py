@@ -1,0 +1,66 @@
+"""A sync_dist metric logged on one rank only (2 CPU processes, gloo, a 10 s
+process-group timeout so a hang fails fast), run by tests/test_logging_ddp.py.
+
+    python sync_keys_ddp.py ROOT
+
+1. ``step``: training_step logs ``only_rank0`` with sync_dist=True on rank 0 only
+   (rank 1 logs nothing at all), emitted at the step log point.
+2. ``epoch``: validation_step logs ``only_rank1`` with sync_dist=True on rank 1 only,
+   emitted at the validation epoch end.
+Every rank records the error it raised (or None) in ROOT/result_<rank>.json.
+"""
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.strategies import DDPStrategy
+
+
+class Net(ember.TrainModule):
+    def __init__(self, where):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.where = where
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.where == "step" and self.global_rank == 0:
+            self.log("only_rank0", 1.0, on_step=True, sync_dist=True)
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        if self.where == "epoch" and self.global_rank == 1:
+            self.log("only_rank1", 1.0, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def main(root):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    out = {}
+    for where in ("step", "epoch"):
+        trainer = ember.Trainer(devices=2, strategy=DDPStrategy(timeout=10), max_epochs=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                num_sanity_val_steps=0, log_every_n_steps=2, default_root_dir=root)
+        start = time.monotonic()
+        try:
+            trainer.fit(Net(where), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+            out[where] = None
+        except Exception as err:   # noqa: BLE001 - recorded for the test
+            out[where] = f"{type(err).__name__}: {err}"
+        out[where + "_seconds"] = time.monotonic() - start
+        out["rank"] = trainer.global_rank
+    with open(f"{root}/result_{out['rank']}.json", "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,31 @@
+"""sync_dist metrics under several processes (2 real gloo processes, a 10 s
+process-group timeout): a metric logged with sync_dist=True on one rank only is an
+error on every rank, in seconds, never a hang."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPTS = Path(__file__).parent / "scripts"
+_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+
+
+@pytest.mark.timeout(200)
+def test_sync_dist_metric_on_one_rank_raises_on_every_rank_naming_metric_and_ranks(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(SCRIPTS / "sync_keys_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-4000:]
+    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
+    for r in results:
+        assert r["step"] is not None and r["step"].startswith("MisconfigurationError")
+        assert "'only_rank0' on rank(s) [0], not on rank(s) [1]" in r["step"]
+        assert r["epoch"] is not None and "'only_rank1' on rank(s) [1], not on rank(s) [0]" in r["epoch"]
+        assert r["step_seconds"] < 9 and r["epoch_seconds"] < 9   # raised, not the 10 s timeout
