@@ -73,7 +73,9 @@ class RichProgressBar(ProgressBar):
     columns. Validation, test and predict passes show a second, transient bar.
 
     On a terminal or in Jupyter it refreshes ``refresh_per_second`` times a
-    second from rich's refresh thread (a live widget in notebooks); elsewhere
+    second from rich's refresh thread (in a notebook: one output widget redrawn
+    in place, which needs ``ipywidgets``; without it a warning says so and plain
+    lines follow); elsewhere
     (CI, log files) it prints a plain line every ``plain_interval`` seconds and at
     each epoch end. Only global rank 0 draws.
 
@@ -107,6 +109,7 @@ class RichProgressBar(ProgressBar):
         self._done = 0
         self._total: float = 0
         self._in_epoch = False
+        self._widgets: bool | None = None   # ipywidgets found (Jupyter only; checked once)
 
     # -- output ----------------------------------------------------------------------
     @property
@@ -119,7 +122,22 @@ class RichProgressBar(ProgressBar):
 
     def _live(self) -> bool:
         c = self.console
-        return bool(c.is_terminal or getattr(c, "is_jupyter", False))
+        if getattr(c, "is_jupyter", False):
+            return self._jupyter_widgets()
+        return bool(c.is_terminal)
+
+    def _jupyter_widgets(self) -> bool:
+        """rich draws its live display in a notebook as an ipywidgets ``Output`` (redrawn in
+        place). Without ipywidgets it would draw nothing: say so once, and print plain lines."""
+        if self._widgets is None:
+            import importlib.util
+            self._widgets = importlib.util.find_spec("ipywidgets") is not None
+            if not self._widgets:
+                import warnings
+                warnings.warn("RichProgressBar: the live bar in Jupyter needs ipywidgets (pip install ipywidgets); "
+                              f"printing a plain line every plain_interval={self.plain_interval} s and at each "
+                              "epoch end instead", stacklevel=2)
+        return self._widgets
 
     def print(self, *objects: Any) -> None:
         """Print above the live bar (rich keeps the bar at the bottom)."""
