@@ -110,6 +110,9 @@ class RichProgressBar(ProgressBar):
         self._total: float = 0
         self._in_epoch = False
         self._widgets: bool | None = None   # ipywidgets found (Jupyter only; checked once)
+        self._receiver = None   # rank 0: other ranks' lines (ember/callbacks/rank_output.py)
+        self._forwarder = None  # other ranks: stdout and warnings sent to rank 0
+        self._failed = False
 
     # -- output ----------------------------------------------------------------------
     @property
@@ -142,6 +145,34 @@ class RichProgressBar(ProgressBar):
     def print(self, *objects: Any) -> None:
         """Print above the live bar (rich keeps the bar at the bottom)."""
         self.console.print(*objects, highlight=False, soft_wrap=True, markup=False)
+
+    # -- other ranks' output -------------------------------------------------------------
+    def setup(self, trainer, module, stage):
+        """Under several processes, while rank 0's bar is live, the other ranks of its host
+        print above it (see :mod:`ember.callbacks.rank_output`): one broadcast, here."""
+        self._failed = False
+        if trainer.world_size <= 1 or self._receiver is not None or self._forwarder is not None:
+            return
+        from ember.callbacks import rank_output
+        address = None
+        if trainer.is_global_zero and self._live():
+            try:
+                self._receiver = rank_output.LineReceiver(self.print)
+                address = self._receiver.address
+            except OSError:   # no loopback socket: the other ranks print as before
+                self._receiver = None
+        address = trainer.strategy.broadcast(address)
+        if address is not None and not trainer.is_global_zero:
+            self._forwarder = rank_output.connect(tuple(address), trainer.global_rank)
+
+    def _stop_forwarding(self) -> None:
+        if self._forwarder is not None:
+            from ember.callbacks.rank_output import disconnect
+            disconnect(self._forwarder)
+            self._forwarder = None
+        if self._receiver is not None:   # after a failure, never wait on the other ranks
+            self._receiver.close(wait=0 if self._failed else 5)
+            self._receiver = None
 
     # -- fit lifecycle ---------------------------------------------------------------
     def on_train_start(self, trainer, module):
@@ -186,11 +217,12 @@ class RichProgressBar(ProgressBar):
         self._shutdown()
 
     def on_exception(self, trainer, module, exception):
-        self._in_epoch = False
+        self._in_epoch, self._failed = False, True
         self._shutdown()
 
     def teardown(self, trainer, module, stage):
         self._shutdown()
+        self._stop_forwarding()
 
     # -- validation / test / predict -------------------------------------------------
     def _eval_start(self, trainer, stage: str) -> None:
