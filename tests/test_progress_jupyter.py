@@ -23,6 +23,7 @@ IPython = pytest.importorskip("IPython")
 def notebook():
     from IPython.core.displaypub import CapturingDisplayPublisher
     from IPython.core.interactiveshell import InteractiveShell
+    saved = {k: getattr(sys, k) for k in ("ps1", "ps2", "excepthook", "displayhook") if hasattr(sys, k)}
     shell = InteractiveShell.instance()
     old = shell.display_pub
     shell.display_pub = CapturingDisplayPublisher()   # what the kernel would send to the browser
@@ -31,6 +32,11 @@ def notebook():
     finally:
         shell.display_pub = old
         InteractiveShell.clear_instance()
+        for k in ("ps1", "ps2", "excepthook", "displayhook"):   # the shell marks the process interactive
+            if k in saved:
+                setattr(sys, k, saved[k])
+            elif hasattr(sys, k):
+                delattr(sys, k)
 
 
 class Shown(LinearModule):
