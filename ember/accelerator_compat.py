@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -99,7 +99,7 @@ class ProfileKwargs(_Handler):
     with_modules: bool = False
     output_trace_dir: str | None = None
 
-    def build(self):
+    def build(self) -> Any:
         """A ``torch.profiler.profile`` from these fields."""
         from torch.profiler import ProfilerActivity, profile, schedule
         names = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
@@ -174,7 +174,7 @@ class PartialState:
     share one state: the Accelerator's once one exists, else one set up from the
     launcher's environment (``cpu=True``: the CPU)."""
 
-    def __init__(self, cpu: bool = False, **kwargs):
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         strategy = _SHARED.get("strategy")
         if strategy is None:
             from ember.strategies import build_strategy
@@ -183,43 +183,50 @@ class PartialState:
             _SHARED["strategy"] = strategy
         self._strategy = strategy
 
-    strategy = property(lambda self: _SHARED.get("strategy", self._strategy))
-    device = property(lambda self: self.strategy.root_device)
-    num_processes = property(lambda self: self.strategy.world_size)
-    process_index = property(lambda self: self.strategy.global_rank)
-    local_process_index = property(lambda self: self.strategy.local_rank)
-    is_main_process = property(lambda self: self.strategy.is_global_zero)
-    is_local_main_process = property(lambda self: self.strategy.is_local_zero)
-    is_last_process = property(lambda self: self.process_index == self.num_processes - 1)
-    use_distributed = property(lambda self: self.num_processes > 1)
-    distributed_type = property(lambda self: distributed_type_of(self.strategy))
-    initialized = property(lambda self: True)
+    strategy = property(lambda self: _SHARED.get("strategy", self._strategy), doc="the shared Strategy")
+    device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
+    num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
+    process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
+    local_process_index = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
+    is_main_process = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
+    is_local_main_process = property(lambda self: self.strategy.is_local_zero, doc="bool: local rank 0")
+    is_last_process = property(lambda self: self.process_index == self.num_processes - 1, doc="bool: the last rank")
+    use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+    distributed_type = property(lambda self: distributed_type_of(self.strategy), doc=":class:`DistributedType`")
+    initialized = property(lambda self: True, doc="always True (the state is set up on construction)")
 
     @property
     def backend(self) -> str | None:
+        """The process group backend (``"nccl"``, ``"gloo"``), None on one process."""
         return getattr(self.strategy, "_backend", None) if self.num_processes > 1 else None
 
     def wait_for_everyone(self) -> None:
+        """Barrier: wait until every process arrives."""
         self.strategy.barrier("wait_for_everyone")
 
-    def print(self, *args, **kwargs) -> None:
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    def main_process_first(self):
+    def main_process_first(self) -> ContextManager[None]:
+        """Context manager: the main process runs the block first, then the others."""
         from ember.accelerator import _InOrder
         return _InOrder(self, self.is_main_process)
 
-    def local_main_process_first(self):
+    def local_main_process_first(self) -> ContextManager[None]:
+        """Context manager: each machine's local main process runs the block first."""
         from ember.accelerator import _InOrder
         return _InOrder(self, self.is_local_main_process)
 
-    def split_between_processes(self, inputs, apply_padding: bool = False):
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> ContextManager[Any]:
+        """Context manager yielding this process's part of ``inputs`` (list, tuple, dict, tensor)."""
         from ember.accelerator import _Yield
         from ember.accelerator_state import split_inputs
         return _Yield(split_inputs(inputs, self.num_processes, self.process_index, apply_padding))
 
-    def on_main_process(self, function):
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: ``function`` runs on the main process only (elsewhere it returns None)."""
         import functools
 
         @functools.wraps(function)
@@ -236,28 +243,31 @@ class PartialState:
 class AcceleratorState(PartialState):
     """``accelerator.state``: the process layout plus ``mixed_precision``."""
 
-    def __init__(self, accelerator=None, **kwargs):
+    def __init__(self, accelerator: Any = None, **kwargs: Any) -> None:
         self._acc = accelerator
         super().__init__(**kwargs)
 
-    mixed_precision = property(lambda self: self._acc.mixed_precision if self._acc is not None else "no")
-    num_steps = property(lambda self: self._acc.gradient_accumulation_steps if self._acc is not None else 1)
+    mixed_precision = property(lambda self: self._acc.mixed_precision if self._acc is not None else "no",
+                               doc='str: "no", "fp16", "bf16" (or the ember precision string)')
+    num_steps = property(lambda self: self._acc.gradient_accumulation_steps if self._acc is not None else 1,
+                         doc="int: gradient accumulation steps")
 
 
 class GradientState:
     """``accelerator.gradient_state``: ``sync_gradients``, ``num_steps``,
     ``end_of_dataloader``, ``active_dataloader``."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Any) -> None:
         self._acc = accelerator
 
-    sync_gradients = property(lambda self: self._acc.sync_gradients)
-    num_steps = property(lambda self: self._acc.gradient_accumulation_steps)
-    active_dataloader = property(lambda self: self._acc._active_loader)
-    in_dataloader = property(lambda self: self._acc._active_loader is not None)
+    sync_gradients = property(lambda self: self._acc.sync_gradients, doc="bool: this micro-batch steps")
+    num_steps = property(lambda self: self._acc.gradient_accumulation_steps, doc="int: accumulation steps")
+    active_dataloader = property(lambda self: self._acc._active_loader, doc="the prepared loader being iterated")
+    in_dataloader = property(lambda self: self._acc._active_loader is not None, doc="bool: inside a prepared loader")
 
     @property
     def end_of_dataloader(self) -> bool:
+        """Whether the active prepared loader gave its last batch."""
         loader = self._acc._active_loader
         return bool(loader is not None and loader.end_of_dataloader)
 
@@ -458,28 +468,33 @@ class AccelerateNames:
                                 doc=":class:`DistributedType` of the run (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ...)")
     state = property(lambda self: AcceleratorState(self), doc="the process layout (:class:`AcceleratorState`)")
     gradient_state = property(lambda self: GradientState(self), doc=":class:`GradientState`")
-    split_batches = property(lambda self: bool(self._data_opts.get("split_batches", False)))
-    even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)))
+    split_batches = property(lambda self: bool(self._data_opts.get("split_batches", False)),
+                             doc="bool: a loader's batch is split over the processes")
+    even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)),
+                            doc="bool: every process gets as many batches (samples repeated)")
     use_seedable_sampler = property(lambda self: True, doc="always: ember's order comes from (seed, epoch)")
-    non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)))
-    device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)))
-    logging_dir = property(lambda self: getattr(self.project_configuration, "logging_dir", None) or self.project_dir)
-    multi_device = property(lambda self: self.num_processes > 1)
-    data_parallel_rank = property(lambda self: self.process_index)
-    tensor_parallel_rank = property(lambda self: 0)
-    is_fsdp2 = property(lambda self: getattr(self.strategy, "name", "") == "fsdp")
+    non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)),
+                            doc="bool: batches are copied to the device with non_blocking=True")
+    device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)),
+                                doc="bool: prepared objects are moved to the device")
+    logging_dir = property(lambda self: getattr(self.project_configuration, "logging_dir", None) or self.project_dir,
+                           doc="str: where trackers write")
+    multi_device = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+    data_parallel_rank = property(lambda self: self.process_index, doc="int: the process index (Accelerate's name)")
+    tensor_parallel_rank = property(lambda self: 0, doc="int: always 0 (Accelerate's name)")
+    is_fsdp2 = property(lambda self: getattr(self.strategy, "name", "") == "fsdp", doc="bool: FSDP (FSDP2) runs")
 
-    def profile(self, profile_handler: ProfileKwargs | None = None):
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> ContextManager[Any]:
         """Context manager: ``torch.profiler.profile`` built from ``profile_handler``
         (default: the ``ProfileKwargs`` of ``kwargs_handlers``, else CPU activities)."""
         return (profile_handler or self._profile_kwargs or ProfileKwargs()).build()
 
-    def register_save_state_pre_hook(self, hook):
+    def register_save_state_pre_hook(self, hook: Callable) -> _Handle:
         """``hook(models, weights, output_dir)`` runs in :meth:`save_state` before writing
         (``weights``: the list of state dicts, may be edited). Returns a handle with ``remove()``."""
         return _Handle(self.__dict__.setdefault("_save_hooks", []), hook)
 
-    def register_load_state_pre_hook(self, hook):
+    def register_load_state_pre_hook(self, hook: Callable) -> _Handle:
         """``hook(models, input_dir)`` runs in :meth:`load_state` before loading."""
         return _Handle(self.__dict__.setdefault("_load_hooks", []), hook)
 

@@ -10,7 +10,7 @@ import functools
 import itertools
 import os
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -43,15 +43,18 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     It is a ``torch.optim.Optimizer`` (schedulers can be built on it); its state lives
     in the wrapped :attr:`optimizer`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator):  # no Optimizer.__init__: state is inner
+    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Any) -> None:  # state is the inner one's
         self.optimizer, self._acc, self._strategy = optimizer, accelerator, accelerator.strategy
 
     param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, v: setattr(self.optimizer, "param_groups", v))
-    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
-    defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v))
+                            lambda self, v: setattr(self.optimizer, "param_groups", v), doc="the wrapped optimizer's")
+    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v),
+                     doc="the wrapped optimizer's")
+    defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v),
+                        doc="the wrapped optimizer's")
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step through the strategy and precision; nothing while accumulating."""
         acc = self._acc
         if not acc.sync_gradients:
             return None
@@ -65,13 +68,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self._strategy.precision.step_skipped(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients; nothing while accumulating."""
         if self._acc.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer."""
         self.optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name):
@@ -83,7 +89,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
 
-def is_scheduler(obj) -> bool:
+def is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is an LR scheduler (torch's, or one with ``step``, ``optimizer``, ``state_dict``)."""
     if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
         return True
     return (callable(getattr(obj, "step", None)) and hasattr(obj, "optimizer") and hasattr(obj, "state_dict")
@@ -97,7 +104,7 @@ class AcceleratedScheduler:
     sees ``1/num_processes`` of the batches, so a schedule written for the number of
     batches of one process keeps its length. ``ReduceLROnPlateau`` steps once."""
 
-    def __init__(self, scheduler, accelerator):
+    def __init__(self, scheduler: Any, accelerator: Any) -> None:
         self.scheduler, self._acc = scheduler, accelerator
         self._opts: list | None = None
         self._once = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -108,7 +115,8 @@ class AcceleratedScheduler:
             self._opts = [o for o in self._acc._optimizers if o is target or o.optimizer is target]
         return self._opts
 
-    def step(self, *args, **kwargs) -> None:
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Step the wrapped scheduler by the rules above."""
         acc = self._acc
         sched = self.scheduler
         if not acc.step_scheduler_with_optimizer:
@@ -126,10 +134,12 @@ class AcceleratedScheduler:
                 break  # OneCycleLR raises past its end (a last partial window)
             sched.step(*args, **kwargs)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The wrapped scheduler's state dict."""
         return self.scheduler.state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped scheduler."""
         self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name):
@@ -148,7 +158,7 @@ class DataLoaderShard:
     (:attr:`end_of_dataloader`). Each full pass is one epoch (:attr:`epoch` advances
     and reshuffles); :attr:`batches_done` counts the batches of the current pass."""
 
-    def __init__(self, loader, accelerator, original=None):
+    def __init__(self, loader: Any, accelerator: Any, original: Any = None) -> None:
         self.base, self._acc, self._strategy = loader, accelerator, accelerator.strategy
         self.end_of_dataloader = False
         self._skip = self.batches_done = self.epoch = 0
@@ -168,6 +178,7 @@ class DataLoaderShard:
 
     @property
     def total_batch_size(self) -> int:
+        """Samples per step over all processes (the loader's batch size times the processes)."""
         return (getattr(self.base, "batch_size", None) or 1) * self._strategy.world_size
 
     def set_epoch(self, epoch: int) -> None:
@@ -213,11 +224,13 @@ class DataLoaderShard:
             acc._active_loader = prev
 
     def state_dict(self) -> dict:
+        """Where the pass stands (epoch, batches done, the sampler's state), for a resume."""
         s = edata.sampler_of(self.base)
         return {"epoch": self.epoch, "batches_done": self.batches_done,
                 "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next pass skips the batches already done."""
         s = edata.sampler_of(self.base)
         if state.get("sampler") and isinstance(s, edata.ResumableSampler):
             s.load_state_dict(state["sampler"])
