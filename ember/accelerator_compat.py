@@ -33,7 +33,8 @@ class DistributedType(str, enum.Enum):
     XLA = "XLA"
 
 
-def distributed_type_of(strategy) -> DistributedType:
+def distributed_type_of(strategy: Any) -> DistributedType:
+    """Accelerate's :class:`DistributedType` of a strategy."""
     name = getattr(strategy, "name", "single")
     if name == "deepspeed":
         return DistributedType.DEEPSPEED
@@ -277,7 +278,7 @@ def _refuse(kwarg: str, why: str) -> MisconfigurationError:
     return MisconfigurationError(f"Accelerator({kwarg}): {why}")
 
 
-def resolve_precision(mixed_precision, precision) -> tuple[str | None, bool]:
+def resolve_precision(mixed_precision: str | None, precision: str | None) -> tuple[str | None, bool]:
     """Accelerate's ``mixed_precision`` (also from ``$ACCELERATE_MIXED_PRECISION``) as an
     ember precision, and whether it was Accelerate's ``"fp16"``."""
     if precision is None and mixed_precision is None and "EMBER_PRECISION" not in os.environ:
@@ -290,7 +291,7 @@ def resolve_precision(mixed_precision, precision) -> tuple[str | None, bool]:
     return precision, False
 
 
-def cpu_fp16_as_accelerate(strategy) -> bool:
+def cpu_fp16_as_accelerate(strategy: Any) -> bool:
     """Accelerate's ``mixed_precision="fp16"`` on the CPU runs in float32 (no autocast,
     no GradScaler); ember does the same, and says so once."""
     if strategy.root_device.type != "cpu":
@@ -302,7 +303,7 @@ def cpu_fp16_as_accelerate(strategy) -> bool:
     return True
 
 
-def strategy_options(kwargs_handlers, cpu: bool, devices) -> tuple[dict, Any]:
+def strategy_options(kwargs_handlers: list | None, cpu: bool, devices: Any) -> tuple[dict, Any]:
     """Split the kwargs handlers: (DDP/process-group options for the strategy, the rest)."""
     ddp: dict = {}
     pg: dict = {}
@@ -334,7 +335,7 @@ def strategy_options(kwargs_handlers, cpu: bool, devices) -> tuple[dict, Any]:
     return {"ddp": ddp, "pg": pg}, (scaler, profile)
 
 
-def configure_strategy(strategy, options: dict) -> None:
+def configure_strategy(strategy: Any, options: dict) -> None:
     """Apply DDP / process-group options to a strategy that was not set up yet."""
     if not (options["ddp"] or options["pg"]):
         return
@@ -356,7 +357,8 @@ def configure_strategy(strategy, options: dict) -> None:
         strategy._backend = pg["process_group_backend"]
 
 
-def apply_scaler_kwargs(precision, h: GradScalerKwargs | None) -> None:
+def apply_scaler_kwargs(precision: Any, h: GradScalerKwargs | None) -> None:
+    """Apply ``GradScalerKwargs`` to the precision's loss scaler."""
     if h is None:
         return
     scaler = getattr(precision, "scaler", None)
@@ -373,8 +375,9 @@ def apply_scaler_kwargs(precision, h: GradScalerKwargs | None) -> None:
         scaler._scale.fill_(h.init_scale)
 
 
-def dataloader_options(split_batches, even_batches, dataloader_config, gradient_accumulation_plugin,
-                       gradient_accumulation_steps, rng_types, device_placement) -> dict:
+def dataloader_options(split_batches: bool | None, even_batches: bool | None, dataloader_config: Any,
+                       gradient_accumulation_plugin: Any, gradient_accumulation_steps: int, rng_types: Any,
+                       device_placement: bool) -> dict:
     """Check Accelerate's data keywords; return ember's settings."""
     cfg = dataloader_config or DataLoaderConfiguration()
     if dataloader_config is not None and (split_batches is not None or even_batches is not None):
@@ -409,7 +412,7 @@ def dataloader_options(split_batches, even_batches, dataloader_config, gradient_
             "use_stateful_dataloader": bool(cfg.use_stateful_dataloader), "device_placement": bool(device_placement)}
 
 
-def dynamo_options(dynamo_backend, dynamo_plugin) -> dict | None:
+def dynamo_options(dynamo_backend: Any, dynamo_plugin: Any) -> dict | None:
     """``torch.compile`` options, or None (no compilation)."""
     if dynamo_plugin is not None and dynamo_backend is not None:
         raise _refuse("dynamo_backend", "pass it inside dynamo_plugin, not both")
@@ -425,12 +428,13 @@ def dynamo_options(dynamo_backend, dynamo_plugin) -> dict | None:
     return opts
 
 
-def set_shared_state(strategy) -> None:
+def set_shared_state(strategy: Any) -> None:
     """The Accelerator's layout is what every ``PartialState()`` sees from now on."""
     _SHARED["strategy"] = strategy
 
 
-def check_data_options(acc, opts: dict) -> None:
+def check_data_options(acc: Any, opts: dict) -> None:
+    """Refuse data options the number of processes cannot honour (at construction)."""
     world = acc.strategy.world_size
     if not opts["even_batches"] and world > 1:
         raise _refuse("even_batches=False", "ember's sampler always gives every process the same number of "
@@ -440,7 +444,7 @@ def check_data_options(acc, opts: dict) -> None:
                       "move them yourself only with strategy='single' on the CPU")
 
 
-def split_loader(loader, num_processes: int):
+def split_loader(loader: Any, num_processes: int) -> Any:
     """``split_batches=True``: the loader's batch size is the global one; each of the
     ``num_processes`` processes reads ``batch_size // num_processes`` samples per batch."""
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler
@@ -509,7 +513,7 @@ class _Handle:
             self.hooks.remove(self.hook)
 
 
-def partial_grad_norm(acc, parameters, norm_type: float):
+def partial_grad_norm(acc: Any, parameters: Any, norm_type: float) -> torch.Tensor:
     """``clip_grad_norm_`` on a micro-batch that does not sync: the norm of the
     gradients accumulated so far (divided by the loss scale under 16-mixed), as a
     0-d tensor, without clipping and without a host sync."""

@@ -251,7 +251,7 @@ class DataLoaderShard:
 
 
 
-def global_rng_draws(loader) -> int:
+def global_rng_draws(loader: Any) -> int:
     """How many values a plain ``DataLoader`` takes from the global torch RNG per
     ``__iter__``: its workers' base seed (no ``generator``) and, for a
     ``RandomSampler`` without a generator, the sampler's seed. The prepared loader
@@ -281,7 +281,7 @@ def _to_float32(x: Any, low: torch.dtype) -> Any:
     return x
 
 
-def wrap_forward(module: torch.nn.Module, precision) -> None:
+def wrap_forward(module: torch.nn.Module, precision: Any) -> None:
     """Make ``module.forward`` run under the precision's autocast (outputs in float32)
     or cast floating inputs to the precision's dtype ("16-true" ...). Bound to the
     module, so ``copy.deepcopy`` rebinds it to the copy. No-op under 32-true."""
@@ -306,12 +306,14 @@ def wrap_forward(module: torch.nn.Module, precision) -> None:
 
 
 def unwrap_forward(module: torch.nn.Module) -> None:
+    """Undo :func:`wrap_forward`."""
     if module.__dict__.pop("_ember_forward_wrapped", False):
         module.__dict__.pop("forward", None)
 
 
 # -- split_between_processes ---------------------------------------------------------------------
-def split_inputs(inputs, num_processes: int, rank: int, apply_padding: bool):
+def split_inputs(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> Any:
+    """Rank ``rank``'s contiguous part of ``inputs`` (list, tuple, dict of them, tensor)."""
     if isinstance(inputs, dict):
         lengths = {k: len(v) for k, v in inputs.items()}
         if len(set(lengths.values())) > 1:
@@ -377,7 +379,7 @@ def _compatible(a: list, b: list, free_dim: int | None) -> bool:
     return True
 
 
-def check_collective(strategy, op: str, data: Any, free_dim: int | None = None) -> None:
+def check_collective(strategy: Any, op: str, data: Any, free_dim: int | None = None) -> None:
     """Debug mode: every process sends the others the name of the collective it is
     about to run and its tensors' dtypes and shapes; raise
     :class:`DistributedOperationError` on every process if they do not fit."""
@@ -399,7 +401,8 @@ def check_collective(strategy, op: str, data: Any, free_dim: int | None = None) 
 
 
 # -- trackers ------------------------------------------------------------------------------------
-def tracker_name(spec) -> str:
+def tracker_name(spec: Any) -> str:
+    """The name of a ``log_with`` entry (a string, or a Logger's name)."""
     if isinstance(spec, str):
         return spec.strip().lower()
     from ember.loggers import CSVLogger, TensorBoardLogger, WandbLogger
@@ -410,7 +413,8 @@ def tracker_name(spec) -> str:
     return name[:-6] if name.endswith("logger") and len(name) > 6 else name
 
 
-def check_log_with(log_with) -> list:
+def check_log_with(log_with: Any) -> list:
+    """``log_with`` as a list, each entry checked (at construction)."""
     from ember.loggers import LOGGER_CHOICES, Logger
     specs = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
     out = []
@@ -422,7 +426,8 @@ def check_log_with(log_with) -> list:
     return out
 
 
-def init_trackers(acc, project_name: str, config, init_kwargs) -> None:
+def init_trackers(acc: Any, project_name: str, config: dict | None, init_kwargs: dict | None) -> None:
+    """``Accelerator.init_trackers``."""
     from ember.loggers import build_logger
     from ember.loggers.base import next_version
     acc.trackers = []
@@ -456,7 +461,8 @@ class _NullTracker:
         return lambda *a, **k: None
 
 
-def get_tracker(acc, name: str, unwrap: bool):
+def get_tracker(acc: Any, name: str, unwrap: bool) -> Any:
+    """``Accelerator.get_tracker``."""
     if not acc.is_main_process:
         return _NullTracker()
     key = name.strip().lower()
