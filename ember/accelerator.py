@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from ember import data as edata
 from ember import distributed as _dist
 from ember.accelerator_compat import AccelerateNames
+from ember.accelerator_trackers import AcceleratorTrackers
 from ember.accelerator_state import _InOrder, _Islice, _MultiContext, _Yield, _only  # noqa: F401
 from ember.accelerator_state import (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard,
                                      DistributedOperationError, accumulation_window, check_collective,
@@ -28,11 +29,15 @@ from ember.precision import Precision
 __all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DataLoaderShard",
            "DistributedOperationError"]
 
+if TYPE_CHECKING:
+    from ember.loggers.base import Logger
+    from ember.strategies.base import Strategy
+
 _NULL = contextlib.nullcontext()
 _REDUCTIONS = ("sum", "mean", "max", "min", "none")
 
 
-class Accelerator(AccelerateNames):
+class Accelerator(AccelerateNames, AcceleratorTrackers):
     """Prepare models, optimizers, dataloaders and schedulers for the chosen
     strategy (single device, DDP, FSDP, DeepSpeed) and precision, and give a
     custom loop the verbs it needs (backward, accumulation, clipping, collectives,
@@ -55,13 +60,16 @@ class Accelerator(AccelerateNames):
             did, ``num_processes`` times per step (as Accelerate); False: on every call.
     """
 
-    def __init__(self, strategy="auto", devices="auto", precision=None, gradient_accumulation_steps: int = 1,
-                 log_with=None, project_dir: str | None = None, seed: int | None = None, num_nodes: int = 1,
-                 debug: bool | None = None, mixed_precision: str | None = None,
-                 step_scheduler_with_optimizer: bool = True, *, cpu: bool = False, device_placement: bool = True,
-                 split_batches: bool | None = None, even_batches: bool | None = None, kwargs_handlers=None,
-                 project_config=None, dataloader_config=None, rng_types=None, dynamo_backend=None,
-                 dynamo_plugin=None, gradient_accumulation_plugin=None):
+    def __init__(self, strategy: str | Strategy = "auto", devices: str | int | list[int] = "auto",
+                 precision: str | None = None, gradient_accumulation_steps: int = 1,
+                 log_with: str | Logger | list | None = None, project_dir: str | None = None,
+                 seed: int | None = None, num_nodes: int = 1, debug: bool | None = None,
+                 mixed_precision: str | None = None, step_scheduler_with_optimizer: bool = True, *,
+                 cpu: bool = False, device_placement: bool = True, split_batches: bool | None = None,
+                 even_batches: bool | None = None, kwargs_handlers: list | None = None,
+                 project_config: Any = None, dataloader_config: Any = None, rng_types: list[str] | None = None,
+                 dynamo_backend: str | None = None, dynamo_plugin: Any = None,
+                 gradient_accumulation_plugin: Any = None) -> None:
         from ember import accelerator_compat as compat
         from ember.strategies import build_strategy
         precision, accelerate_fp16 = compat.resolve_precision(mixed_precision, precision)
@@ -172,24 +180,25 @@ class Accelerator(AccelerateNames):
         self.sync_gradients, self._loss_div, self._step = True, 1, 0
 
     # -- topology -------------------------------------------------------------------
-    device = property(lambda self: self.strategy.root_device)
-    num_processes = property(lambda self: self.strategy.world_size)
-    process_index = property(lambda self: self.strategy.global_rank)
-    local_process_index = property(lambda self: self.strategy.local_rank)
-    is_main_process = property(lambda self: self.strategy.is_global_zero)
-    is_local_main_process = property(lambda self: self.strategy.is_local_zero)
-    is_last_process = property(lambda self: self.strategy.global_rank == self.strategy.world_size - 1)
-    use_distributed = property(lambda self: self.strategy.world_size > 1)
-    precision = property(lambda self: self.strategy.precision.name)
+    device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
+    num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
+    process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
+    local_process_index = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
+    is_main_process = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
+    is_local_main_process = property(lambda self: self.strategy.is_local_zero, doc="bool: local rank 0")
+    is_last_process = property(lambda self: self.strategy.global_rank == self.strategy.world_size - 1,
+                               doc="bool: the highest global rank")
+    use_distributed = property(lambda self: self.strategy.world_size > 1, doc="bool: more than one process")
+    precision = property(lambda self: self.strategy.precision.name, doc='str: the precision ("32-true", ...)')
 
     @property
-    def scaler(self):
+    def scaler(self) -> torch.amp.GradScaler | None:
         """The loss scaler under 16-mixed (else None), its scale updated for the last step."""
         precision = self.strategy.precision
         if precision.scaler is not None:
             precision.update()
         return precision.scaler
-    step = property(lambda self: self._step, doc="micro-batches seen in the current accumulation window")
+    step = property(lambda self: self._step, doc="int: micro-batches seen in the current accumulation window")
 
     @property
     def mixed_precision(self) -> str:
@@ -203,17 +212,19 @@ class Accelerator(AccelerateNames):
 
     # -- flat verbs (shared with the Trainer) --------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move, convert and wrap ``module`` for the strategy (the Trainer's verb; see :meth:`prepare`)."""
         if any(hasattr(m, "hf_device_map") for m in module.modules()):   # placed by a device map: stays
             from ember.big_modeling import check_prepare
             if check_prepare(module, self.strategy.name):     # raises under DDP/FSDP/DeepSpeed
                 return module
         return self.strategy.setup_module(module)
 
-    def setup_optimizers(self, module: nn.Module, optimizers: list):
+    def setup_optimizers(self, module: nn.Module | None, optimizers: list) -> tuple[Any, list]:
+        """``(module, optimizers)`` set up by the strategy (the Trainer's verb; see :meth:`prepare`)."""
         return self.strategy.setup_optimizers(module, list(optimizers))
 
-    def setup_dataloader(self, dataloader, *, seed: int | None = None, shuffle: bool | None = None,
-                         even: bool = True):
+    def setup_dataloader(self, dataloader: Any, *, seed: int | None = None, shuffle: bool | None = None,
+                         even: bool = True) -> Any:
         """Shard ``dataloader`` over the data-parallel ranks (``ember.data.prepare_dataloader``;
         ``even=False`` keeps every item of an IterableDataset, for evaluation)."""
         kw = self.strategy.distributed_sampler_kwargs() or {}
@@ -222,7 +233,7 @@ class Accelerator(AccelerateNames):
         return edata.prepare_dataloader(dataloader, seed=seed, shuffle=shuffle, even=even, **kw)
 
     # -- prepare -------------------------------------------------------------------------
-    def prepare(self, *objs, device_placement=None):
+    def prepare(self, *objs: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, dataloaders and schedulers, in any order; they come
         back in the same order (a single object comes back alone). Anything else is
         returned unchanged, and so is an object prepared before.
@@ -289,13 +300,14 @@ class Accelerator(AccelerateNames):
         map (``hf_device_map``, see ``ember.big_modeling``); such a model is not wrapped for DDP."""
         return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
 
-    def prepare_model(self, model, device_placement=None):
+    def prepare_model(self, model: Any, device_placement: bool | None = None) -> Any:
+        """:meth:`prepare` of one object (also ``prepare_optimizer``/``_data_loader``/``_scheduler``)."""
         return self.prepare(model)
 
     prepare_optimizer = prepare_data_loader = prepare_scheduler = prepare_model
 
     # -- step -----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` through the strategy and precision (loss scaling under
         16-mixed); divides by the size of the current accumulation window first
         (``gradient_accumulation_steps``; a short last window of a prepared dataloader:
@@ -316,7 +328,7 @@ class Accelerator(AccelerateNames):
         self.sync_gradients, self._loss_div = accumulation_window(index, total, self.gradient_accumulation_steps)
         return self.sync_gradients
 
-    def accumulate(self, *models):
+    def accumulate(self, *models: nn.Module) -> ContextManager[None]:
         """Context for one micro-batch. Sets :attr:`sync_gradients` (True on every
         ``gradient_accumulation_steps``-th batch of a prepared dataloader's pass and on
         its last batch; without one, on every ``gradient_accumulation_steps``-th call)
@@ -346,12 +358,12 @@ class Accelerator(AccelerateNames):
             return _NULL
         return self.no_sync(*(models or self._models))
 
-    def no_sync(self, *models):
+    def no_sync(self, *models: nn.Module) -> ContextManager[None]:
         """Context that skips the gradient all-reduce of ``models`` (DDP ``no_sync``)."""
         ctxs = [self.strategy.no_backward_sync(m, True) for m in models]
         return ctxs[0] if len(ctxs) == 1 else _MultiContext(ctxs)
 
-    def unscale_gradients(self, optimizer=None) -> None:
+    def unscale_gradients(self, optimizer: Any = None) -> None:
         """Under 16-mixed, divide the gradients of ``optimizer`` (default: all prepared
         optimizers) by the loss scale, once per step (a second call is a no-op)."""
         precision = self.strategy.precision
@@ -368,7 +380,8 @@ class Accelerator(AccelerateNames):
         self.unscale_gradients([o for o in self._optimizers if any(
             id(p) in ids for g in o.optimizer.param_groups for p in g["params"])])
 
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
         """Clip the total gradient norm of ``parameters`` (unscaling them first under
         16-mixed); returns the norm before clipping. On a micro-batch where the
         optimizer will not step (``sync_gradients`` False) it does not clip and
@@ -382,7 +395,7 @@ class Accelerator(AccelerateNames):
         self._unscale_for(params)
         return self.strategy.clip_grad_norm([p for p in params if p.grad is not None], max_norm, norm_type)
 
-    def clip_grad_value_(self, parameters, clip_value: float) -> None:
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (unscaled first; as
         :meth:`clip_grad_norm_`, only when the optimizer will step)."""
         if not self.sync_gradients:
@@ -397,7 +410,7 @@ class Accelerator(AccelerateNames):
             raise MisconfigurationError(f"under the {self.strategy.name} strategy the engine clips gradients: set "
                                         "'gradient_clipping' in its config instead of calling clip_grad_norm_/value_")
 
-    def autocast(self):
+    def autocast(self) -> ContextManager[None]:
         """The precision's autocast context (prepared models already run in it)."""
         return self.strategy.precision.forward_context()
 
@@ -406,14 +419,14 @@ class Accelerator(AccelerateNames):
         if self.strategy.world_size > 1:
             check_collective(self.strategy, op, data, free_dim)
 
-    def gather(self, tensor):
+    def gather(self, tensor: Any) -> Any:
         """Concatenate ``tensor`` (or nested tensors) from every process along dim 0
         (first dimensions may differ; a 0-d tensor becomes one row per process)."""
         if self.debug:
             self._check("gather", tensor, 0)
         return _dist.gather(tensor, strategy=self.strategy)
 
-    def gather_object(self, obj) -> list:
+    def gather_object(self, obj: Any) -> list:
         """Every process's ``obj`` (lists are concatenated, as Accelerate)."""
         if self.debug:
             self._check("gather_object", None)
@@ -422,7 +435,7 @@ class Accelerator(AccelerateNames):
             return [x for part in got for x in part]
         return got
 
-    def gather_for_metrics(self, data, use_gather_object: bool = False):
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """Gather predictions/targets from every process in dataset order, dropping the
         samples the distributed sampler duplicated, so that exactly the dataset comes back:
 
@@ -445,7 +458,7 @@ class Accelerator(AccelerateNames):
             data = [data]
         return _dist.gather_for_metrics(data, num_padded=padded, strategy=self.strategy)
 
-    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduce ``tensor`` (or nested tensors) over processes: ``"sum"`` (default, as
         Accelerate), ``"mean"``, ``"max"``, ``"min"`` or ``"none"``; then multiply by ``scale``."""
         if reduction not in _REDUCTIONS:
@@ -459,14 +472,14 @@ class Accelerator(AccelerateNames):
             out = _dist._map(out, lambda t: t * scale)
         return out
 
-    def pad_across_processes(self, tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad along ``dim`` to the largest size over processes (so it can be gathered)."""
         if self.debug:
             self._check("pad_across_processes", tensor, dim)
         return _dist.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first,
                                           strategy=self.strategy)
 
-    def broadcast(self, obj, from_process: int = 0):
+    def broadcast(self, obj: Any, from_process: int = 0) -> Any:
         """Process ``from_process``'s tensor (same shape everywhere) or picklable object."""
         if self.debug:
             self._check("broadcast", obj if isinstance(obj, torch.Tensor) else None)
@@ -490,16 +503,16 @@ class Accelerator(AccelerateNames):
         return hit
 
     # -- processes --------------------------------------------------------------------------
-    def print(self, *args, **kwargs) -> None:
+    def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the local main process only."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    def main_process_first(self):
+    def main_process_first(self) -> ContextManager[None]:
         """Context: the main process runs the body first, the others after it finished."""
         return _InOrder(self, self.is_main_process)
 
-    def local_main_process_first(self):
+    def local_main_process_first(self) -> ContextManager[None]:
         """Context: each node's local main process runs the body before the node's others."""
         return _InOrder(self, self.is_local_main_process)
 
@@ -512,17 +525,18 @@ class Accelerator(AccelerateNames):
         return self.on_local_process(function, 0)
 
     def on_last_process(self, function: Callable) -> Callable:
+        """Decorator: ``function`` runs on the last process only (elsewhere it returns None)."""
         return self.on_process(function, self.num_processes - 1)
 
-    def on_process(self, function: Callable | None = None, process_index: int = 0):
+    def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
         """Decorator: run ``function`` on global process ``process_index`` only."""
         return _only(self, function, "process_index", process_index)
 
-    def on_local_process(self, function: Callable | None = None, local_process_index: int = 0):
+    def on_local_process(self, function: Callable | None = None, local_process_index: int = 0) -> Callable:
         """Decorator: run ``function`` on local process ``local_process_index`` of each node."""
         return _only(self, function, "local_process_index", local_process_index)
 
-    def split_between_processes(self, inputs, apply_padding: bool = False):
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> ContextManager[Any]:
         """Context yielding this process's contiguous share of a list, tuple, tensor (dim 0)
         or dict of them; the first ``len % num_processes`` processes get one more item.
         ``apply_padding``: repeat the last item so every process gets the same count."""
@@ -530,7 +544,7 @@ class Accelerator(AccelerateNames):
         return _Yield(split_inputs(inputs, self.num_processes, self.process_index, apply_padding))
 
     # -- models & checkpoints ------------------------------------------------------------------
-    def unwrap_model(self, model, keep_fp32_wrapper: bool = True):
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
         """The user's module inside the strategy's wrappers (DDP, compile, ...).
         ``keep_fp32_wrapper=False`` also removes the autocast/cast ``forward`` of prepare."""
         module = self.strategy.unwrap_module(model)
@@ -538,17 +552,19 @@ class Accelerator(AccelerateNames):
             unwrap_forward(module)
         return module
 
-    def get_state_dict(self, model, unwrap: bool = True) -> dict:   # the full (unsharded) state dict
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+        """The full (unsharded) state dict of ``model``, gathered from every rank's shards."""
         return self.strategy.module_state_dict(model)
 
-    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> list:
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> list:
         """Export the weights of ``model`` to ``save_directory`` as safetensors: one
         ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger
         than ``max_shard_size`` (``"500MB"``, ``"2GB"``, bytes). The main process writes."""
         from ember.accelerator_checkpoint import save_model
         return save_model(self, model, save_directory, max_shard_size, safe_serialization)
 
-    def save(self, obj, f, safe_serialization: bool = False) -> None:
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """Write ``obj`` on the main process: a dict of tensors as safetensors when
         ``safe_serialization`` or ``f`` ends in ``.safetensors``; anything else with
         ``torch.save``, refusing objects ``torch.load(weights_only=True)`` cannot read back
@@ -563,7 +579,7 @@ class Accelerator(AccelerateNames):
             else:
                 cio.save_torch(obj, f)
 
-    def register_for_checkpointing(self, *objects) -> None:
+    def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict()``/``load_state_dict()`` in :meth:`save_state`."""
         bad = [type(o).__name__ for o in objects
                if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
@@ -572,21 +588,21 @@ class Accelerator(AccelerateNames):
                                         "and load_state_dict() methods")
         self._custom_objects.extend(objects)
 
-    def save_state(self, output_dir=None, safe_serialization: bool = True) -> str:
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True) -> str:
         """Write an atomic checkpoint directory: models (safetensors), optimizers,
         schedulers, grad scaler, dataloader positions, per-process RNG states,
         registered objects. ``None``: ``project_dir/checkpoints/checkpoint_N``."""
         from ember.accelerator_checkpoint import save_state
         return save_state(self, output_dir)
 
-    def load_state(self, input_dir=None, strict: bool = True) -> dict:
+    def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True) -> dict:
         """Restore what :meth:`save_state` wrote into the prepared objects (call after
         ``prepare``). Prepared dataloaders then resume mid-epoch, skipping the
         indices already seen. ``None``: the newest under ``project_dir/checkpoints``."""
         from ember.accelerator_checkpoint import load_state
         return load_state(self, input_dir, strict)
 
-    def skip_first_batches(self, dataloader, num_batches: int = 0):
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The next pass over ``dataloader`` starts after ``num_batches`` batches. A
         prepared dataloader skips indices (no data is read) and is returned itself; any
         other iterable is wrapped."""
@@ -595,7 +611,7 @@ class Accelerator(AccelerateNames):
             return dataloader
         return _Islice(dataloader, num_batches)
 
-    def free_memory(self, *objects):
+    def free_memory(self, *objects: Any) -> list[None]:
         """Drop the references held to prepared objects, collect garbage, empty the CUDA
         cache. Returns ``[None] * len(objects)`` for ``a, b = acc.free_memory(a, b)``."""
         for held in (self._models, self._optimizers, self._schedulers, self._dataloaders,
@@ -610,43 +626,6 @@ class Accelerator(AccelerateNames):
         return [None] * len(objects)
 
     clear = free_memory
-
-    # -- trackers ----------------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        """Create the ``log_with`` trackers (main process only) under ``project_dir``
-        with ``project_name`` as experiment name / W&B project, and log ``config`` as
-        hyperparameters. ``init_kwargs={"wandb": {...}}`` go to that tracker."""
-        from ember.accelerator_state import init_trackers
-        init_trackers(self, project_name, config, init_kwargs)
-
-    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
-        """Log scalar ``values`` (numbers or 0-d tensors, fetched in one transfer) to every
-        tracker at ``step`` (default: the number of earlier ``log`` calls). Main process only."""
-        if not self.trackers:
-            return
-        if step is None:
-            step = self._log_step
-        self._log_step = step + 1
-        metrics = dict(values)
-        keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
-        if keys:  # one device-to-host transfer for all tensors
-            metrics.update(zip(keys, torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()))
-        for tracker in self.trackers:
-            tracker.log_metrics(metrics, step=step)
-
-    def get_tracker(self, name: str, unwrap: bool = False):
-        """The tracker named ``"tensorboard"``, ``"csv"``, ``"wandb"`` (or a custom
-        Logger's name); ``unwrap=True``: its writer / run. Other processes get a
-        tracker whose methods do nothing."""
-        from ember.accelerator_state import get_tracker
-        return get_tracker(self, name, unwrap)
-
-    def end_training(self) -> None:
-        """Finish every tracker (flush, close)."""
-        for tr in self.trackers:
-            tr.finalize("success")
-        self.trackers = []
-        self.strategy.teardown()
 
     def __repr__(self) -> str:
         return (f"Accelerator(strategy={self.strategy.name!r}, num_processes={self.num_processes}, "

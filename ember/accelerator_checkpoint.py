@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import warnings
+from typing import Any
 
 import torch
 
@@ -30,7 +31,9 @@ def _auto_dir(acc, new: bool) -> str:
     return os.path.join(root, f"checkpoint_{newest}")
 
 
-def save_model(acc, model, save_directory, max_shard_size, safe_serialization: bool) -> list:
+def save_model(acc: Any, model: Any, save_directory: str | os.PathLike, max_shard_size: int | str,
+               safe_serialization: bool) -> list:
+    """``Accelerator.save_model``: the full weights as safetensors shards; returns the files written."""
     if not safe_serialization:
         raise MisconfigurationError("save_model(safe_serialization=False) is not supported: ember writes "
                                     "safetensors only")
@@ -106,10 +109,11 @@ def _main_only_error(acc, what: str) -> MisconfigurationError:
 
 
 def rng_file(path: str, rank: int) -> str:
+    """The file of ``rank``'s RNG states in a ``save_state`` folder."""
     return os.path.join(path, f"rng_state_{rank}.pt")
 
 
-def save_state(acc, output_dir) -> str:
+def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
     """Non-sharded strategies (single, DDP) enter no collective: the main process writes
     the checkpoint atomically, so ``if accelerator.is_main_process: save_state()`` works.
     When the other ranks call it too, each adds its own RNG state (``rng_state_<rank>.pt``)
@@ -214,7 +218,7 @@ def _write_rank_rng(acc, path: str, token: str) -> None:
     os.replace(target + ".tmp", target)
 
 
-def next_auto_dir(acc) -> str:
+def next_auto_dir(acc: Any) -> str:
     """``project_dir/checkpoints/checkpoint_<save_iteration>`` (Accelerate's automatic
     naming); :attr:`Accelerator.save_iteration` then advances. No collective: every rank
     counts its own calls. With ``ProjectConfiguration(total_limit=N)`` the main process
@@ -256,7 +260,8 @@ def _load_extra_model(strategy, model, path: str, name: str, size, strict: bool)
     strategy.load_module_state_dict(model, weights, strict=strict)
 
 
-def load_state(acc, input_dir, strict: bool = True) -> dict:
+def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = True) -> dict:
+    """``Accelerator.load_state``: restore what :func:`save_state` wrote."""
     strategy = acc.strategy
     path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
     for hook in getattr(acc, "_load_hooks", ()):

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -33,7 +33,8 @@ class DistributedType(str, enum.Enum):
     XLA = "XLA"
 
 
-def distributed_type_of(strategy) -> DistributedType:
+def distributed_type_of(strategy: Any) -> DistributedType:
+    """Accelerate's :class:`DistributedType` of a strategy."""
     name = getattr(strategy, "name", "single")
     if name == "deepspeed":
         return DistributedType.DEEPSPEED
@@ -99,7 +100,7 @@ class ProfileKwargs(_Handler):
     with_modules: bool = False
     output_trace_dir: str | None = None
 
-    def build(self):
+    def build(self) -> Any:
         """A ``torch.profiler.profile`` from these fields."""
         from torch.profiler import ProfilerActivity, profile, schedule
         names = {"cpu": ProfilerActivity.CPU, "cuda": ProfilerActivity.CUDA}
@@ -174,7 +175,7 @@ class PartialState:
     share one state: the Accelerator's once one exists, else one set up from the
     launcher's environment (``cpu=True``: the CPU)."""
 
-    def __init__(self, cpu: bool = False, **kwargs):
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         strategy = _SHARED.get("strategy")
         if strategy is None:
             from ember.strategies import build_strategy
@@ -183,43 +184,50 @@ class PartialState:
             _SHARED["strategy"] = strategy
         self._strategy = strategy
 
-    strategy = property(lambda self: _SHARED.get("strategy", self._strategy))
-    device = property(lambda self: self.strategy.root_device)
-    num_processes = property(lambda self: self.strategy.world_size)
-    process_index = property(lambda self: self.strategy.global_rank)
-    local_process_index = property(lambda self: self.strategy.local_rank)
-    is_main_process = property(lambda self: self.strategy.is_global_zero)
-    is_local_main_process = property(lambda self: self.strategy.is_local_zero)
-    is_last_process = property(lambda self: self.process_index == self.num_processes - 1)
-    use_distributed = property(lambda self: self.num_processes > 1)
-    distributed_type = property(lambda self: distributed_type_of(self.strategy))
-    initialized = property(lambda self: True)
+    strategy = property(lambda self: _SHARED.get("strategy", self._strategy), doc="the shared Strategy")
+    device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
+    num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
+    process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
+    local_process_index = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
+    is_main_process = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
+    is_local_main_process = property(lambda self: self.strategy.is_local_zero, doc="bool: local rank 0")
+    is_last_process = property(lambda self: self.process_index == self.num_processes - 1, doc="bool: the last rank")
+    use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+    distributed_type = property(lambda self: distributed_type_of(self.strategy), doc=":class:`DistributedType`")
+    initialized = property(lambda self: True, doc="always True (the state is set up on construction)")
 
     @property
     def backend(self) -> str | None:
+        """The process group backend (``"nccl"``, ``"gloo"``), None on one process."""
         return getattr(self.strategy, "_backend", None) if self.num_processes > 1 else None
 
     def wait_for_everyone(self) -> None:
+        """Barrier: wait until every process arrives."""
         self.strategy.barrier("wait_for_everyone")
 
-    def print(self, *args, **kwargs) -> None:
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    def main_process_first(self):
+    def main_process_first(self) -> ContextManager[None]:
+        """Context manager: the main process runs the block first, then the others."""
         from ember.accelerator import _InOrder
         return _InOrder(self, self.is_main_process)
 
-    def local_main_process_first(self):
+    def local_main_process_first(self) -> ContextManager[None]:
+        """Context manager: each machine's local main process runs the block first."""
         from ember.accelerator import _InOrder
         return _InOrder(self, self.is_local_main_process)
 
-    def split_between_processes(self, inputs, apply_padding: bool = False):
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> ContextManager[Any]:
+        """Context manager yielding this process's part of ``inputs`` (list, tuple, dict, tensor)."""
         from ember.accelerator import _Yield
         from ember.accelerator_state import split_inputs
         return _Yield(split_inputs(inputs, self.num_processes, self.process_index, apply_padding))
 
-    def on_main_process(self, function):
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: ``function`` runs on the main process only (elsewhere it returns None)."""
         import functools
 
         @functools.wraps(function)
@@ -236,28 +244,31 @@ class PartialState:
 class AcceleratorState(PartialState):
     """``accelerator.state``: the process layout plus ``mixed_precision``."""
 
-    def __init__(self, accelerator=None, **kwargs):
+    def __init__(self, accelerator: Any = None, **kwargs: Any) -> None:
         self._acc = accelerator
         super().__init__(**kwargs)
 
-    mixed_precision = property(lambda self: self._acc.mixed_precision if self._acc is not None else "no")
-    num_steps = property(lambda self: self._acc.gradient_accumulation_steps if self._acc is not None else 1)
+    mixed_precision = property(lambda self: self._acc.mixed_precision if self._acc is not None else "no",
+                               doc='str: "no", "fp16", "bf16" (or the ember precision string)')
+    num_steps = property(lambda self: self._acc.gradient_accumulation_steps if self._acc is not None else 1,
+                         doc="int: gradient accumulation steps")
 
 
 class GradientState:
     """``accelerator.gradient_state``: ``sync_gradients``, ``num_steps``,
     ``end_of_dataloader``, ``active_dataloader``."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Any) -> None:
         self._acc = accelerator
 
-    sync_gradients = property(lambda self: self._acc.sync_gradients)
-    num_steps = property(lambda self: self._acc.gradient_accumulation_steps)
-    active_dataloader = property(lambda self: self._acc._active_loader)
-    in_dataloader = property(lambda self: self._acc._active_loader is not None)
+    sync_gradients = property(lambda self: self._acc.sync_gradients, doc="bool: this micro-batch steps")
+    num_steps = property(lambda self: self._acc.gradient_accumulation_steps, doc="int: accumulation steps")
+    active_dataloader = property(lambda self: self._acc._active_loader, doc="the prepared loader being iterated")
+    in_dataloader = property(lambda self: self._acc._active_loader is not None, doc="bool: inside a prepared loader")
 
     @property
     def end_of_dataloader(self) -> bool:
+        """Whether the active prepared loader gave its last batch."""
         loader = self._acc._active_loader
         return bool(loader is not None and loader.end_of_dataloader)
 
@@ -267,7 +278,7 @@ def _refuse(kwarg: str, why: str) -> MisconfigurationError:
     return MisconfigurationError(f"Accelerator({kwarg}): {why}")
 
 
-def resolve_precision(mixed_precision, precision) -> tuple[str | None, bool]:
+def resolve_precision(mixed_precision: str | None, precision: str | None) -> tuple[str | None, bool]:
     """Accelerate's ``mixed_precision`` (also from ``$ACCELERATE_MIXED_PRECISION``) as an
     ember precision, and whether it was Accelerate's ``"fp16"``."""
     if precision is None and mixed_precision is None and "EMBER_PRECISION" not in os.environ:
@@ -280,7 +291,7 @@ def resolve_precision(mixed_precision, precision) -> tuple[str | None, bool]:
     return precision, False
 
 
-def cpu_fp16_as_accelerate(strategy) -> bool:
+def cpu_fp16_as_accelerate(strategy: Any) -> bool:
     """Accelerate's ``mixed_precision="fp16"`` on the CPU runs in float32 (no autocast,
     no GradScaler); ember does the same, and says so once."""
     if strategy.root_device.type != "cpu":
@@ -292,7 +303,7 @@ def cpu_fp16_as_accelerate(strategy) -> bool:
     return True
 
 
-def strategy_options(kwargs_handlers, cpu: bool, devices) -> tuple[dict, Any]:
+def strategy_options(kwargs_handlers: list | None, cpu: bool, devices: Any) -> tuple[dict, Any]:
     """Split the kwargs handlers: (DDP/process-group options for the strategy, the rest)."""
     ddp: dict = {}
     pg: dict = {}
@@ -324,7 +335,7 @@ def strategy_options(kwargs_handlers, cpu: bool, devices) -> tuple[dict, Any]:
     return {"ddp": ddp, "pg": pg}, (scaler, profile)
 
 
-def configure_strategy(strategy, options: dict) -> None:
+def configure_strategy(strategy: Any, options: dict) -> None:
     """Apply DDP / process-group options to a strategy that was not set up yet."""
     if not (options["ddp"] or options["pg"]):
         return
@@ -346,7 +357,8 @@ def configure_strategy(strategy, options: dict) -> None:
         strategy._backend = pg["process_group_backend"]
 
 
-def apply_scaler_kwargs(precision, h: GradScalerKwargs | None) -> None:
+def apply_scaler_kwargs(precision: Any, h: GradScalerKwargs | None) -> None:
+    """Apply ``GradScalerKwargs`` to the precision's loss scaler."""
     if h is None:
         return
     scaler = getattr(precision, "scaler", None)
@@ -363,8 +375,9 @@ def apply_scaler_kwargs(precision, h: GradScalerKwargs | None) -> None:
         scaler._scale.fill_(h.init_scale)
 
 
-def dataloader_options(split_batches, even_batches, dataloader_config, gradient_accumulation_plugin,
-                       gradient_accumulation_steps, rng_types, device_placement) -> dict:
+def dataloader_options(split_batches: bool | None, even_batches: bool | None, dataloader_config: Any,
+                       gradient_accumulation_plugin: Any, gradient_accumulation_steps: int, rng_types: Any,
+                       device_placement: bool) -> dict:
     """Check Accelerate's data keywords; return ember's settings."""
     cfg = dataloader_config or DataLoaderConfiguration()
     if dataloader_config is not None and (split_batches is not None or even_batches is not None):
@@ -399,7 +412,7 @@ def dataloader_options(split_batches, even_batches, dataloader_config, gradient_
             "use_stateful_dataloader": bool(cfg.use_stateful_dataloader), "device_placement": bool(device_placement)}
 
 
-def dynamo_options(dynamo_backend, dynamo_plugin) -> dict | None:
+def dynamo_options(dynamo_backend: Any, dynamo_plugin: Any) -> dict | None:
     """``torch.compile`` options, or None (no compilation)."""
     if dynamo_plugin is not None and dynamo_backend is not None:
         raise _refuse("dynamo_backend", "pass it inside dynamo_plugin, not both")
@@ -415,12 +428,13 @@ def dynamo_options(dynamo_backend, dynamo_plugin) -> dict | None:
     return opts
 
 
-def set_shared_state(strategy) -> None:
+def set_shared_state(strategy: Any) -> None:
     """The Accelerator's layout is what every ``PartialState()`` sees from now on."""
     _SHARED["strategy"] = strategy
 
 
-def check_data_options(acc, opts: dict) -> None:
+def check_data_options(acc: Any, opts: dict) -> None:
+    """Refuse data options the number of processes cannot honour (at construction)."""
     world = acc.strategy.world_size
     if not opts["even_batches"] and world > 1:
         raise _refuse("even_batches=False", "ember's sampler always gives every process the same number of "
@@ -430,7 +444,7 @@ def check_data_options(acc, opts: dict) -> None:
                       "move them yourself only with strategy='single' on the CPU")
 
 
-def split_loader(loader, num_processes: int):
+def split_loader(loader: Any, num_processes: int) -> Any:
     """``split_batches=True``: the loader's batch size is the global one; each of the
     ``num_processes`` processes reads ``batch_size // num_processes`` samples per batch."""
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler
@@ -458,28 +472,33 @@ class AccelerateNames:
                                 doc=":class:`DistributedType` of the run (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ...)")
     state = property(lambda self: AcceleratorState(self), doc="the process layout (:class:`AcceleratorState`)")
     gradient_state = property(lambda self: GradientState(self), doc=":class:`GradientState`")
-    split_batches = property(lambda self: bool(self._data_opts.get("split_batches", False)))
-    even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)))
+    split_batches = property(lambda self: bool(self._data_opts.get("split_batches", False)),
+                             doc="bool: a loader's batch is split over the processes")
+    even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)),
+                            doc="bool: every process gets as many batches (samples repeated)")
     use_seedable_sampler = property(lambda self: True, doc="always: ember's order comes from (seed, epoch)")
-    non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)))
-    device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)))
-    logging_dir = property(lambda self: getattr(self.project_configuration, "logging_dir", None) or self.project_dir)
-    multi_device = property(lambda self: self.num_processes > 1)
-    data_parallel_rank = property(lambda self: self.process_index)
-    tensor_parallel_rank = property(lambda self: 0)
-    is_fsdp2 = property(lambda self: getattr(self.strategy, "name", "") == "fsdp")
+    non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)),
+                            doc="bool: batches are copied to the device with non_blocking=True")
+    device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)),
+                                doc="bool: prepared objects are moved to the device")
+    logging_dir = property(lambda self: getattr(self.project_configuration, "logging_dir", None) or self.project_dir,
+                           doc="str: where trackers write")
+    multi_device = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+    data_parallel_rank = property(lambda self: self.process_index, doc="int: the process index (Accelerate's name)")
+    tensor_parallel_rank = property(lambda self: 0, doc="int: always 0 (Accelerate's name)")
+    is_fsdp2 = property(lambda self: getattr(self.strategy, "name", "") == "fsdp", doc="bool: FSDP (FSDP2) runs")
 
-    def profile(self, profile_handler: ProfileKwargs | None = None):
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> ContextManager[Any]:
         """Context manager: ``torch.profiler.profile`` built from ``profile_handler``
         (default: the ``ProfileKwargs`` of ``kwargs_handlers``, else CPU activities)."""
         return (profile_handler or self._profile_kwargs or ProfileKwargs()).build()
 
-    def register_save_state_pre_hook(self, hook):
+    def register_save_state_pre_hook(self, hook: Callable) -> _Handle:
         """``hook(models, weights, output_dir)`` runs in :meth:`save_state` before writing
         (``weights``: the list of state dicts, may be edited). Returns a handle with ``remove()``."""
         return _Handle(self.__dict__.setdefault("_save_hooks", []), hook)
 
-    def register_load_state_pre_hook(self, hook):
+    def register_load_state_pre_hook(self, hook: Callable) -> _Handle:
         """``hook(models, input_dir)`` runs in :meth:`load_state` before loading."""
         return _Handle(self.__dict__.setdefault("_load_hooks", []), hook)
 
@@ -494,7 +513,7 @@ class _Handle:
             self.hooks.remove(self.hook)
 
 
-def partial_grad_norm(acc, parameters, norm_type: float):
+def partial_grad_norm(acc: Any, parameters: Any, norm_type: float) -> torch.Tensor:
     """``clip_grad_norm_`` on a micro-batch that does not sync: the norm of the
     gradients accumulated so far (divided by the loss scale under 16-mixed), as a
     0-d tensor, without clipping and without a host sync."""

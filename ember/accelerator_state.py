@@ -10,7 +10,7 @@ import functools
 import itertools
 import os
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -43,15 +43,18 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     It is a ``torch.optim.Optimizer`` (schedulers can be built on it); its state lives
     in the wrapped :attr:`optimizer`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator):  # no Optimizer.__init__: state is inner
+    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Any) -> None:  # state is the inner one's
         self.optimizer, self._acc, self._strategy = optimizer, accelerator, accelerator.strategy
 
     param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, v: setattr(self.optimizer, "param_groups", v))
-    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
-    defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v))
+                            lambda self, v: setattr(self.optimizer, "param_groups", v), doc="the wrapped optimizer's")
+    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v),
+                     doc="the wrapped optimizer's")
+    defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v),
+                        doc="the wrapped optimizer's")
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step through the strategy and precision; nothing while accumulating."""
         acc = self._acc
         if not acc.sync_gradients:
             return None
@@ -65,13 +68,16 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return self._strategy.precision.step_skipped(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients; nothing while accumulating."""
         if self._acc.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer."""
         self.optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name):
@@ -83,7 +89,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
 
-def is_scheduler(obj) -> bool:
+def is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is an LR scheduler (torch's, or one with ``step``, ``optimizer``, ``state_dict``)."""
     if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
         return True
     return (callable(getattr(obj, "step", None)) and hasattr(obj, "optimizer") and hasattr(obj, "state_dict")
@@ -97,7 +104,7 @@ class AcceleratedScheduler:
     sees ``1/num_processes`` of the batches, so a schedule written for the number of
     batches of one process keeps its length. ``ReduceLROnPlateau`` steps once."""
 
-    def __init__(self, scheduler, accelerator):
+    def __init__(self, scheduler: Any, accelerator: Any) -> None:
         self.scheduler, self._acc = scheduler, accelerator
         self._opts: list | None = None
         self._once = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -108,7 +115,8 @@ class AcceleratedScheduler:
             self._opts = [o for o in self._acc._optimizers if o is target or o.optimizer is target]
         return self._opts
 
-    def step(self, *args, **kwargs) -> None:
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Step the wrapped scheduler by the rules above."""
         acc = self._acc
         sched = self.scheduler
         if not acc.step_scheduler_with_optimizer:
@@ -126,10 +134,12 @@ class AcceleratedScheduler:
                 break  # OneCycleLR raises past its end (a last partial window)
             sched.step(*args, **kwargs)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
+        """The wrapped scheduler's state dict."""
         return self.scheduler.state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped scheduler."""
         self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name):
@@ -148,7 +158,7 @@ class DataLoaderShard:
     (:attr:`end_of_dataloader`). Each full pass is one epoch (:attr:`epoch` advances
     and reshuffles); :attr:`batches_done` counts the batches of the current pass."""
 
-    def __init__(self, loader, accelerator, original=None):
+    def __init__(self, loader: Any, accelerator: Any, original: Any = None) -> None:
         self.base, self._acc, self._strategy = loader, accelerator, accelerator.strategy
         self.end_of_dataloader = False
         self._skip = self.batches_done = self.epoch = 0
@@ -168,6 +178,7 @@ class DataLoaderShard:
 
     @property
     def total_batch_size(self) -> int:
+        """Samples per step over all processes (the loader's batch size times the processes)."""
         return (getattr(self.base, "batch_size", None) or 1) * self._strategy.world_size
 
     def set_epoch(self, epoch: int) -> None:
@@ -213,6 +224,7 @@ class DataLoaderShard:
             acc._active_loader = prev
 
     def state_dict(self) -> dict:
+        """Where the pass stands (epoch, batches done, the sampler's state), for a resume."""
         s = edata.sampler_of(self.base)
         out = {"epoch": self.epoch, "batches_done": self.batches_done,
                "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
@@ -225,6 +237,7 @@ class DataLoaderShard:
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: the next pass skips the batches already done."""
         s = edata.sampler_of(self.base)
         if state.get("sampler") and isinstance(s, edata.ResumableSampler):
             s.load_state_dict(state["sampler"])
@@ -248,7 +261,7 @@ class DataLoaderShard:
 
 
 
-def global_rng_draws(loader) -> int:
+def global_rng_draws(loader: Any) -> int:
     """How many values a plain ``DataLoader`` takes from the global torch RNG per
     ``__iter__``: its workers' base seed (no ``generator``) and, for a
     ``RandomSampler`` without a generator, the sampler's seed. The prepared loader
@@ -278,7 +291,7 @@ def _to_float32(x: Any, low: torch.dtype) -> Any:
     return x
 
 
-def wrap_forward(module: torch.nn.Module, precision) -> None:
+def wrap_forward(module: torch.nn.Module, precision: Any) -> None:
     """Make ``module.forward`` run under the precision's autocast (outputs in float32)
     or cast floating inputs to the precision's dtype ("16-true" ...). Bound to the
     module, so ``copy.deepcopy`` rebinds it to the copy. No-op under 32-true."""
@@ -303,12 +316,14 @@ def wrap_forward(module: torch.nn.Module, precision) -> None:
 
 
 def unwrap_forward(module: torch.nn.Module) -> None:
+    """Undo :func:`wrap_forward`."""
     if module.__dict__.pop("_ember_forward_wrapped", False):
         module.__dict__.pop("forward", None)
 
 
 # -- split_between_processes ---------------------------------------------------------------------
-def split_inputs(inputs, num_processes: int, rank: int, apply_padding: bool):
+def split_inputs(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> Any:
+    """Rank ``rank``'s contiguous part of ``inputs`` (list, tuple, dict of them, tensor)."""
     if isinstance(inputs, dict):
         lengths = {k: len(v) for k, v in inputs.items()}
         if len(set(lengths.values())) > 1:
@@ -374,7 +389,7 @@ def _compatible(a: list, b: list, free_dim: int | None) -> bool:
     return True
 
 
-def check_collective(strategy, op: str, data: Any, free_dim: int | None = None) -> None:
+def check_collective(strategy: Any, op: str, data: Any, free_dim: int | None = None) -> None:
     """Debug mode: every process sends the others the name of the collective it is
     about to run and its tensors' dtypes and shapes; raise
     :class:`DistributedOperationError` on every process if they do not fit."""
@@ -396,7 +411,8 @@ def check_collective(strategy, op: str, data: Any, free_dim: int | None = None) 
 
 
 # -- trackers ------------------------------------------------------------------------------------
-def tracker_name(spec) -> str:
+def tracker_name(spec: Any) -> str:
+    """The name of a ``log_with`` entry (a string, or a Logger's name)."""
     if isinstance(spec, str):
         return spec.strip().lower()
     from ember.loggers import CSVLogger, TensorBoardLogger, WandbLogger
@@ -407,7 +423,8 @@ def tracker_name(spec) -> str:
     return name[:-6] if name.endswith("logger") and len(name) > 6 else name
 
 
-def check_log_with(log_with) -> list:
+def check_log_with(log_with: Any) -> list:
+    """``log_with`` as a list, each entry checked (at construction)."""
     from ember.loggers import LOGGER_CHOICES, Logger
     specs = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
     out = []
@@ -419,7 +436,8 @@ def check_log_with(log_with) -> list:
     return out
 
 
-def init_trackers(acc, project_name: str, config, init_kwargs) -> None:
+def init_trackers(acc: Any, project_name: str, config: dict | None, init_kwargs: dict | None) -> None:
+    """``Accelerator.init_trackers``."""
     from ember.loggers import build_logger
     from ember.loggers.base import next_version
     acc.trackers = []
@@ -453,7 +471,8 @@ class _NullTracker:
         return lambda *a, **k: None
 
 
-def get_tracker(acc, name: str, unwrap: bool):
+def get_tracker(acc: Any, name: str, unwrap: bool) -> Any:
+    """``Accelerator.get_tracker``."""
     if not acc.is_main_process:
         return _NullTracker()
     key = name.strip().lower()

@@ -133,12 +133,13 @@ def test_fit_summary_checkpoint_and_resume_lines(tmp_path):
 def test_summary_names_max_steps_and_early_stopping(tmp_path):
     con = _console(200, terminal=False)
     _, text = _fit(tmp_path, con, max_steps=5)
-    assert "Fit stopped: reached max_steps=5\n  epochs: 1, steps: 5," in text
+    assert re.search(r"Fit stopped: reached max_steps=5\n  epochs: (1|0 complete \+ 5/8 batches of epoch 0), "
+                     r"steps: 5,", text)
     con = _console(200, terminal=False)
     es = EarlyStopping(monitor="val/loss", mode="max", patience=1)   # a falling loss never "improves"
     _, text = _fit(tmp_path, con, max_epochs=10,
                    callbacks=[RichProgressBar(console=con), es])
-    assert f"Fit stopped: early stopping on val/loss: {es.stopping_reason}" in text
+    assert f"Fit stopped: early stopping on val/loss={es.stopped_value:.4g} (patience=1): {es.stopping_reason}" in text
     assert "epochs: 2, steps: 16" in text
 
 

@@ -50,6 +50,8 @@ class EarlyStopping(Callback):
         self.stopped_epoch = 0
         self.best_score = math.inf if mode == "min" else -math.inf
         self.stopping_reason: str | None = None
+        #: the monitored value at the check that stopped the fit (None until it stops)
+        self.stopped_value: float | None = None
         self._on_epoch_end = check_on_train_epoch_end
 
     @property
@@ -94,7 +96,7 @@ class EarlyStopping(Callback):
         stop = trainer.strategy.agree(bool(stop), "max")
         if stop:
             self.stopped_epoch = trainer.current_epoch
-            self.stopping_reason = reason
+            self.stopping_reason, self.stopped_value = reason, current
             trainer.request_stop("early_stopping", agreed=True)
         if reason and self.verbose:
             self._print(trainer, reason)

@@ -73,7 +73,9 @@ class RichProgressBar(ProgressBar):
     columns. Validation, test and predict passes show a second, transient bar.
 
     On a terminal or in Jupyter it refreshes ``refresh_per_second`` times a
-    second from rich's refresh thread (a live widget in notebooks); elsewhere
+    second from rich's refresh thread (in a notebook: one output widget redrawn
+    in place, which needs ``ipywidgets``; without it a warning says so and plain
+    lines follow); elsewhere
     (CI, log files) it prints a plain line every ``plain_interval`` seconds and at
     each epoch end. Only global rank 0 draws.
 
@@ -107,6 +109,10 @@ class RichProgressBar(ProgressBar):
         self._done = 0
         self._total: float = 0
         self._in_epoch = False
+        self._widgets: bool | None = None   # ipywidgets found (Jupyter only; checked once)
+        self._receiver = None   # rank 0: other ranks' lines (ember/callbacks/rank_output.py)
+        self._forwarder = None  # other ranks: stdout and warnings sent to rank 0
+        self._failed = False
 
     # -- output ----------------------------------------------------------------------
     @property
@@ -119,11 +125,54 @@ class RichProgressBar(ProgressBar):
 
     def _live(self) -> bool:
         c = self.console
-        return bool(c.is_terminal or getattr(c, "is_jupyter", False))
+        if getattr(c, "is_jupyter", False):
+            return self._jupyter_widgets()
+        return bool(c.is_terminal)
+
+    def _jupyter_widgets(self) -> bool:
+        """rich draws its live display in a notebook as an ipywidgets ``Output`` (redrawn in
+        place). Without ipywidgets it would draw nothing: say so once, and print plain lines."""
+        if self._widgets is None:
+            import importlib.util
+            self._widgets = importlib.util.find_spec("ipywidgets") is not None
+            if not self._widgets:
+                import warnings
+                warnings.warn("RichProgressBar: the live bar in Jupyter needs ipywidgets (pip install ipywidgets); "
+                              f"printing a plain line every plain_interval={self.plain_interval} s and at each "
+                              "epoch end instead", stacklevel=2)
+        return self._widgets
 
     def print(self, *objects: Any) -> None:
         """Print above the live bar (rich keeps the bar at the bottom)."""
         self.console.print(*objects, highlight=False, soft_wrap=True, markup=False)
+
+    # -- other ranks' output -------------------------------------------------------------
+    def setup(self, trainer, module, stage):
+        """Under several processes, while rank 0's bar is live, the other ranks of its host
+        print above it (see :mod:`ember.callbacks.rank_output`): one broadcast, here."""
+        self._failed = False
+        if trainer.world_size <= 1 or self._receiver is not None or self._forwarder is not None:
+            return
+        from ember.callbacks import rank_output
+        address = None
+        if trainer.is_global_zero and self._live():
+            try:
+                self._receiver = rank_output.LineReceiver(self.print)
+                address = self._receiver.address
+            except OSError:   # no loopback socket: the other ranks print as before
+                self._receiver = None
+        address = trainer.strategy.broadcast(address)
+        if address is not None and not trainer.is_global_zero:
+            self._forwarder = rank_output.connect(tuple(address), trainer.global_rank)
+
+    def _stop_forwarding(self) -> None:
+        if self._forwarder is not None:
+            from ember.callbacks.rank_output import disconnect
+            disconnect(self._forwarder)
+            self._forwarder = None
+        if self._receiver is not None:   # after a failure, never wait on the other ranks
+            self._receiver.close(wait=0 if self._failed else 5)
+            self._receiver = None
 
     # -- fit lifecycle ---------------------------------------------------------------
     def on_train_start(self, trainer, module):
@@ -172,11 +221,12 @@ class RichProgressBar(ProgressBar):
         self._shutdown()
 
     def on_exception(self, trainer, module, exception):
-        self._in_epoch = False
+        self._in_epoch, self._failed = False, True
         self._shutdown()
 
     def teardown(self, trainer, module, stage):
         self._shutdown()
+        self._stop_forwarding()
 
     # -- validation / test / predict -------------------------------------------------
     def _eval_start(self, trainer, stage: str) -> None:

@@ -21,31 +21,6 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
-def _stop_reason(trainer, status: str) -> str | None:
-    reason = getattr(trainer, "stop_reason", None)
-    if reason:
-        return str(reason)
-    if getattr(trainer, "_preempted", False):
-        return "preempted"
-    if status == "interrupted":
-        return "interrupted"
-    if status == "failed":
-        return "exception"
-    if trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
-        return "max_steps"
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch >= trainer.max_epochs:
-        return "max_epochs"
-    for cb in trainer.callbacks:
-        if type(cb).__name__ == "EarlyStopping" and getattr(cb, "stopped_epoch", 0):
-            return "early_stopping"
-    if trainer.should_stop and any(type(cb).__name__ == "Timer" for cb in trainer.callbacks):
-        return "timer"
-    deadline = getattr(trainer, "_deadline", None)
-    if deadline is not None and time.monotonic() >= deadline:
-        return "max_time"
-    return "should_stop" if trainer.should_stop else None
-
-
 class RunRecord(Callback):
     """Records the facts of a ``fit`` in ``<log_dir>/run.json`` (rank 0, only when
     the trainer has a logger). ``report=True``: also writes ``<log_dir>/report.html``
@@ -92,7 +67,7 @@ class RunRecord(Callback):
         best_score = getattr(ckpt, "best_model_score", None)
         self.info.update({
             "end_time": _now(), "duration_s": round(time.monotonic() - self._t0, 3), "status": status,
-            "stop_reason": _stop_reason(trainer, status), "error": error,
+            "stop_reason": trainer.stop_reason, "error": error,
             "global_step": trainer.global_step, "epochs_completed": len(self._epoch_steps),
             "epoch_end_steps": list(self._epoch_steps), "max_epochs": trainer.max_epochs,
             "max_steps": trainer.max_steps, "module": type(module).__name__,

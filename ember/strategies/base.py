@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ class Strategy:
     #: "sharded" (ShardedGradScaler) or None (the strategy scales losses itself)
     loss_scaler: str | None = "torch"
 
-    def __init__(self, device: "str | torch.device | None" = None):
+    def __init__(self, device: "str | torch.device | None" = None) -> None:
         self._device = torch.device(device) if device is not None else None
         self.precision: Precision = Precision()
         self.num_processes = 1
@@ -58,10 +58,11 @@ class Strategy:
     # -- topology ----------------------------------------------------------
     @property
     def root_device(self) -> torch.device:
+        """The device this process computes on."""
         return self._device or torch.device("cpu")
 
     @root_device.setter
-    def root_device(self, device) -> None:
+    def root_device(self, device: str | torch.device) -> None:
         self._device = torch.device(device)
 
     world_size = 1
@@ -71,14 +72,17 @@ class Strategy:
 
     @property
     def is_global_zero(self) -> bool:
+        """Whether this process is global rank 0."""
         return self.global_rank == 0
 
     @property
     def is_local_zero(self) -> bool:
+        """Whether this process is rank 0 of its machine."""
         return self.local_rank == 0
 
     @property
     def is_distributed(self) -> bool:
+        """Whether the run has more than one process."""
         return self.world_size > 1
 
     # -- lifecycle -----------------------------------------------------------
@@ -88,7 +92,7 @@ class Strategy:
             torch.cuda.set_device(self.root_device)
         self.precision.setup(self.root_device, self.loss_scaler)
 
-    def module_init_context(self):
+    def module_init_context(self) -> ContextManager[None]:
         """Context in which ``configure_model`` builds layers (meta device for FSDP)."""
         ctx = getattr(self.precision, "module_init_context", None)
         return ctx() if ctx is not None else _NULL
@@ -103,6 +107,7 @@ class Strategy:
         return module, optimizers
 
     def unwrap_module(self, module: nn.Module) -> nn.Module:
+        """The user's module inside the strategy's wrapper (DDP, FSDP, DeepSpeed engine)."""
         while hasattr(module, "module") and isinstance(module.module, nn.Module) and (
                 type(module).__name__ in ("DistributedDataParallel", "DeepSpeedEngine",
                                           "OptimizedModule", "_EmberModuleWrapper")):
@@ -110,6 +115,7 @@ class Strategy:
         return getattr(module, "_orig_mod", module)
 
     def teardown(self) -> None:
+        """Release what the strategy set up (process group, engine) at the end of a run."""
         pass
 
     # -- data ------------------------------------------------------------------
@@ -118,23 +124,28 @@ class Strategy:
         return None
 
     def batch_to_device(self, batch: Any) -> Any:
+        """``batch`` (tensors in nested lists, tuples, dicts) moved to :attr:`root_device`."""
         return move_to_device(batch, self.root_device)
 
     # -- step ----------------------------------------------------------------
-    def forward_context(self):
+    def forward_context(self) -> ContextManager[None]:
+        """The context the module's forward runs in (the precision's autocast)."""
         return self.precision.forward_context()
 
-    def backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs) -> None:
+    def backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs: Any) -> None:
+        """``loss.backward()`` through the precision (loss scaling)."""
         self.precision.backward(loss, **kwargs)
 
-    def optimizer_step(self, optimizer, module: nn.Module | None = None, closure=None) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None,
+                       closure: Callable[[], Any] | None = None) -> None:
+        """``optimizer.step()`` through the precision (a scaled step may be skipped)."""
         self.precision.optimizer_step(optimizer, closure)
 
-    def no_backward_sync(self, module: nn.Module, enabled: bool = True):
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager[None]:
         """Context that skips the gradient all-reduce (accumulation micro-batches)."""
         return _NULL
 
-    def clip_gradients(self, module: nn.Module, optimizer, clip_val: float,
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float,
                        algorithm: str = "norm") -> torch.Tensor | None:
         """Unscale ``optimizer``'s gradients (16-mixed) and clip them: their total norm
         (returned, before clipping) or each element (``algorithm="value"``)."""
@@ -158,9 +169,11 @@ class Strategy:
 
     # -- collectives (identity on one process) ---------------------------------
     def barrier(self, name: str | None = None) -> None:
+        """Wait until every process arrives (``name`` labels it in timeout messages)."""
         pass
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (a tensor or any picklable object)."""
         return obj
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -172,12 +185,14 @@ class Strategy:
         return tensor
 
     def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
         return [obj]
 
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the ranks with ``op`` (``"mean"``, ``"sum"``, ``"max"``, ``"min"``)."""
         return tensor
 
-    def agree(self, decision, how: str = "max"):
+    def agree(self, decision: Any, how: str = "max") -> Any:
         """One decision for every rank, with one small collective (none on one process).
 
         ``decision`` is a bool, a number, or a list of numbers (several decisions in one
@@ -223,13 +238,17 @@ class Strategy:
         """Full (unsharded) weights, on every rank that needs them."""
         return self.unwrap_module(module).state_dict()
 
-    def load_module_state_dict(self, module: nn.Module, state: dict, strict: bool = True):
+    def load_module_state_dict(self, module: nn.Module, state: dict, strict: bool = True) -> Any:
+        """Load ``state`` (as :meth:`module_state_dict` returns it) into ``module``."""
         return self.unwrap_module(module).load_state_dict(state, strict=strict)
 
-    def optimizer_state_dict(self, optimizer, module: nn.Module | None = None) -> dict:
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None) -> dict:
+        """The optimizer's state for a checkpoint (full or this rank's shard, per strategy)."""
         return optimizer.state_dict()
 
-    def load_optimizer_state_dict(self, optimizer, state: dict, module: nn.Module | None = None):
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict,
+                                  module: nn.Module | None = None) -> None:
+        """Load ``state`` (as :meth:`optimizer_state_dict` returns it) into ``optimizer``."""
         optimizer.load_state_dict(state)
 
     def save_checkpoint(self, path: str, module: nn.Module, optimizers: list,
@@ -251,7 +270,7 @@ class Strategy:
                 error = err
         raise_rank0_error(self, error, f"checkpoint {os.fspath(path)} was not written on rank 0")
 
-    def export_full(self, path: str, module: nn.Module | None = None, max_shard_size="10GB") -> str:
+    def export_full(self, path: str, module: nn.Module | None = None, max_shard_size: int | str = "10GB") -> str:
         """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one
         file; anything else a directory (``model.safetensors``, or shards + index).
         Collective (sharded strategies gather the weights); rank 0 writes. Returns ``path``."""

@@ -105,7 +105,7 @@ class DDPStrategy(Strategy):
                  find_unused_parameters: bool = False, static_graph: bool = False,
                  gradient_as_bucket_view: bool = False, start_method: str = "popen",
                  accelerator: str | None = None,
-                 cluster_environment: ClusterEnvironment | None = None, **ddp_kwargs):
+                 cluster_environment: ClusterEnvironment | None = None, **ddp_kwargs: Any) -> None:
         super().__init__()
         if start_method not in START_METHODS:
             raise invalid_choice("start_method", start_method, START_METHODS)

@@ -168,11 +168,11 @@ class DeepSpeedStrategy(DDPStrategy):
     owns_optimizer_step = True
     loss_scaler = None   # DeepSpeed scales fp16 losses itself
 
-    def __init__(self, devices=None, num_nodes: int = 1, stage: int | None = None,
+    def __init__(self, devices: int | list[int] | str | None = None, num_nodes: int = 1, stage: int | None = None,
                  offload_optimizer: bool | None = None, offload_parameters: bool | None = None,
-                 config=None, process_group_backend: str | None = None,
+                 config: dict[str, Any] | str | os.PathLike | None = None, process_group_backend: str | None = None,
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
-                 start_method: str = "popen", cluster_environment=None, **kwargs):
+                 start_method: str = "popen", cluster_environment: Any = None, **kwargs: Any) -> None:
         import warnings
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")

@@ -28,7 +28,7 @@ import warnings
 import weakref
 from datetime import timedelta
 from itertools import chain
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -119,14 +119,16 @@ class FSDPStrategy(DDPStrategy):
     is_sharded = True
     loss_scaler = "sharded"   # 16-mixed: torch's ShardedGradScaler (inf checks across shards)
 
-    def __init__(self, devices=None, num_nodes: int = 1, auto_wrap_policy="auto",
+    def __init__(self, devices: int | list[int] | str | None = None, num_nodes: int = 1,
+                 auto_wrap_policy: str | set[type[nn.Module]] | Callable | None = "auto",
                  reshard_after_forward: bool | None = None, cpu_offload: bool | None = None,
-                 activation_checkpointing=None, mixed_precision=None, state_dict_type: str = "sharded",
-                 async_save: bool = False, init_on_meta: bool = True, device_mesh=None,
+                 activation_checkpointing: bool | set[type[nn.Module]] | list[type[nn.Module]] | None = None,
+                 mixed_precision: Any = None, state_dict_type: str = "sharded", async_save: bool = False,
+                 init_on_meta: bool = True, device_mesh: dist.device_mesh.DeviceMesh | tuple[int, ...] | None = None,
                  hsdp: "tuple[int, int] | None" = None, shard_accumulated_grads: bool = True,
                  process_group_backend: str | None = None,
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
-                 start_method: str = "popen", cluster_environment=None, **kwargs):
+                 start_method: str = "popen", cluster_environment: Any = None, **kwargs: Any) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
             super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import warnings
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -63,8 +64,9 @@ class ModelParallelStrategy(FSDPStrategy):
 
     name = "model_parallel"
 
-    def __init__(self, data_parallel_size="auto", tensor_parallel_size=1, devices=None, num_nodes: int = 1,
-                 timeout: "timedelta | float" = timedelta(minutes=30), **kwargs):
+    def __init__(self, data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = 1,
+                 devices: int | list[int] | str | None = None, num_nodes: int = 1,
+                 timeout: "timedelta | float" = timedelta(minutes=30), **kwargs: Any) -> None:
         if "device_mesh" in kwargs or "hsdp" in kwargs:
             raise MisconfigurationError("ModelParallelStrategy builds its own mesh from data_parallel_size and "
                                         "tensor_parallel_size; device_mesh/hsdp are FSDPStrategy arguments")

@@ -10,8 +10,10 @@ results table follows ``verbose=`` of ``validate()``/``test()``.
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
+
 
 def _bar(t):
     from ember.callbacks.progress import ProgressBar
@@ -40,31 +42,6 @@ def _duration(s: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def stop_reason(t) -> str | None:
-    """Why the last fit stopped: ``trainer.stop_reason`` when the trainer records it,
-    otherwise derived from the trainer's counters and callbacks."""
-    r = getattr(t, "stop_reason", None)
-    if isinstance(r, str) and r:
-        return r
-    if getattr(t, "_preempted", False) or getattr(t, "_signal_received", None):
-        return "preempted"
-    if getattr(t, "interrupted", False):
-        return "interrupted"
-    if t.max_steps is not None and t.max_steps >= 0 and t.global_step >= t.max_steps:
-        return "max_steps"
-    if t.max_epochs is not None and t.max_epochs >= 0 and t.current_epoch >= t.max_epochs:
-        return "max_epochs"
-    if t.should_stop:
-        if _early_stopper(t) is not None:
-            return "early_stopping"
-        if any(type(cb).__name__ == "Timer" for cb in t.callbacks):
-            return "timer"
-        if t._deadline is not None and time.monotonic() >= t._deadline:
-            return "max_time"
-        return "should_stop"
-    return None
-
-
 def _early_stopper(t):
     for cb in t.callbacks:
         if type(cb).__name__ == "EarlyStopping" and getattr(cb, "stopping_reason", None):
@@ -72,7 +49,10 @@ def _early_stopper(t):
     return None
 
 
-def _describe_stop(t, reason: str | None) -> str:
+def _describe_stop(t) -> str:
+    """One line on why the fit stopped, from ``trainer.stop_reason`` (the loop's record,
+    agreed by every rank) and the facts behind it."""
+    reason = t.stop_reason
     if reason == "max_epochs":
         return f"reached max_epochs={t.max_epochs}"
     if reason == "max_steps":
@@ -81,25 +61,43 @@ def _describe_stop(t, reason: str | None) -> str:
         return f"reached max_time ({_duration(t._max_time or 0)})"
     if reason == "early_stopping":
         es = _early_stopper(t)
-        why = getattr(es, "stopping_reason", "") if es is not None else ""
-        return f"early stopping on {getattr(es, 'monitor', '?')}" + (f": {why}" if why else "")
+        if es is None:
+            return "early stopping"
+        value = getattr(es, "stopped_value", None)
+        head = f"early stopping on {es.monitor}" + (f"={_fmt(value)}" if value is not None else "")
+        return f"{head} (patience={es.patience}): {es.stopping_reason}"
     if reason == "timer":
         return "the Timer callback's time budget was used up"
     if reason == "preempted":
-        return "preemption signal (the last checkpoint was saved)"
+        sig = getattr(t, "_signal_received", None)
+        name = f" {signal.Signals(sig).name}" if sig else ""
+        return f"preemption signal{name} (the last checkpoint was saved)"
     if reason == "interrupted":
         return "interrupted (Ctrl-C)"
+    if reason == "exception":
+        exc = getattr(t, "_fit_exception", None)
+        return "an exception" + (f": {type(exc).__name__}: {exc}" if exc is not None else "")
     if reason == "should_stop":
         return "trainer.should_stop was set"
     return reason or "finished"
 
 
+def _epochs_done(t) -> str:
+    """Complete epochs, and the batches of an epoch stopped part-way (read from the loop's
+    position, whether or not the epoch counter advanced at the stop)."""
+    n, done, epoch = t.num_training_batches, t.batches_done, t.current_epoch
+    if done and done >= n:   # the last epoch's batches all ran; its counter did not advance
+        return f"{epoch + 1}"
+    if done:
+        total = f"/{n}" if isinstance(n, int) else ""
+        return f"{epoch} complete + {done}{total} batches of epoch {epoch}"
+    return f"{epoch}"
+
+
 def fit_summary(t, wall_time: float) -> str:
     """The end-of-fit summary text."""
-    reason = stop_reason(t)
-    epochs = t.current_epoch + (1 if t.batches_done else 0)
-    lines = [f"Fit stopped: {_describe_stop(t, reason)}",
-             f"  epochs: {epochs}, steps: {t.global_step}, wall time: {_duration(wall_time)}"]
+    lines = [f"Fit stopped: {_describe_stop(t)}",
+             f"  epochs: {_epochs_done(t)}, steps: {t.global_step}, wall time: {_duration(wall_time)}"]
     cb = t.checkpoint_callback
     if cb is not None:
         best, score = getattr(cb, "best_model_path", ""), getattr(cb, "best_model_score", None)
@@ -116,9 +114,16 @@ def fit_summary(t, wall_time: float) -> str:
     return "\n".join(lines)
 
 
-def fit_ended(t, t0: float) -> None:
-    """Print the summary on rank 0 (through the progress bar)."""
-    _say(t, fit_summary(t, time.monotonic() - t0))
+def fit_ended(t, t0: float, failed: bool = False) -> None:
+    """Print the summary on rank 0 (through the progress bar). ``failed``: the fit ended on
+    an exception; the summary must then never raise over it."""
+    if not failed:
+        _say(t, fit_summary(t, time.monotonic() - t0))
+        return
+    try:
+        _say(t, fit_summary(t, time.monotonic() - t0))
+    except Exception:   # noqa: BLE001 - the run's own error is what the user must see
+        pass
 
 
 def restored(t, path: str) -> None:

@@ -323,6 +323,7 @@ class Trainer(LoopProperties):
             ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)
         self.stage = stage
         self.interrupted = self._resumed = False
+        self._fit_t0 = self._fit_exception = None
         if stage == "fit":
             self.loop_state.stop_request = self.loop_state.stop_reason = None
             self.loop_state.stop_agreed = False
@@ -355,6 +356,9 @@ class Trainer(LoopProperties):
             for lg in self.loggers if self.is_global_zero else []:
                 lg.finalize("interrupted" if self.interrupted else "failed")
             self.strategy.on_exception(exc) if hasattr(self.strategy, "on_exception") else None
+            if stage == "fit" and self._fit_t0 is not None:
+                self._fit_exception = exc
+                _summary.fit_ended(self, self._fit_t0, failed=True)   # never raises
             if self.interrupted:
                 _summary.on_keyboard_interrupt(self)   # message + SystemExit(130), outside interactive sessions
             raise
@@ -484,7 +488,7 @@ class Trainer(LoopProperties):
         return p.convert_input(batch) if p.needs_input_cast else batch
 
     def _fit(self):
-        t0 = time.monotonic()
+        t0 = self._fit_t0 = time.monotonic()
         _checks.warn_finished(self)
         _checks.warn_log_interval(self)
         self._deadline = time.monotonic() + self._max_time if self._max_time else None

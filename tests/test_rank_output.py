@@ -1,0 +1,77 @@
+"""Two real gloo processes (tests/scripts/rank_output_ddp.py): only rank 0 draws, and
+what rank 1 prints (a line, a line written in pieces, a warning) appears once, whole,
+above rank 0's live bar, whose final frame is intact. Rank 0's raw terminal stream is
+replayed on a small terminal model (carriage return, cursor up, erase line), so the
+assertions read the screen a person would see."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPTS = Path(__file__).parent / "scripts"
+_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+_CSI = re.compile(r"\x1b\[(\??)(\d*)([A-Za-z])")
+
+
+def screen(stream: str) -> list[str]:
+    """The lines left on a terminal (scrollback included) after ``stream`` was written."""
+    lines, row, col, i = [""], 0, 0, 0
+    while i < len(stream):
+        m = _CSI.match(stream, i)
+        if m:
+            private, n, op = m.group(1), int(m.group(2) or 1), m.group(3)
+            if not private and op == "A":
+                row = max(row - n, 0)
+            elif not private and op == "K":
+                lines[row] = ""
+            i = m.end()
+            continue
+        ch = stream[i]
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            row, col = row + 1, 0
+            if row == len(lines):
+                lines.append("")
+        else:
+            ln = lines[row].ljust(col)
+            lines[row] = ln[:col] + ch + ln[col + 1:]
+            col += 1
+        i += 1
+    return [ln.rstrip() for ln in lines]
+
+
+@pytest.mark.timeout(150)
+def test_other_ranks_print_above_rank0_live_bar(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(SCRIPTS / "rank_output_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=140)
+    assert p.returncode == 0, p.stderr[-4000:]
+    # both ranks got their own stdout back at the end
+    assert "rank 1 done; stdout restored: True" in p.stdout and "rank 0 done; stdout restored: True" in p.stdout
+    # rank 1 wrote nothing of it to its own streams, and no rank drew a bar there
+    for text in (p.stdout, p.stderr):
+        assert "hello from rank 1" not in text and "rank one warns" not in text and "Epoch" not in text
+
+    lines = screen((tmp_path / "console_0.txt").read_bytes().decode("utf-8"))   # keep the "\r"s
+    long = "[rank 1] hello from rank 1: " + " ".join(f"word{i}" for i in range(30))
+    assert lines.count(long) == 1
+    assert lines.count("[rank 1] partial line") == 1
+    warn = [i for i, ln in enumerate(lines) if ln.endswith("UserWarning: rank one warns")]
+    assert len(warn) == 1 and lines[warn[0]].startswith("[rank 1] ")
+    assert lines[warn[0] + 1] == '[rank 1]   warnings.warn("rank one warns")'
+    # above the bar: the printed lines come first, then one bar (its final frame), then the summary
+    bars = [i for i, ln in enumerate(lines) if ln.startswith("Epoch")]
+    assert len(bars) == 1 and bars[0] > warn[0] + 1 > lines.index(long)
+    assert re.fullmatch(r"Epoch 1/1 +━+ +8/8 +\d:\d\d:\d\d < \d:\d\d:\d\d +[\d.]+ it/s", lines[bars[0]]), \
+        lines[bars[0]]
+    assert re.fullmatch(r"step 16 loss=[\d.e+-]+", lines[bars[0] + 1]), lines[bars[0] + 1]
+    assert lines[bars[0] + 2] == "Fit stopped: reached max_epochs=2"
+    assert all(not ln or ln.startswith(("[rank 1]", "Epoch", "step", "Fit stopped", "  ")) for ln in lines), lines
