@@ -267,6 +267,14 @@ class MixedPrecision(Precision):
                 p.grad = None
         self._update_pending = True
 
+    def for_sharding(self) -> "ShardedMixedPrecision":
+        """This precision as run by a strategy whose sharding engine casts by itself
+        (FSDP2): a new :class:`ShardedMixedPrecision` of the same name, without autocast.
+        This object is left as it is; a loss scaler it already holds is carried over."""
+        out = ShardedMixedPrecision(self.name)
+        out.scaler = self.scaler
+        return out
+
     def state_dict(self):
         if self.scaler is None:
             return {}
@@ -277,6 +285,26 @@ class MixedPrecision(Precision):
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
             self._update_pending = self._scaled = False
+
+
+class ShardedMixedPrecision(MixedPrecision):
+    """"bf16-mixed" / "16-mixed" under a strategy whose sharding engine casts itself
+    (FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered in the low dtype, gradients
+    reduced in fp32, fp32 master shards). One precision path: no autocast from the loop
+    (:meth:`forward_context` is a no-op, :attr:`autocast_dtype` is None); the loss
+    scaling of "16-mixed" is :class:`MixedPrecision`'s. :attr:`compute_dtype` is the
+    dtype the strategy computes in. Build one with :meth:`MixedPrecision.for_sharding`."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.compute_dtype = self.autocast_dtype
+        self.autocast_dtype = None
+
+    def forward_context(self):
+        return _NULL
+
+    def for_sharding(self) -> "ShardedMixedPrecision":
+        return self
 
 
 _GUARDED: "weakref.WeakSet[MixedPrecision]" = weakref.WeakSet()
