@@ -53,6 +53,9 @@ class Accelerator(AccelerateNames):
         mixed_precision: Accelerate's spelling (``"no"`` | ``"fp16"`` | ``"bf16"``) of ``precision``.
         step_scheduler_with_optimizer: prepared schedulers step only when the optimizers
             did, ``num_processes`` times per step (as Accelerate); False: on every call.
+        convert_outputs_to_fp32: cast a prepared model's floating outputs to float32 under a
+            mixed precision, as Accelerate always does; default False: they stay in the
+            autocast dtype (LLM logits are not doubled in memory; see docs/porting.md).
     """
 
     def __init__(self, strategy="auto", devices="auto", precision=None, gradient_accumulation_steps: int = 1,
@@ -61,7 +64,7 @@ class Accelerator(AccelerateNames):
                  step_scheduler_with_optimizer: bool = True, *, cpu: bool = False, device_placement: bool = True,
                  split_batches: bool | None = None, even_batches: bool | None = None, kwargs_handlers=None,
                  project_config=None, dataloader_config=None, rng_types=None, dynamo_backend=None,
-                 dynamo_plugin=None, gradient_accumulation_plugin=None):
+                 dynamo_plugin=None, gradient_accumulation_plugin=None, convert_outputs_to_fp32: bool = False):
         from ember import accelerator_compat as compat
         from ember.strategies import build_strategy
         precision, accelerate_fp16 = compat.resolve_precision(mixed_precision, precision)
@@ -87,6 +90,7 @@ class Accelerator(AccelerateNames):
         compat.configure_strategy(strat, strat_opts)
         self._init(strat)
         self._profile_kwargs, self._dynamo = profile_kw, dynamo
+        self.convert_outputs_to_fp32 = bool(convert_outputs_to_fp32)
         compat.apply_scaler_kwargs(strat.precision, scaler_kw)
         compat.check_data_options(self, data_opts)
         self.gradient_accumulation_steps = data_opts.pop("gradient_accumulation_steps")
@@ -138,6 +142,7 @@ class Accelerator(AccelerateNames):
         self._arrivals: dict = {}
         self._data_opts: dict = {}
         self._dynamo = self._profile_kwargs = None
+        self.convert_outputs_to_fp32 = False
         self._last_norm = None
         self.save_iteration: int | None = None
         self.project_configuration = None
@@ -228,7 +233,8 @@ class Accelerator(AccelerateNames):
         returned unchanged, and so is an object prepared before.
 
         Models are moved to the device, converted and wrapped (DDP, ...); under a mixed or
-        true-low precision their ``forward`` runs in autocast / casts its inputs.
+        true-low precision their ``forward`` runs in autocast (outputs stay in the autocast
+        dtype unless ``convert_outputs_to_fp32=True``) / casts its inputs.
         Optimizers step through the precision (loss scaling) and only on the last
         micro-batch of an accumulation window; dataloaders are sharded over processes,
         resumable, and move batches to the device.
@@ -258,7 +264,7 @@ class Accelerator(AccelerateNames):
                 from ember.big_modeling import check_prepare
                 placed = check_prepare(objs[i], self.strategy.name)     # raises under DDP/FSDP/DeepSpeed
             if patch:
-                wrap_forward(objs[i], self.strategy.precision)
+                wrap_forward(objs[i], self.strategy.precision, self.convert_outputs_to_fp32)
             out[i] = objs[i] if placed else self.setup_module(objs[i])
             if self._dynamo is not None and not placed:
                 out[i] = torch.compile(out[i], **self._dynamo)
@@ -622,17 +628,8 @@ class Accelerator(AccelerateNames):
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
         """Log scalar ``values`` (numbers or 0-d tensors, fetched in one transfer) to every
         tracker at ``step`` (default: the number of earlier ``log`` calls). Main process only."""
-        if not self.trackers:
-            return
-        if step is None:
-            step = self._log_step
-        self._log_step = step + 1
-        metrics = dict(values)
-        keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
-        if keys:  # one device-to-host transfer for all tensors
-            metrics.update(zip(keys, torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()))
-        for tracker in self.trackers:
-            tracker.log_metrics(metrics, step=step)
+        from ember.accelerator_state import log_values
+        log_values(self, values, step)
 
     def get_tracker(self, name: str, unwrap: bool = False):
         """The tracker named ``"tensorboard"``, ``"csv"``, ``"wandb"`` (or a custom

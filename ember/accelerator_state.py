@@ -268,10 +268,12 @@ def _to_float32(x: Any, low: torch.dtype) -> Any:
     return x
 
 
-def wrap_forward(module: torch.nn.Module, precision) -> None:
-    """Make ``module.forward`` run under the precision's autocast (outputs in float32)
-    or cast floating inputs to the precision's dtype ("16-true" ...). Bound to the
-    module, so ``copy.deepcopy`` rebinds it to the copy. No-op under 32-true."""
+def wrap_forward(module: torch.nn.Module, precision, outputs_to_fp32: bool = False) -> None:
+    """Make ``module.forward`` run under the precision's autocast (outputs left in the
+    autocast dtype, or cast to float32 with ``outputs_to_fp32``) or cast floating inputs
+    to the precision's dtype ("16-true" ...). Bound to the module, so ``copy.deepcopy``
+    rebinds it to the copy. No-op under 32-true and when the strategy casts by itself
+    (FSDP's MixedPrecisionPolicy: no autocast)."""
     autocast = precision.autocast_dtype is not None
     if not (autocast or precision.needs_input_cast) or module.__dict__.get("_ember_forward_wrapped"):
         return
@@ -280,10 +282,15 @@ def wrap_forward(module: torch.nn.Module, precision) -> None:
     if autocast:
         low = precision.autocast_dtype
 
-        def forward(self, *args, **kwargs):
-            with precision.forward_context():
-                out = func(self, *args, **kwargs) if func is not None else bound(*args, **kwargs)
-            return _to_float32(out, low)
+        if outputs_to_fp32:
+            def forward(self, *args, **kwargs):
+                with precision.forward_context():
+                    out = func(self, *args, **kwargs) if func is not None else bound(*args, **kwargs)
+                return _to_float32(out, low)
+        else:
+            def forward(self, *args, **kwargs):
+                with precision.forward_context():
+                    return func(self, *args, **kwargs) if func is not None else bound(*args, **kwargs)
     else:
         def forward(self, *args, **kwargs):
             args, kwargs = precision.convert_input(args), precision.convert_input(kwargs)
@@ -441,6 +448,21 @@ class _NullTracker:
 
     def __getattr__(self, name):
         return lambda *a, **k: None
+
+
+def log_values(acc, values: dict, step: "int | None") -> None:
+    """``Accelerator.log``: scalar ``values`` to every tracker (tensors fetched in one transfer)."""
+    if not acc.trackers:
+        return
+    if step is None:
+        step = acc._log_step
+    acc._log_step = step + 1
+    metrics = dict(values)
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+    if keys:  # one device-to-host transfer for all tensors
+        metrics.update(zip(keys, torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()))
+    for tracker in acc.trackers:
+        tracker.log_metrics(metrics, step=step)
 
 
 def get_tracker(acc, name: str, unwrap: bool):
