@@ -94,7 +94,9 @@ class PendingWrite:
             raise self._error
 
     def drop(self) -> bool:
-        """Cancel the commit unless it happened; True when this save will not be committed."""
+        """Cancel the commit unless it happened, then wait for the writer to end (it removes
+        its ``NAME.tmp``; its buffers are free again). True when this save was not committed."""
         with self._lock:
             self._dropped = not self.committed
-            return self._dropped
+        self._thread.join()
+        return self._dropped

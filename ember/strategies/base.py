@@ -122,7 +122,8 @@ class Strategy:
 
     def on_exception(self, exc: BaseException) -> None:
         """After an exception in the run (the Trainer calls this before teardown): a
-        background save not committed yet is dropped (its ``NAME.tmp`` never counts)."""
+        background save not committed yet is dropped (its writer is let finish and removes
+        its ``NAME.tmp``, which never counts; no collective, so a failed rank ends at once)."""
         pending, self._pending_save = self._pending_save, None
         self._async_in_flight = False
         if pending is not None and pending.drop():
