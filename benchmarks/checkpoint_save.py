@@ -13,6 +13,13 @@ fsync makes the data durable against power loss and is dominated by the disk;
 "ember-nosync / plain" is the overhead of ember's own work.
 
     python benchmarks/checkpoint_save.py [--size-mb 100] [--reps 5] [--dir DIR]
+
+``--blocked`` measures instead how long the training thread is blocked by
+``Strategy.save_checkpoint`` (one device), synchronous against ``async_save=True``
+(copy to CPU memory, then a background writer), and how long until the async
+checkpoint is committed (``wait_for_checkpoint``):
+
+    python benchmarks/checkpoint_save.py --blocked [--size-mb 100] [--reps 5]
 """
 from __future__ import annotations
 
@@ -69,12 +76,52 @@ def ember(path, weights, state, sync: bool):
         cio.FSYNC = True
 
 
+def blocked(args, model, opt) -> None:
+    """Training-thread time of a save: sync vs async_save (and async until committed)."""
+    from ember.strategies.base import SingleDeviceStrategy
+    strategies = {"sync": SingleDeviceStrategy("cpu"), "async": SingleDeviceStrategy("cpu", async_save=True)}
+    state = {"loop": {"global_step": 1, "epoch": 0}}
+    root = tempfile.mkdtemp(prefix="ember-bench-", dir=args.dir)
+    times = {"sync": [], "async": [], "async-committed": []}
+    try:
+        for rep in range(args.reps + 1):            # rep 0: warm-up, untimed
+            for name in (("sync", "async") if rep % 2 else ("async", "sync")):
+                s, out = strategies[name], os.path.join(root, f"{name}-{rep}")
+                t0 = time.perf_counter()
+                s.save_checkpoint(out, model, [opt], dict(state), {"strategy": "single"})
+                t1 = time.perf_counter()
+                s.wait_for_checkpoint()
+                t2 = time.perf_counter()
+                if rep:
+                    times[name].append(t1 - t0)
+                    if name == "async":
+                        times["async-committed"].append(t2 - t0)
+                shutil.rmtree(out)
+                if hasattr(os, "sync"):
+                    os.sync()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"model {nbytes / 2**20:.0f} MiB + AdamW state, {args.reps} interleaved reps, torch {torch.__version__}")
+    for k, v in med.items():
+        print(f"  {k:16s} median {v * 1000:8.1f} ms  all: {', '.join(f'{x * 1000:.0f}' for x in times[k])}")
+    print("| save of a model + AdamW state | training thread blocked, sync | blocked, async_save=True "
+          "| async until committed |")
+    print("|---|---|---|---|")
+    print(f"| {nbytes / 2**20:.0f} MiB model + AdamW, one device (CPU) | {med['sync'] * 1000:.0f} ms | "
+          f"{med['async'] * 1000:.0f} ms ({med['async'] / med['sync']:.2f}x) | {med['async-committed'] * 1000:.0f} ms |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=100)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
+    ap.add_argument("--blocked", action="store_true", help="training-thread time: sync vs async_save")
     args = ap.parse_args()
+    if args.blocked:
+        return blocked(args, *build(args.size_mb))
 
     model, opt = build(args.size_mb)
     weights = model.state_dict()

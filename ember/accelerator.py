@@ -58,6 +58,9 @@ class Accelerator(AccelerateNames, AcceleratorTrackers):
         mixed_precision: Accelerate's spelling (``"no"`` | ``"fp16"`` | ``"bf16"``) of ``precision``.
         step_scheduler_with_optimizer: prepared schedulers step only when the optimizers
             did, ``num_processes`` times per step (as Accelerate); False: on every call.
+        convert_outputs_to_fp32: cast a prepared model's floating outputs to float32 under a
+            mixed precision, as Accelerate always does; default False: they stay in the
+            autocast dtype (LLM logits are not doubled in memory; see docs/porting.md).
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str | int | list[int] = "auto",
@@ -69,7 +72,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers):
                  even_batches: bool | None = None, kwargs_handlers: list | None = None,
                  project_config: Any = None, dataloader_config: Any = None, rng_types: list[str] | None = None,
                  dynamo_backend: str | None = None, dynamo_plugin: Any = None,
-                 gradient_accumulation_plugin: Any = None) -> None:
+                 gradient_accumulation_plugin: Any = None, convert_outputs_to_fp32: bool = False) -> None:
         from ember import accelerator_compat as compat
         from ember.strategies import build_strategy
         precision, accelerate_fp16 = compat.resolve_precision(mixed_precision, precision)
@@ -95,6 +98,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers):
         compat.configure_strategy(strat, strat_opts)
         self._init(strat)
         self._profile_kwargs, self._dynamo = profile_kw, dynamo
+        self.convert_outputs_to_fp32 = bool(convert_outputs_to_fp32)
         compat.apply_scaler_kwargs(strat.precision, scaler_kw)
         compat.check_data_options(self, data_opts)
         self.gradient_accumulation_steps = data_opts.pop("gradient_accumulation_steps")
@@ -146,6 +150,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers):
         self._arrivals: dict = {}
         self._data_opts: dict = {}
         self._dynamo = self._profile_kwargs = None
+        self.convert_outputs_to_fp32 = False
         self._last_norm = None
         self.save_iteration: int | None = None
         self.project_configuration = None
@@ -239,7 +244,8 @@ class Accelerator(AccelerateNames, AcceleratorTrackers):
         returned unchanged, and so is an object prepared before.
 
         Models are moved to the device, converted and wrapped (DDP, ...); under a mixed or
-        true-low precision their ``forward`` runs in autocast / casts its inputs.
+        true-low precision their ``forward`` runs in autocast (outputs stay in the autocast
+        dtype unless ``convert_outputs_to_fp32=True``) / casts its inputs.
         Optimizers step through the precision (loss scaling) and only on the last
         micro-batch of an accumulation window; dataloaders are sharded over processes,
         resumable, and move batches to the device.
@@ -269,7 +275,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers):
                 from ember.big_modeling import check_prepare
                 placed = check_prepare(objs[i], self.strategy.name)     # raises under DDP/FSDP/DeepSpeed
             if patch:
-                wrap_forward(objs[i], self.strategy.precision)
+                wrap_forward(objs[i], self.strategy.precision, self.convert_outputs_to_fp32)
             out[i] = objs[i] if placed else self.setup_module(objs[i])
             if self._dynamo is not None and not placed:
                 out[i] = torch.compile(out[i], **self._dynamo)

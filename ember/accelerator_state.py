@@ -291,10 +291,12 @@ def _to_float32(x: Any, low: torch.dtype) -> Any:
     return x
 
 
-def wrap_forward(module: torch.nn.Module, precision: Any) -> None:
-    """Make ``module.forward`` run under the precision's autocast (outputs in float32)
-    or cast floating inputs to the precision's dtype ("16-true" ...). Bound to the
-    module, so ``copy.deepcopy`` rebinds it to the copy. No-op under 32-true."""
+def wrap_forward(module: torch.nn.Module, precision: Any, outputs_to_fp32: bool = False) -> None:
+    """Make ``module.forward`` run under the precision's autocast (outputs left in the
+    autocast dtype, or cast to float32 with ``outputs_to_fp32``) or cast floating inputs
+    to the precision's dtype ("16-true" ...). Bound to the module, so ``copy.deepcopy``
+    rebinds it to the copy. No-op under 32-true and when the strategy casts by itself
+    (FSDP's MixedPrecisionPolicy: no autocast)."""
     autocast = precision.autocast_dtype is not None
     if not (autocast or precision.needs_input_cast) or module.__dict__.get("_ember_forward_wrapped"):
         return
@@ -303,10 +305,15 @@ def wrap_forward(module: torch.nn.Module, precision: Any) -> None:
     if autocast:
         low = precision.autocast_dtype
 
-        def forward(self, *args, **kwargs):
-            with precision.forward_context():
-                out = func(self, *args, **kwargs) if func is not None else bound(*args, **kwargs)
-            return _to_float32(out, low)
+        if outputs_to_fp32:
+            def forward(self, *args, **kwargs):
+                with precision.forward_context():
+                    out = func(self, *args, **kwargs) if func is not None else bound(*args, **kwargs)
+                return _to_float32(out, low)
+        else:
+            def forward(self, *args, **kwargs):
+                with precision.forward_context():
+                    return func(self, *args, **kwargs) if func is not None else bound(*args, **kwargs)
     else:
         def forward(self, *args, **kwargs):
             args, kwargs = precision.convert_input(args), precision.convert_input(kwargs)

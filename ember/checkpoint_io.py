@@ -21,7 +21,7 @@ import re
 import shutil
 import uuid
 import zipfile
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -133,8 +133,10 @@ def commit_directory(tmp: str, path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False) -> Iterator[str]:
-    """Yield ``NAME.tmp`` to write into; on success fsync it and move it to ``NAME``.
+def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False,
+                     commit: "Callable[[str, str], None] | None" = None) -> Iterator[str]:
+    """Yield ``NAME.tmp`` to write into; on success fsync it and move it to ``NAME``
+    (``commit(tmp, path)`` instead of :func:`commit_directory` when given).
 
     A stale ``NAME.tmp`` (from a crashed save) is removed first, unless
     ``keep_existing_tmp`` (other ranks already wrote shards into it). On an
@@ -148,7 +150,7 @@ def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False) -
     os.makedirs(tmp, exist_ok=True)
     try:
         yield tmp
-        commit_directory(tmp, path)
+        (commit or commit_directory)(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
@@ -335,7 +337,8 @@ def load_torch(path: str | os.PathLike) -> Any:
 # -- checkpoint directories -----------------------------------------------------------------
 def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_state: dict | None,
                      meta: dict, keep_existing_tmp: bool = False, extra_files: dict[str, int] | None = None,
-                     digest_extra: tuple[str, ...] = ()) -> str:
+                     digest_extra: tuple[str, ...] = (),
+                     commit: "Callable[[str, str], None] | None" = None) -> str:
     """Write checkpoint directory ``path`` atomically and return its path.
 
     ``weights=None`` writes no ``model.safetensors`` (a sharded strategy has
@@ -345,6 +348,7 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     sharded strategy's verified shard files) included, so a load checks them all, and
     the content digest of ``model.safetensors``, ``trainer_state.pt`` and the extra files
     named in ``digest_extra``, so a load refuses a swapped or corrupted file.
+    ``commit``: see :func:`atomic_directory` (a background save's drop check).
     """
     import ember
     path = os.path.normpath(os.fspath(path))
@@ -353,7 +357,7 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
                 torch_version=torch.__version__,
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     try:
-        with atomic_directory(path, keep_existing_tmp=keep_existing_tmp) as tmp:
+        with atomic_directory(path, keep_existing_tmp=keep_existing_tmp, commit=commit) as tmp:
             files = {}
             if weights is not None:
                 save_safetensors(weights, os.path.join(tmp, WEIGHTS_NAME))

@@ -161,7 +161,7 @@ def test_16_mixed_unscales_once_per_step_with_two_optimizers():
     with torch.autocast("cpu", dtype=torch.float16):   # the same forward, no loss scaling
         ref_loss = ref_b(ref_a(x)).float().pow(2).mean()
     ref_loss.backward()
-    acc.backward(b(a(x)).pow(2).mean())
+    acc.backward(b(a(x)).float().pow(2).mean())   # outputs stay float16: the loss in float32
     assert acc.scaler.get_scale() > 1
     true_norm = torch.cat([p.grad.flatten() for p in ref_a.parameters()]).norm()
     n1 = acc.clip_grad_norm_(a.parameters(), 1e6)
@@ -259,21 +259,43 @@ def test_16_mixed_second_optimizer_not_prepared_after_a_prepared_one_and_inf_ski
     assert oa.step_was_skipped and acc.scaler.get_scale() == scale
 
 
-def test_mixed_forward_runs_in_autocast_and_returns_float32():
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 2)
+class Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
 
-        def forward(self, x):
-            out = self.lin(x)
-            self.seen = out.dtype
-            return {"out": out, "n": 3}
+    def forward(self, x):
+        out = self.lin(x)
+        self.seen = out.dtype
+        return {"out": out, "n": 3, "idx": torch.arange(2), "full": out.float()}
 
+
+def test_mixed_forward_keeps_outputs_in_the_autocast_dtype():
     acc = Accelerator(precision="bf16-mixed")
     model = acc.prepare(Probe())
-    res = model(torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    res = model(x)
+    assert model.seen == torch.bfloat16 and res["out"].dtype == torch.bfloat16 and res["n"] == 3
+    assert res["idx"].dtype == torch.int64 and res["full"].dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expect = model.lin(x)
+    assert torch.equal(res["out"], expect)          # the autocast result itself, no round trip
+
+
+def test_convert_outputs_to_fp32_opt_in_upcasts_as_accelerate():
+    acc = Accelerator(precision="bf16-mixed", convert_outputs_to_fp32=True)
+    model = acc.prepare(Probe())
+    x = torch.randn(2, 4)
+    res = model(x)
     assert model.seen == torch.bfloat16 and res["out"].dtype == torch.float32 and res["n"] == 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expect = model.lin(x).float()
+    assert torch.equal(res["out"], expect)
+
+
+def test_mixed_forward_runs_in_autocast_and_unwraps():
+    acc = Accelerator(precision="bf16-mixed")
+    model = acc.prepare(Probe())
     twin = copy.deepcopy(model)   # the forward wrapper is rebound to the copy
     twin(torch.randn(2, 4))
     assert twin.forward.__self__ is twin and twin.seen == torch.bfloat16

@@ -104,6 +104,20 @@ class Precision:
     def update(self) -> None:
         """End of an optimizer step (every optimizer stepped): update the loss scale."""
 
+    def skip_flag(self, optimizer: torch.optim.Optimizer) -> "SkipFlag | None":
+        """Whether the last step of ``optimizer`` was skipped, to be read later without a
+        host sync now (None: steps are never skipped under this precision)."""
+        return None
+
+    def defer(self, action) -> None:
+        """Run ``action()`` before the next unscale or optimizer step, or at :meth:`flush`
+        (a decision that reads a :class:`SkipFlag`: by then, on CUDA, the flag has long
+        landed in host memory, so reading it does not wait). One at a time."""
+        action()
+
+    def flush(self) -> None:
+        """Run the deferred action now, if any."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -176,6 +190,7 @@ class MixedPrecision(Precision):
         self._stepping = None          # the optimizer inside optimizer_step (not guarded)
         self._found: dict[int, torch.Tensor] = {}   # id(optimizer) -> inf/NaN count of its last step
         self._params: dict[int, weakref.ref] = {}   # parameters of the modules set up here
+        self._deferred = None          # an action waiting for the next backward/step (see defer)
 
     def setup(self, device, loss_scaler: str | None = "torch"):
         """``loss_scaler`` (the strategy's choice): ``"torch"`` (``torch.amp.GradScaler``),
@@ -211,6 +226,8 @@ class MixedPrecision(Precision):
     def unscale_gradients(self, optimizer):
         """Unscale once per step: a second call before the step (hook, then clipping)
         is a no-op instead of GradScaler's error."""
+        if self._deferred is not None:
+            self.flush()
         scaler = self.scaler
         if scaler is None:
             return
@@ -221,6 +238,8 @@ class MixedPrecision(Precision):
         scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer, closure=None) -> None:
+        if self._deferred is not None:
+            self.flush()
         scaler = self.scaler
         if scaler is None:
             return super().optimizer_step(optimizer, closure)
@@ -239,6 +258,24 @@ class MixedPrecision(Precision):
         gradients and did not step (one host sync)."""
         found = self._found.get(id(optimizer))
         return found is not None and bool(found.item())
+
+    def skip_flag(self, optimizer) -> "SkipFlag | None":
+        """The skip flag of ``optimizer``'s last :meth:`optimizer_step`, kept on the device
+        (on CUDA copied to pinned host memory without blocking): no host sync until read."""
+        found = self._found.get(id(optimizer))
+        return None if found is None else SkipFlag(found)
+
+    def defer(self, action) -> None:
+        if self.scaler is None:
+            action()
+            return
+        self.flush()
+        self._deferred = action
+
+    def flush(self) -> None:
+        action, self._deferred = self._deferred, None
+        if action is not None:
+            action()
 
     def update(self) -> None:
         """Update the loss scale once every optimizer of this step has stepped (no-op
@@ -267,6 +304,14 @@ class MixedPrecision(Precision):
                 p.grad = None
         self._update_pending = True
 
+    def for_sharding(self) -> "ShardedMixedPrecision":
+        """This precision as run by a strategy whose sharding engine casts by itself
+        (FSDP2): a new :class:`ShardedMixedPrecision` of the same name, without autocast.
+        This object is left as it is; a loss scaler it already holds is carried over."""
+        out = ShardedMixedPrecision(self.name)
+        out.scaler = self.scaler
+        return out
+
     def state_dict(self):
         if self.scaler is None:
             return {}
@@ -277,6 +322,48 @@ class MixedPrecision(Precision):
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
             self._update_pending = self._scaled = False
+
+
+class SkipFlag:
+    """Whether one optimizer step was skipped (inf/NaN gradients under loss scaling),
+    taken without a host sync: the count stays on its device; on CUDA its copy into
+    pinned host memory is issued at once and waited for (an event, not the stream)
+    only when :meth:`value` is read, normally a step later, when it has long landed."""
+
+    def __init__(self, found: torch.Tensor):
+        self._event = None
+        if found.is_cuda:
+            host = torch.empty(found.shape, dtype=found.dtype, pin_memory=True)
+            host.copy_(found, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            found = host
+        self._host = found
+
+    def value(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host.item())
+
+
+class ShardedMixedPrecision(MixedPrecision):
+    """"bf16-mixed" / "16-mixed" under a strategy whose sharding engine casts itself
+    (FSDP2's ``MixedPrecisionPolicy``: parameters all-gathered in the low dtype, gradients
+    reduced in fp32, fp32 master shards). One precision path: no autocast from the loop
+    (:meth:`forward_context` is a no-op, :attr:`autocast_dtype` is None); the loss
+    scaling of "16-mixed" is :class:`MixedPrecision`'s. :attr:`compute_dtype` is the
+    dtype the strategy computes in. Build one with :meth:`MixedPrecision.for_sharding`."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.compute_dtype = self.autocast_dtype
+        self.autocast_dtype = None
+
+    def forward_context(self):
+        return _NULL
+
+    def for_sharding(self) -> "ShardedMixedPrecision":
+        return self
 
 
 _GUARDED: "weakref.WeakSet[MixedPrecision]" = weakref.WeakSet()

@@ -49,11 +49,19 @@ class Strategy:
     #: the loss scaler "16-mixed" uses under this strategy: "torch" (GradScaler),
     #: "sharded" (ShardedGradScaler) or None (the strategy scales losses itself)
     loss_scaler: str | None = "torch"
+    async_save = False
+    _pending_save = None
+    _async_in_flight = False
 
-    def __init__(self, device: "str | torch.device | None" = None) -> None:
+    def __init__(self, device: "str | torch.device | None" = None, async_save: bool = False) -> None:
         self._device = torch.device(device) if device is not None else None
         self.precision: Precision = Precision()
         self.num_processes = 1
+        #: write checkpoints in a background thread (as ``FSDPStrategy(async_save=True)``):
+        #: the state is copied to CPU memory, then written and committed while training goes on
+        self.async_save = bool(async_save)
+        self._pending_save = None      # rank 0's PendingWrite
+        self._async_in_flight = False  # every rank: a background save may be pending on rank 0
 
     # -- topology ----------------------------------------------------------
     @property
@@ -115,8 +123,20 @@ class Strategy:
         return getattr(module, "_orig_mod", module)
 
     def teardown(self) -> None:
-        """Release what the strategy set up (process group, engine) at the end of a run."""
-        pass
+        """Release what the strategy set up (process group, engine) at the end of a run;
+        a pending ``async_save`` checkpoint is finished (committed) first."""
+        self._finish_pending_save()
+
+    def on_exception(self, exc: BaseException) -> None:
+        """After an exception in the run (the Trainer calls this before teardown): a
+        background save not committed yet is dropped (its writer is let finish and removes
+        its ``NAME.tmp``, which never counts; no collective, so a failed rank ends at once)."""
+        pending, self._pending_save = self._pending_save, None
+        self._async_in_flight = False
+        if pending is not None and pending.drop():
+            import warnings
+            warnings.warn(f"the asynchronous save of {pending.path} was not committed: the run failed "
+                          f"({type(exc).__name__})", UserWarning, stacklevel=2)
 
     # -- data ------------------------------------------------------------------
     def distributed_sampler_kwargs(self) -> dict | None:
@@ -259,16 +279,45 @@ class Strategy:
         in place of a closing barrier, so no rank waits for it until the timeout."""
         from ember import checkpoint_io as cio
         from ember.strategies.full_load import raise_rank0_error
+        self._finish_pending_save()
         weights = self.module_state_dict(module)
         opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
         error = None
         if self.is_global_zero:
             try:
                 state = dict(trainer_state, optimizers=opt_states) if not weights_only else None
-                cio.write_checkpoint(path, weights, state, meta)
+                if self.async_save:   # copied to CPU here; written and committed by a background thread
+                    from ember.strategies.async_save import PendingWrite, cpu_snapshot
+                    # the buffers of the previous snapshot (its write has finished) are reused
+                    snap = cpu_snapshot((weights, state), getattr(self, "_snapshot", None))
+                    self._snapshot = snap
+                    self._pending_save = PendingWrite(os.fspath(path), snap[0], snap[1], dict(meta))
+                else:
+                    cio.write_checkpoint(path, weights, state, meta)
             except Exception as err:     # reported to every rank below, raised here as it is
                 error = err
+        self._async_in_flight = self.async_save and error is None
         raise_rank0_error(self, error, f"checkpoint {os.fspath(path)} was not written on rank 0")
+
+    def _finish_pending_save(self) -> None:
+        """Wait for the background save (``async_save``); its error is raised on every rank
+        (a collective when distributed: every rank calls it, at a save, a load, teardown)."""
+        if not self._async_in_flight:
+            return
+        self._async_in_flight = False
+        pending, self._pending_save = self._pending_save, None
+        error = None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception as err:   # reported to every rank below, raised here as it is
+                error = err
+        from ember.strategies.full_load import raise_rank0_error
+        raise_rank0_error(self, error, "the asynchronous save of the last checkpoint failed on rank 0")
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the last ``async_save`` checkpoint is committed (raises its write error)."""
+        self._finish_pending_save()
 
     def export_full(self, path: str, module: nn.Module | None = None, max_shard_size: int | str = "10GB") -> str:
         """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one
@@ -297,6 +346,7 @@ class Strategy:
         """Load weights (and optimizer states) in place; return the trainer state."""
         from ember import checkpoint_io as cio
         from ember.checkpoint_checks import check_optimizers
+        self._finish_pending_save()
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
         cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
         state = state or {}
@@ -310,7 +360,9 @@ class Strategy:
 
 
 class SingleDeviceStrategy(Strategy):
-    """One process, one device (``cpu``, ``cuda:N`` or ``mps``)."""
+    """One process, one device (``cpu``, ``cuda:N`` or ``mps``).
+    ``SingleDeviceStrategy(device, async_save=True)`` writes checkpoints in a background
+    thread (the state is copied to CPU memory first), as ``FSDPStrategy(async_save=True)``."""
 
     name = "single"
 

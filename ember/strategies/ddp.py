@@ -95,6 +95,8 @@ class DDPStrategy(Strategy):
         find_unused_parameters, static_graph, gradient_as_bucket_view, **ddp_kwargs:
             passed to ``DistributedDataParallel``.
         start_method: how ember starts the other ranks itself: ``"popen"`` (re-run the script).
+        async_save: write checkpoints in a background thread on rank 0 (the state is
+            copied to CPU memory first; see docs/checkpointing.md), as ``FSDPStrategy``.
     """
 
     name = "ddp"
@@ -105,8 +107,9 @@ class DDPStrategy(Strategy):
                  find_unused_parameters: bool = False, static_graph: bool = False,
                  gradient_as_bucket_view: bool = False, start_method: str = "popen",
                  accelerator: str | None = None,
-                 cluster_environment: ClusterEnvironment | None = None, **ddp_kwargs: Any) -> None:
-        super().__init__()
+                 cluster_environment: ClusterEnvironment | None = None, async_save: bool = False,
+                 **ddp_kwargs: Any) -> None:
+        super().__init__(async_save=async_save)
         if start_method not in START_METHODS:
             raise invalid_choice("start_method", start_method, START_METHODS)
         if process_group_backend is not None and process_group_backend not in _BACKENDS:

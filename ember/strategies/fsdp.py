@@ -94,7 +94,9 @@ class FSDPStrategy(DDPStrategy):
             backward; ``True`` means the ``auto_wrap_policy`` classes.
         mixed_precision: a ``torch.distributed.fsdp.MixedPrecisionPolicy``; default
             derived from the precision: ``bf16-mixed`` -> bf16 compute, fp32 reduce;
-            ``16-mixed`` -> fp16 compute, fp32 reduce, sharded loss scaling.
+            ``16-mixed`` -> fp16 compute, fp32 reduce, sharded loss scaling. This policy is
+            the only precision path: under a mixed precision the loop adds no autocast
+            (the strategy runs its own :class:`~ember.precision.ShardedMixedPrecision`).
         state_dict_type: ``"sharded"`` (DCP folder, default) or ``"full"``
             (``model.safetensors`` gathered on rank 0; memory of the full model).
         async_save: write DCP checkpoints in a background thread; the checkpoint
@@ -233,6 +235,10 @@ class FSDPStrategy(DDPStrategy):
 
     # -- lifecycle -------------------------------------------------------------------
     def setup_environment(self) -> None:
+        # one precision path: "bf16-mixed"/"16-mixed" cast through fully_shard's MixedPrecisionPolicy
+        # (parameters all-gathered in the low dtype), so the loop adds no autocast on top
+        if hasattr(self.precision, "for_sharding"):
+            self.precision = self.precision.for_sharding()
         super().setup_environment()
         if self._single:       # one process: FSDP and DCP still need a (one-rank) process group
             init_single_process_group("nccl" if self._use_cuda and self._backend == "nccl" else "gloo")

@@ -236,6 +236,10 @@ class FitLoop:
             # unknown epoch length (IterableDataset): look acc_n - 1 batches ahead, so the last
             # accumulation window is known in time to divide by its true size and step on its end
             loader = ahead = edata.LookAhead(loader, acc_n - 1)
+        from ember.prefetch import DevicePrefetch, prefetch_enabled
+        if prefetch_enabled(strategy.root_device):
+            # CUDA: batch i + 1 pinned and its copy issued before step i runs (ember/prefetch.py)
+            loader, to_device = DevicePrefetch(loader, strategy.batch_to_device, strategy.root_device), None
         before_step = bool(t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"))
         # non-finite loss: checked (one host sync) only before steps that are log points, or
         # every step under detect_anomaly; a GradScaler (16-mixed) skips such steps by itself

@@ -69,14 +69,41 @@ def configure_optimizers(module) -> tuple[list, list[dict]]:
 
 
 def step_schedulers(trainer, interval: str) -> None:
+    """Step the ``interval`` schedulers. Under loss scaling ("16-mixed") a step-interval
+    scheduler does not step after a skipped optimizer step; that decision reads the
+    step's inf/NaN flag, so it is deferred (no host sync at the step): applied before
+    the next optimizer step's unscale (so before ``on_before_optimizer_step``), before a
+    checkpoint is written, at the epoch end and the end of fit (:func:`flush_scheduler_steps`)."""
     if not trainer.module.automatic_optimization:
         return   # manual optimization: the module steps its schedulers itself (as Lightning)
-    if interval == "step" and trainer._acc.optimizer_step_was_skipped:
-        return   # as a prepared scheduler: not after a step skipped for inf/NaN gradients (16-mixed)
+    flush_scheduler_steps(trainer)
+    precision = trainer.strategy.precision
+    if interval == "step" and precision.scaler is not None:
+        flags = [precision.skip_flag(o.optimizer) for o in trainer._acc._optimizers]
+        flags = [f for f in flags if f is not None]
+        if flags and not any(c["monitor"] for c in trainer.lr_scheduler_configs if c["interval"] == "step"):
+            trainer._deferred_sched = (flags, trainer.global_step)
+            precision.defer(lambda: flush_scheduler_steps(trainer))
+            return
+        if flags and any(f.value() for f in flags):
+            return   # as a prepared scheduler: not after a step skipped for inf/NaN gradients (16-mixed)
+    _step(trainer, interval, trainer.global_step if interval == "step" else trainer.current_epoch + 1)
+
+
+def flush_scheduler_steps(trainer) -> None:
+    """Apply a deferred step-interval scheduler step: unless its optimizer step was skipped."""
+    pending = trainer.__dict__.pop("_deferred_sched", None)
+    if pending is None:
+        return
+    flags, count = pending
+    if not any(f.value() for f in flags):
+        _step(trainer, "step", count)
+
+
+def _step(trainer, interval: str, count: int) -> None:
     for cfg in trainer.lr_scheduler_configs:
         if cfg["interval"] != interval:
             continue
-        count = trainer.global_step if interval == "step" else trainer.current_epoch + 1
         if count % cfg["frequency"]:
             continue
         s = cfg["scheduler"]

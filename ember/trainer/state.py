@@ -127,6 +127,8 @@ def _pending_grads(t):
 def trainer_state(t) -> dict:
     from ember import checkpoint_io as cio
     from ember.trainer.resume_data import data_state
+    from ember.trainer.optim import flush_scheduler_steps
+    flush_scheduler_steps(t)   # a scheduler step deferred from the last optimizer step (16-mixed)
     loop = t.loop_state.state_dict()
     mid_epoch = loop["batches_done"] > 0
     per_rank = {"rng": cio.collect_rng_states(),

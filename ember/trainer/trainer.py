@@ -19,7 +19,7 @@ from ember.trainer import state as _state
 from ember.trainer import summary as _summary
 from ember.trainer.logging import Results, to_host
 from ember.trainer.loops import EvalLoop, FitLoop, limit_batches
-from ember.trainer.optim import ManualOptimizer, configure_optimizers, step_schedulers
+from ember.trainer.optim import ManualOptimizer, configure_optimizers, flush_scheduler_steps, step_schedulers
 from ember.trainer.progress import LoopProperties, LoopState
 
 
@@ -502,6 +502,7 @@ class Trainer(LoopProperties):
             self._call_hook("on_sanity_check_end")
             self.sanity_checking = False
         FitLoop(self).run()
+        flush_scheduler_steps(self)   # the last optimizer step's deferred scheduler step (16-mixed)
         self._call_hook("on_fit_end")
         for lg in self.loggers if self.is_global_zero else []:
             lg.finalize("interrupted" if self.interrupted else "success")

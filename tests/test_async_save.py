@@ -1,0 +1,186 @@
+"""Background checkpoint writes for one device and DDP (``async_save=True``, the switch
+FSDPStrategy has): the state is copied to CPU memory on the training thread, written
+and committed by a writer thread with the synchronous path's rules."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+sys.path.insert(0, SCRIPTS)
+
+from resume_common import EPOCHS, STEPS_PER_EPOCH, differences, fit, snapshot  # noqa: E402
+
+import ember  # noqa: E402
+from ember import checkpoint_io as cio  # noqa: E402
+from ember.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from ember.errors import CheckpointError  # noqa: E402
+from ember.strategies import DDPStrategy  # noqa: E402
+from ember.strategies.base import SingleDeviceStrategy  # noqa: E402
+
+
+def _async():
+    return SingleDeviceStrategy("cpu", async_save=True)
+
+
+def _every_step():
+    return ModelCheckpoint(every_n_train_steps=1, save_top_k=-1, filename="{step}")
+
+
+def _ckpts(root) -> dict:
+    d = os.path.join(root, "checkpoints")
+    return {os.path.basename(p): p for p in cio.list_checkpoints(d)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run twice, checkpointing every step: synchronously and in the background."""
+    sync_root, async_root = tmp_path_factory.mktemp("sync"), tmp_path_factory.mktemp("async")
+    m_sync, t_sync = fit(sync_root, checkpoint=_every_step())
+    m_async, t_async = fit(async_root, checkpoint=_every_step(), strategy=_async())
+    return {"sync": (sync_root, snapshot(m_sync, t_sync)), "async": (async_root, snapshot(m_async, t_async))}
+
+
+def test_async_and_sync_checkpoints_hold_identical_tensors(runs):
+    (sync_root, ref), (async_root, got) = runs["sync"], runs["async"]
+    assert differences(ref, got) == []          # training did not change
+    a, b = _ckpts(sync_root), _ckpts(async_root)
+    assert sorted(a) == sorted(b) and len(a) == EPOCHS * STEPS_PER_EPOCH   # all committed by the end of fit
+    for name in a:
+        wa, sa, ma = cio.read_checkpoint(a[name])
+        wb, sb, mb = cio.read_checkpoint(b[name])
+        assert differences(wa, wb, name) == []
+        for key in ("optimizers", "loop", "precision", "global_step", "epoch"):
+            assert differences(sa.get(key), sb.get(key), f"{name}/{key}") == []
+        assert sorted(ma["files"]) == sorted(mb["files"]) == ["model.safetensors", "trainer_state.pt"]
+        assert not os.path.exists(cio.tmp_path(b[name]))
+
+
+def test_resume_from_an_async_checkpoint_is_exact(runs, tmp_path):
+    (_, ref), (async_root, _) = runs["sync"], runs["async"]
+    ckpt = _ckpts(async_root)["step=4"]           # saved in the background mid-run
+    assert cio.read_checkpoint(ckpt)[1]["loop"]["global_step"] == 4
+    module, trainer = fit(tmp_path, ckpt_path=ckpt, checkpoint=_every_step(), strategy=_async())
+    assert differences(ref, snapshot(module, trainer)) == []
+
+
+class Big(ember.TrainModule):
+    """~16 MB of weights: a write that takes a while."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2048, 2048)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _big_trainer(root, **kw):
+    return ember.Trainer(strategy=_async(), max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root), **kw)
+
+
+def _data():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2048)), batch_size=2)
+
+
+def test_parameter_changed_after_save_returns_keeps_the_saved_value(tmp_path):
+    module = Big()
+    t = _big_trainer(tmp_path)
+    t.fit(module, _data())
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    path = str(tmp_path / "ckpt")
+    t.save_checkpoint(path)
+    with torch.no_grad():          # at once, while the writer may still be serialising
+        for p in module.parameters():
+            p.add_(1.0)
+    t.strategy.wait_for_checkpoint()
+    weights = cio.read_checkpoint(path)[0]
+    assert differences(before, weights) == []
+    assert not torch.equal(weights["lin.weight"], module.lin.weight.detach())
+
+
+class BadStateAt(Callback):
+    """Puts an object torch.load(weights_only=True) cannot read into the saved state at ``step``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        if trainer.global_step == self.step:
+            checkpoint["bad"] = object()
+
+
+def test_failing_write_raises_at_the_next_save(tmp_path):
+    with pytest.raises(CheckpointError, match=r"state\['bad'\]"):
+        fit(tmp_path, callbacks=[BadStateAt(2)], checkpoint=_every_step(), strategy=_async())
+    names = sorted(_ckpts(tmp_path))
+    assert names == ["step=1"]         # the failed step-2 save was not committed; step 3 never started
+    assert not os.path.exists(cio.tmp_path(os.path.join(tmp_path, "checkpoints", "step=2")))
+
+
+def test_failing_last_write_raises_at_the_end_of_fit(tmp_path):
+    last = EPOCHS * STEPS_PER_EPOCH
+    with pytest.raises(CheckpointError, match=r"state\['bad'\]"):
+        fit(tmp_path, callbacks=[BadStateAt(last)], checkpoint=_every_step(), strategy=_async())
+    assert len(_ckpts(tmp_path)) == last - 1
+
+
+class SaveThenFail(Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        trainer.save_checkpoint(os.path.join(trainer.default_root_dir, "pending"))
+        raise RuntimeError("training failed")
+
+
+def test_exception_in_training_drops_the_pending_save(tmp_path):
+    t = _big_trainer(tmp_path, callbacks=[SaveThenFail()])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="training failed"):
+            t.fit(Big(), _data())
+    assert any("asynchronous save" in str(x.message) and "not committed" in str(x.message) for x in w)
+    # the writer has ended (and cleaned up) by the time fit raises
+    assert not any(th.name.startswith("ember-save:") for th in threading.enumerate())
+    assert not os.path.exists(tmp_path / "pending") and not os.path.exists(tmp_path / "pending.tmp")
+
+
+def test_async_save_is_the_fsdp_switch():
+    assert DDPStrategy(async_save=True).async_save and SingleDeviceStrategy(async_save=True).async_save
+    assert not DDPStrategy().async_save and not SingleDeviceStrategy().async_save
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_ddp_rank0_writes_in_the_background_and_errors_reach_every_rank(tmp_path):
+    import json
+    import subprocess
+    strip = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+    env = {k: v for k, v in os.environ.items() if k not in strip and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0", PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "async_save_ddp.py"), str(tmp_path)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
+    # seen before the step's own save: from the first save on, rank 0 holds a background write
+    first = r0["async"]["pending"].index(True)
+    assert first == 3 and all(r0["async"]["pending"][first:])
+    assert not any(r1["async"]["pending"]) and not any(r0["sync"]["pending"])
+    assert r0["async"]["params"] == r0["sync"]["params"] == r1["async"]["params"]
+    a, b = (_ckpts(tmp_path / mode) for mode in ("sync", "async"))
+    assert sorted(a) == sorted(b) and len(a) == 6     # 2 ranks: 2 optimizer steps per epoch
+    for name in a:
+        wa, sa, _ = cio.read_checkpoint(a[name])
+        wb, sb, _ = cio.read_checkpoint(b[name])
+        assert differences(wa, wb, name) == [] and differences(sa["optimizers"], sb["optimizers"]) == []
+    assert r0["fail"].startswith("CheckpointError") and "state['bad']" in r0["fail"]
+    assert r1["fail"].startswith("CheckpointError") and "failed on rank 0" in r1["fail"]

@@ -1,0 +1,81 @@
+"""16-mixed without a host sync in ember's own step code: the "no scheduler step after a
+skipped optimizer step" decision reads the step's inf/NaN flag one step later (before
+the next unscale), when on CUDA its copy to pinned host memory has long landed. On the
+CPU the reads are counted with a wrapper around ``Tensor.item`` (a fused AdamW steps
+under the GradScaler without reading the flag itself)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import Callback
+from ember.precision import Precision
+
+STEPS = 6
+
+
+class Reads:
+    def __init__(self):
+        self.n = 0
+
+
+class Net(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.lin(x).float() - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Probe(Callback):
+    def __init__(self, reads):
+        self.reads, self.at_end, self.lr_before_step = reads, [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 0:
+            self.reads.n = 0     # the loader's and the run's seeds were drawn before the first step
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.lr_before_step.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.at_end.append((trainer.global_step, self.reads.n))
+
+
+def test_skip_decision_is_read_a_step_later_not_at_the_step(tmp_path, monkeypatch):
+    reads = Reads()
+    item = torch.Tensor.item
+
+    def counting_item(self):
+        reads.n += 1
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    torch.manual_seed(0)
+    x = torch.randn(STEPS * 2, 4)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2)
+    probe = Probe(reads)
+    module = Net()
+    precision = Precision.from_string("16-mixed")
+    precision.scaler = torch.amp.GradScaler("cpu", init_scale=256.0)   # no overflow: every step is taken
+    t = ember.Trainer(precision=precision, max_epochs=1, log_every_n_steps=100, callbacks=[probe], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      default_root_dir=str(tmp_path), num_sanity_val_steps=0)
+    t.fit(module, data)
+    # at the end of step k only the flags of steps 1..k-1 were read: none at the step itself
+    assert probe.at_end == [(k, k - 1) for k in range(1, STEPS + 1)]
+    # every step was taken (no inf) and the scheduler stepped after each one, the last at the end of fit
+    sched = t.lr_scheduler_configs[0]["scheduler"]
+    assert sched.last_epoch == STEPS and reads.n == STEPS
+    # each optimizer step used the rate of its own schedule position
+    assert probe.lr_before_step == pytest.approx([0.1 * 0.5 ** k for k in range(STEPS)])
