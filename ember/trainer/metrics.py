@@ -81,13 +81,13 @@ class MetricsMixin:
 
     def _publish(self, host: dict, entries: dict) -> None:
         for k, v in host.items():
-            self.callback_metrics[k] = torch.tensor(v)
+            self._callback_metrics[k] = torch.tensor(v)
             e = entries[k]
             base = e.name
             if k != base and not k.endswith("_epoch"):
                 continue
             if k.endswith("_epoch"):
-                self.callback_metrics[base] = torch.tensor(v)
+                self._callback_metrics[base] = torch.tensor(v)
         to_log = {k: v for k, v in host.items() if entries[k].logger}
         if not to_log:
             return
@@ -100,7 +100,7 @@ class MetricsMixin:
     def log_metric(self, name: str, value: Any, logger: bool = True) -> None:
         """Record an already-reduced value (used by callbacks such as GatherMetrics)."""
         v = float(value)
-        self.callback_metrics[name] = torch.tensor(v)
+        self._callback_metrics[name] = torch.tensor(v)
         if logger:
             self.logged_metrics[name] = v
             if self.is_global_zero:
