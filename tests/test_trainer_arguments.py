@@ -50,6 +50,16 @@ def test_overfit_batches_trains_and_validates_on_the_same_first_batches(make_tra
     first = [b[0][0, 0].item() for b in DataLoader(loader.dataset, batch_size=8)][:2]
     make_trainer(max_epochs=2, overfit_batches=2, num_sanity_val_steps=0).fit(Record(), loader, data(n=64, seed=9))
     assert seen["train"] == first * 2 and seen["val"] == first * 2
+    t = make_trainer(max_epochs=1, overfit_batches=0.25, num_sanity_val_steps=0)
+    t.fit(LinearModule(), loader, data(n=64, seed=9))
+    assert t.num_training_batches == 2 and t.global_step == 2
+
+    class NoVal(LinearModule):
+        validation_step = None   # a module without validation: overfitting trains only
+
+    t = make_trainer(max_epochs=1, overfit_batches=2, num_sanity_val_steps=0)
+    t.fit(NoVal(), loader)
+    assert t.global_step == 2 and t.val_dataloaders == []
     with pytest.raises(MisconfigurationError, match="overfit_batches"):
         make_trainer(overfit_batches=1.5)
 

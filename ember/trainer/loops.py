@@ -16,6 +16,7 @@ a hook nobody overrides is never called)::
         on_sanity_check_end]
     on_train_start
     while not stopped:                       # one epoch
+        [every reload_dataloaders_every_n_epochs epochs: the dataloader hooks again]
         sampler.set_epoch(epoch)
         on_train_epoch_start
         for batch_idx, batch in loader:      # resumed epochs skip sampler indices, not batches
@@ -40,7 +41,8 @@ a hook nobody overrides is never called)::
              manual_backward / opt.step() / its schedulers; each opt.step() is a global step)
             on_train_batch_end(outputs)       # {"loss": loss} when training_step returned a tensor
             if val_check_interval reached mid-epoch: validation loop
-            stop when max_steps, or at a check point when a stop was agreed (below)
+            stop when max_steps, or at a check point when a stop was agreed (below; a stop
+            request waits for min_epochs / min_steps)
         emit epoch metrics of the training stage
         if epoch % check_val_every_n_epoch == 0: validation loop   # on_validation_* hooks
         epoch-interval schedulers (ReduceLROnPlateau reads its monitor; lr_scheduler_step if overridden)

@@ -450,7 +450,8 @@ class Trainer(MetricsMixin, LoopProperties):
                                             "or define train_dataloader() on the module")
             if self.overfit_batches:   # the same first batches for training and validation, in order
                 self._train_loader = prep(train, seed=self._data_seed, shuffle=False)
-                loaders = {**loaders, "val": [self._train_loader]}
+                if callable(getattr(self.module, "validation_step", None)):
+                    loaders = {**loaders, "val": [self._train_loader]}
             else:
                 self._train_loader = prep(train, seed=self._data_seed)
             self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
