@@ -22,11 +22,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
     """Subclass and implement ``training_step`` and ``configure_optimizers``.
 
     Hooks (all optional): ``validation_step``, ``test_step``, ``predict_step``,
-    ``configure_model``, ``on_fit_start/end``, ``on_train_epoch_start/end``,
-    ``on_train_batch_start/end``, ``on_validation_epoch_start/end``,
-    ``on_test_epoch_start/end``, ``on_before_optimizer_step``,
-    ``on_save_checkpoint``, ``on_load_checkpoint``. The loop calls only the ones
-    a subclass overrides.
+    ``configure_model``, ``setup``/``teardown``, ``prepare_data``, ``configure_callbacks``,
+    ``on_fit_start/end``, ``on_train_epoch_start/end``, ``on_train_batch_start/end``,
+    ``on_{validation,test,predict}_start/end``, ``..._epoch_start/end``, ``..._batch_start/end``,
+    ``on_{validation,test,predict}_model_eval`` (and ``..._model_train``), the batch-transfer
+    hooks, ``on_before/after_backward``, ``on_before_optimizer_step``,
+    ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``,
+    ``optimizer_zero_grad``, ``lr_scheduler_step``, ``on_save_checkpoint``,
+    ``on_load_checkpoint``, as Lightning's. The loop calls only the ones a subclass
+    overrides (order: ember/trainer/loops.py; docs/trainer.md, "Hooks and their order").
     """
 
     def __init__(self) -> None:

@@ -428,3 +428,25 @@ def test_16_mixed_on_cpu_warns_that_fp16_runs(make_trainer, data):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         make_trainer(max_epochs=1, precision="bf16-mixed", num_sanity_val_steps=0).fit(LinearModule(), data(n=8))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_optimizer_step_override_keeps_accumulation_scaling_and_clipping(make_trainer, data, precision):
+    calls = []
+
+    class Step(LinearModule):
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            calls.append(batch_idx)
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    kw = dict(max_epochs=2, num_sanity_val_steps=0, accumulate_grad_batches=3, gradient_clip_val=0.05,
+              precision=precision)
+    warnings.simplefilter("ignore", UserWarning)   # 16-mixed on CPU
+    torch.manual_seed(0)
+    plain, hooked = LinearModule(), Step()
+    hooked.load_state_dict(plain.state_dict())
+    make_trainer(**kw).fit(plain, data(n=56))     # 7 batches: windows of 3, 3 and 1 per epoch
+    make_trainer(**kw).fit(hooked, data(n=56))
+    assert calls == [2, 5, 6] * 2
+    for a, b in zip(plain.parameters(), hooked.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
