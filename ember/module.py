@@ -2,34 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ember.errors import CheckpointError, MisconfigurationError
-
-
-class AttributeDict(dict):
-    """A dict whose keys are also attributes (``self.hparams.lr``)."""
-
-    def __getattr__(self, key):
-        try:
-            return self[key]
-        except KeyError as e:
-            raise AttributeError(key) from e
-
-    def __setattr__(self, key, value):
-        self[key] = value
-
-
-def _copy_hparams(h: dict) -> "AttributeDict":
-    try:
-        return AttributeDict(copy.deepcopy(dict(h)))
-    except Exception:   # objects that cannot be deep-copied are shared
-        return AttributeDict(dict(h))
+from ember.hparams import AttributeDict, HyperparametersMixin, _copy_hparams  # noqa: F401  (re-exported)
 
 
 def _raw_optimizer(opt: Any) -> Any:
@@ -39,15 +18,19 @@ def _raw_optimizer(opt: Any) -> Any:
     return opt
 
 
-class TrainModule(nn.Module):
+class TrainModule(HyperparametersMixin, nn.Module):
     """Subclass and implement ``training_step`` and ``configure_optimizers``.
 
     Hooks (all optional): ``validation_step``, ``test_step``, ``predict_step``,
-    ``configure_model``, ``on_fit_start/end``, ``on_train_epoch_start/end``,
-    ``on_train_batch_start/end``, ``on_validation_epoch_start/end``,
-    ``on_test_epoch_start/end``, ``on_before_optimizer_step``,
-    ``on_save_checkpoint``, ``on_load_checkpoint``. The loop calls only the ones
-    a subclass overrides.
+    ``configure_model``, ``setup``/``teardown``, ``prepare_data``, ``configure_callbacks``,
+    ``on_fit_start/end``, ``on_train_epoch_start/end``, ``on_train_batch_start/end``,
+    ``on_{validation,test,predict}_start/end``, ``..._epoch_start/end``, ``..._batch_start/end``,
+    ``on_{validation,test,predict}_model_eval`` (and ``..._model_train``), the batch-transfer
+    hooks, ``on_before/after_backward``, ``on_before_optimizer_step``,
+    ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``,
+    ``optimizer_zero_grad``, ``lr_scheduler_step``, ``on_save_checkpoint``,
+    ``on_load_checkpoint``, as Lightning's. The loop calls only the ones a subclass
+    overrides (order: ember/trainer/loops.py; docs/trainer.md, "Hooks and their order").
     """
 
     def __init__(self) -> None:
@@ -56,35 +39,6 @@ class TrainModule(nn.Module):
         self.hparams = AttributeDict()
         self._trainer = None
         self._results = None
-
-    # -- hyperparameters -----------------------------------------------------
-    def save_hyperparameters(self, *names: str, ignore: "list[str] | str | None" = None) -> None:
-        """Record the ``__init__`` arguments of the caller in ``self.hparams`` (and in
-        every checkpoint's meta.json, so ``load_from_checkpoint`` can rebuild the module)."""
-        frame = inspect.currentframe().f_back
-        init_args = {}
-        # walk up through super().__init__ chains to the outermost subclass __init__
-        while frame is not None and frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is self:
-            code = frame.f_code
-            params = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
-            for p in params:
-                if p in frame.f_locals and p not in init_args:
-                    init_args[p] = frame.f_locals[p]
-            if code.co_flags & inspect.CO_VARKEYWORDS:
-                kw = code.co_varnames[code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)]
-                for k, v in frame.f_locals.get(kw, {}).items():
-                    init_args.setdefault(k, v)
-            frame = frame.f_back
-        ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
-        if names:
-            init_args = {k: init_args[k] for k in names if k in init_args}
-        for k in ignore:
-            init_args.pop(k, None)
-        for k, v in init_args.items():
-            if isinstance(v, nn.Module):
-                continue  # modules are not hyperparameters
-            self.hparams[k] = v
-        self._hparams_initial = _copy_hparams(self.hparams)   # hparams_initial: as first saved
 
     # -- context ---------------------------------------------------------------
     @property
@@ -119,12 +73,6 @@ class TrainModule(nn.Module):
         return self._trainer.current_epoch if self._trainer is not None else 0
 
     # -- Lightning helpers ------------------------------------------------------------
-    @property
-    def hparams_initial(self) -> AttributeDict:
-        """A copy of ``hparams`` as :meth:`save_hyperparameters` recorded them (later
-        changes to ``self.hparams`` do not show here)."""
-        return _copy_hparams(self.__dict__.get("_hparams_initial") or AttributeDict())
-
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the module's floating-point parameters (the default dtype when it has none)."""
@@ -309,7 +257,12 @@ class TrainModule(nn.Module):
     def manual_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Manual optimization: ``loss.backward()`` through the strategy (loss scaling, DDP sync)."""
         t = self.trainer
+        hooks = getattr(t, "_backward_hooks", None)   # on_before/after_backward, resolved per epoch
+        if hooks is not None:
+            hooks[0](loss)
         t.strategy.backward(loss, t.model, **kwargs)
+        if hooks is not None:
+            hooks[1]()
 
     # -- collectives ----------------------------------------------------------------
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
@@ -402,8 +355,129 @@ class TrainModule(nn.Module):
     def on_predict_epoch_end(self) -> None:
         """Called after the last batch of ``predict``."""
 
+    def on_validation_start(self) -> None:
+        """Called at the start of a validation pass (not during the sanity check)."""
+
+    def on_validation_end(self) -> None:
+        """Called after a validation pass, once its epoch values are emitted."""
+
+    def on_test_start(self) -> None:
+        """Called at the start of the test loop."""
+
+    def on_test_end(self) -> None:
+        """Called after the test loop, once its values are emitted."""
+
+    def on_predict_start(self) -> None:
+        """Called at the start of ``predict``."""
+
+    def on_predict_end(self) -> None:
+        """Called at the end of ``predict``."""
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each ``validation_step`` (also in the sanity check)."""
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each ``validation_step`` with its output."""
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each ``test_step``."""
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each ``test_step`` with its output."""
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each ``predict_step``."""
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each ``predict_step`` with its output."""
+
+    def on_validation_model_eval(self) -> None:
+        """Puts the module in eval mode before a validation pass (override to keep e.g. dropout on)."""
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        """Puts the module back in train mode after a validation pass run during training."""
+        self.train()
+
+    def on_test_model_eval(self) -> None:
+        """Puts the module in eval mode before the test loop."""
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        """Puts the module back in train mode after the test loop (when it was training before)."""
+        self.train()
+
+    def on_predict_model_eval(self) -> None:
+        """Puts the module in eval mode before ``predict``."""
+        self.eval()
+
+    def prepare_data(self) -> None:
+        """Download or write data once per machine (local rank 0), before ``setup``; do not
+        set state here (other processes do not run it)."""
+
+    def setup(self, stage: str) -> None:
+        """Called on every process at the start of fit/validate/test/predict (``stage``), after the
+        datamodule's and the callbacks' ``setup`` and before ``configure_model``: build layers or
+        datasets that need the process environment here."""
+
+    def teardown(self, stage: str) -> None:
+        """Called at the end of fit/validate/test/predict (also after an error)."""
+
+    def configure_callbacks(self) -> Any:
+        """Return a callback or a list of callbacks to add to the Trainer's at the start of each
+        run; one of the same type as a Trainer callback replaces it (Lightning's rule)."""
+        return []
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Alter the batch before it is moved to the device; return the batch."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move the batch to ``device`` (tensors in nested lists/tuples/dicts); override for
+        custom batch types. Return the batch."""
+        from ember.strategies.base import move_to_device
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Alter the batch after it is on the device (e.g. GPU augmentations); return the batch."""
+        return batch
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """Called before the backward of each training micro-batch with the loss that is
+        back-propagated (divided by the accumulation window's size)."""
+
+    def on_after_backward(self) -> None:
+        """Called after the backward of each training micro-batch (gradients still scaled under 16-mixed)."""
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called before each optimizer step, with unscaled gradients (also under 16-mixed)."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: "float | None" = None,
+                                    gradient_clip_algorithm: "str | None" = None) -> None:
+        """Clip gradients before each optimizer step; called with the Trainer's
+        ``gradient_clip_val``/``gradient_clip_algorithm`` (gradients already unscaled).
+        The default clips as the Trainer would; override to clip differently."""
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Step ``optimizer`` (e.g. after a learning-rate warm-up). The loop has already run
+        forward and backward: ``optimizer_closure()`` only returns the micro-batch's loss, so
+        ``optimizer.step(closure=optimizer_closure)`` works as in Lightning, but closures that
+        re-evaluate the model (LBFGS) need manual optimization. ``optimizer`` steps through the
+        precision (skipped on inf/NaN gradients under 16-mixed)."""
+        optimizer.step(closure=optimizer_closure)
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        """Called before the gradients of ``optimizer`` are zeroed, right after its step."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        """Zero the gradients of ``optimizer`` after its step (default: ``set_to_none=True``)."""
+        optimizer.zero_grad()
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any = None) -> None:
+        """Step one scheduler at its interval; ``metric`` is the monitored value (None without
+        a ``monitor``). Override for schedulers with another ``step`` signature."""
+        scheduler.step() if metric is None else scheduler.step(metric)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Add entries to ``checkpoint`` (a dict of tensors and plain values) before it is written."""
@@ -458,13 +532,15 @@ class TrainModule(nn.Module):
         return hparams
 
 
-class DataModule:
+class DataModule(HyperparametersMixin):
     """Bundles the data of a run: ``prepare_data`` (once, rank zero), ``setup(stage)``
     (every rank), ``*_dataloader()``, and optional ``state_dict``/``load_state_dict``
-    stored in checkpoints."""
+    stored in checkpoints. ``save_hyperparameters()`` in ``__init__`` records its
+    arguments in ``self.hparams``, as on the module."""
 
     def __init__(self) -> None:
         self.trainer = None
+        self.hparams = AttributeDict()
 
     def prepare_data(self) -> None:
         """Download or write data once per machine (local rank 0), before ``setup``."""

@@ -101,7 +101,9 @@ def test_hook_order_of_a_full_fit(make_trainer, data):
     trainer = make_trainer(max_epochs=1, num_sanity_val_steps=1, callbacks=[Recorder(log)])
     trainer.fit(RecordingModule(log), data(n=16, batch_size=8), data(n=8, batch_size=8))
     train_batch = ["on_train_batch_start", "module.on_train_batch_start",
+                   "on_before_backward", "on_after_backward",
                    "on_before_optimizer_step", "module.on_before_optimizer_step",
+                   "on_before_zero_grad",
                    "on_train_batch_end", "module.on_train_batch_end"]
     expected = [
         "setup",
@@ -163,7 +165,8 @@ def test_callback_sees_batch_arguments(make_trainer, data):
 
     class Args(Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            seen.append((batch_idx, batch[0].shape[0], float(outputs.detach())))
+            assert isinstance(outputs, dict) and set(outputs) == {"loss"}   # a returned tensor, as Lightning
+            seen.append((batch_idx, batch[0].shape[0], float(outputs["loss"].detach())))
 
     trainer = make_trainer(max_epochs=1, callbacks=[Args()])
     trainer.fit(LinearModule(), data(n=20, batch_size=8))

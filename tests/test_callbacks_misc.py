@@ -127,7 +127,7 @@ def test_early_stopping_after_every_validation(tmp_path):
 
 
 def test_early_stopping_missing_metric(tmp_path):
-    with pytest.raises(MisconfigurationError, match=r"could not find the metric; logged metrics are \['val/metric'\]"):
+    with pytest.raises(MisconfigurationError, match=r"could not find the metric: 'val/acc' was never logged.*available now: \['train/loss', 'val/metric'\]"):
         fit(tmp_path, Scripted(), [EarlyStopping("val/acc")])
     t = fit(tmp_path, Scripted(), [EarlyStopping("val/acc", strict=False)], max_epochs=2)
     assert t.current_epoch == 2

@@ -217,7 +217,7 @@ def test_save_weights_only_writes_safetensors(tmp_path):
 
 # -- metric errors ----------------------------------------------------------------------------------
 def test_monitor_never_logged_lists_the_logged_names(tmp_path):
-    with pytest.raises(MisconfigurationError, match=r"could not find \['val/acc'\]; logged metrics are \['val/score'\]"):
+    with pytest.raises(MisconfigurationError, match=r"could not find \['val/acc'\]: 'val/acc' was never logged.*available now: \['train/loss', 'val/score'\]"):
         fit(tmp_path, [ModelCheckpoint(monitor="val/acc")], max_epochs=1)
 
 

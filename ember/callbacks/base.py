@@ -13,7 +13,8 @@ if TYPE_CHECKING:   # for type checkers and IDEs only: callbacks never import th
 HOOKS = (
     "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",
     "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end",
-    "on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step",
+    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
     "on_validation_start", "on_validation_end", "on_validation_epoch_start", "on_validation_epoch_end",
     "on_validation_batch_start", "on_validation_batch_end",
     "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end",
@@ -83,8 +84,18 @@ class Callback:
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         """Called after each training batch (and its optimizer step on a window's last micro-batch)."""
 
+    def on_before_backward(self, trainer: Trainer, module: TrainModule, loss: Any) -> None:
+        """Called before the backward of each training micro-batch, with the loss that is
+        back-propagated (divided by the accumulation window's size)."""
+
+    def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after the backward of each training micro-batch."""
+
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
         """Called before each optimizer step, with unscaled gradients."""
+
+    def on_before_zero_grad(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
+        """Called before an optimizer's gradients are zeroed, right after its step."""
 
     def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Called at the start of a validation pass (not during the sanity check)."""

@@ -238,8 +238,8 @@ class ModelCheckpoint(Callback):
             missing, score, path = trainer.strategy.broadcast((missing, score, path))
         if missing:
             msg = (f"ModelCheckpoint(monitor={self.monitor!r}, filename={self.filename!r}) could not find "
-                   f"{missing}; logged metrics are {sorted(trainer.callback_metrics)}. Log it with "
-                   f"self.log({missing[0]!r}, ...) or change the argument.")
+                   f"{missing}: {trainer.describe_missing_metric(missing[0])}. Metrics available now: "
+                   f"{sorted(trainer.callback_metrics)}.")
             if self._metrics_expected(trainer):
                 raise MisconfigurationError(msg)
             if not self._warned and trainer.is_global_zero:

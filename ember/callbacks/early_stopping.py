@@ -86,9 +86,9 @@ class EarlyStopping(Callback):
         if value is None:
             if self.strict:
                 raise MisconfigurationError(
-                    f"EarlyStopping(monitor={self.monitor!r}) could not find the metric; logged metrics are "
-                    f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...), change "
-                    "monitor, or pass strict=False to skip the check when it is missing.")
+                    f"EarlyStopping(monitor={self.monitor!r}) could not find the metric: "
+                    f"{trainer.describe_missing_metric(self.monitor)}. Metrics available now: "
+                    f"{sorted(trainer.callback_metrics)}. Pass strict=False to skip the check when it is missing.")
             return
         current = float(value)
         stop, reason = self._evaluate(current)

@@ -124,3 +124,34 @@ def warn_unsynced(t, stage: str, vals: dict, host: dict) -> None:
             f"the {t.world_size} processes; the progress bar, loggers and checkpoints see rank 0's value only. "
             f"Use self.log({differ[0]!r}, ..., sync_dist=True) (or a torchmetrics Metric) to reduce across processes.",
             UserWarning, stacklevel=2)
+
+
+def describe_missing_metric(t, name: str) -> str:
+    """Why ``name`` is not in ``trainer.callback_metrics``: logged (and how: an epoch value
+    appears at its stage's end, a step value once a step logged it) or never logged."""
+    base = name.removesuffix("_epoch") if name.endswith("_epoch") else name.removesuffix("_step")
+    for stage, res in t._results.items():
+        e = res.entries.get(name) or res.entries.get(base)
+        if e is None or stage == "sanity":
+            continue
+        where = {"train": "in training", "validate": "in validation", "test": "in test"}[stage]
+        keys = ([e.name + "_step" if e.on_epoch else e.name] if e.on_step else []) + \
+            ([e.name + "_epoch" if e.on_step else e.name] if e.on_epoch else [])
+        if name not in keys:
+            return (f"{name!r} is not a key of the metric logged as {e.name!r} {where} (on_step={e.on_step}, "
+                    f"on_epoch={e.on_epoch}); its keys are {keys}")
+        when = "at the end of its epoch or validation pass" if name.endswith("_epoch") or not e.on_step else \
+            "after the first step that logs it"
+        return (f"{name!r} was logged {where} (on_step={e.on_step}, on_epoch={e.on_epoch}) but has no value "
+                f"yet: it appears {when}")
+    return f"{name!r} was never logged; log it with self.log({name!r}, ...) or change the argument"
+
+
+def warn_fp16_on_cpu(t) -> None:
+    """``16-mixed`` on a CPU device: ember runs real fp16 autocast with a GradScaler, where
+    Lightning switches to ``bf16-mixed``; say so once, with the fix."""
+    if t._precision.name == "16-mixed" and t.strategy.root_device.type == "cpu" and t.is_global_zero:
+        warnings.warn(
+            "precision='16-mixed' on CPU runs fp16 autocast with a GradScaler (Lightning switches to "
+            "'bf16-mixed' here instead): most CPUs have slow fp16 kernels. Pass precision='bf16-mixed' for "
+            "Lightning's behaviour (no loss scaling needed), or '32-true'.", UserWarning, stacklevel=5)

@@ -64,6 +64,8 @@ class Results:
         #: epoch values (as Lightning) and are emitted right after the hook (``late``)
         self.epoch_end_hook = False
         self.late: set = set()
+        #: an evaluation stage logged a value with on_step=True: its loop emits step values per batch
+        self.eval_step_values = False
 
     def new_batch(self, batch) -> None:
         self.batch, self._batch_size = batch, None
@@ -155,6 +157,8 @@ class Results:
         e = _Entry(name, on_step, on_epoch, prog_bar, logger, reduce_fx, bool(sync_dist), metric)
         e.given = given
         self.entries[name] = e
+        if on_step and self.stage != "train":
+            self.eval_step_values = True   # the evaluation loop sends step values to the loggers
         return e
 
     # -- reading (only at emission points) --------------------------------------
@@ -164,6 +168,15 @@ class Results:
         for e in self.entries.values():
             if e.on_step and e.updated and e.last is not None:
                 out[e.name + "_step" if e.on_epoch else e.name] = (e, e.last)
+        return out
+
+    def latest_step_values(self) -> dict:
+        """Latest value of each ``on_step`` metric logged in this epoch (detached tensors,
+        where they were logged), under ``name_step`` and, for step-only metrics, ``name``."""
+        out = {}
+        for e in self.entries.values():
+            if e.on_step and e.updated and e.last is not None and e.metric is None:
+                out[e.name + "_step" if e.on_epoch else e.name] = e.last
         return out
 
     def epoch_values(self, names=None) -> dict:

@@ -3,7 +3,10 @@
 Event order of ``trainer.fit`` (hooks run on callbacks first, then the module;
 a hook nobody overrides is never called)::
 
-    setup(stage="fit")                       # strategy env, configure_model, optimizers, data
+    configure_callbacks                      # the module's callbacks join (or replace) the Trainer's
+    prepare_data                             # datamodule's, then the module's; local rank 0; barrier
+    setup(stage="fit")                       # datamodule, callbacks, module; then configure_model,
+                                             # strategy wrap, data, optimizers
     [restore checkpoint]                     # ckpt_path: weights, optimizers, loop position, RNG
     on_fit_start
     [sanity check (num_sanity_val_steps batches per val dataloader; results discarded):
@@ -13,34 +16,42 @@ a hook nobody overrides is never called)::
         on_sanity_check_end]
     on_train_start
     while not stopped:                       # one epoch
+        [every reload_dataloaders_every_n_epochs epochs: the dataloader hooks again]
         sampler.set_epoch(epoch)
         on_train_epoch_start
         for batch_idx, batch in loader:      # resumed epochs skip sampler indices, not batches
-            batch = strategy.batch_to_device(batch)     # skipped when already on device
+            on_before_batch_transfer; transfer_batch_to_device; on_after_batch_transfer
+                                              # (default: strategy.batch_to_device, skipped on CPU)
             on_train_batch_start              # module may return -1 to end the epoch
             with no_sync(unless last micro-batch), precision.forward_context():
                 out = module.training_step(batch, batch_idx)   # loss | {"loss": ...} | None (skip)
+            on_before_backward(loss / window size)
             strategy.backward(loss / accumulate_grad_batches)
+            on_after_backward
             if last micro-batch of the window (or of the epoch):
                 on_before_optimizer_step      # sees unscaled gradients under 16-mixed
-                clip gradients
-                strategy.optimizer_step(opt); opt.zero_grad(set_to_none=True)
+                configure_gradient_clipping   # default: clip to gradient_clip_val
+                optimizer_step(epoch, batch_idx, opt, closure)  # default: opt.step() through the
+                                              # precision; closure() returns the loss (already run)
+                on_before_zero_grad(opt); optimizer_zero_grad(epoch, batch_idx, opt)
+                                              # default: opt.zero_grad(set_to_none=True)
                 step-interval schedulers; global_step += 1
                 every log_every_n_steps: emit step metrics to loggers (one host transfer)
             (manual optimization: training_step under forward_context; the module calls
              manual_backward / opt.step() / its schedulers; each opt.step() is a global step)
-            on_train_batch_end
+            on_train_batch_end(outputs)       # {"loss": loss} when training_step returned a tensor
             if val_check_interval reached mid-epoch: validation loop
-            stop when max_steps, or at a check point when a stop was agreed (below)
+            stop when max_steps, or at a check point when a stop was agreed (below; a stop
+            request waits for min_epochs / min_steps)
         emit epoch metrics of the training stage
         if epoch % check_val_every_n_epoch == 0: validation loop   # on_validation_* hooks
-        epoch-interval schedulers (ReduceLROnPlateau reads its monitor)
+        epoch-interval schedulers (ReduceLROnPlateau reads its monitor; lr_scheduler_step if overridden)
         on_train_epoch_end                   # ModelCheckpoint / EarlyStopping act here
         emit what the module logged in on_train_epoch_end   # epoch values by default
         epoch += 1
     on_train_end
     on_fit_end
-    teardown
+    teardown(stage="fit")                    # callbacks', then the module's; datamodule's
 
 Where the ranks agree (each decision made once; never a collective per step)::
 
@@ -78,12 +89,17 @@ checkpoint: a resumed run emits the whole epoch's values once, at its real end).
 
 Validation / test loop::
 
-    module.eval(); torch.no_grad()
+    on_{stage}_model_eval                    # module.eval() unless overridden
+    torch.inference_mode() (Trainer(inference_mode=False): torch.no_grad())
     on_{stage}_start; on_{stage}_epoch_start
-    for each dataloader, batch: on_{stage}_batch_start; {stage}_step; on_{stage}_batch_end
+    for each dataloader, batch:
+        on_before_batch_transfer; transfer_batch_to_device; on_after_batch_transfer
+        on_{stage}_batch_start; {stage}_step; on_{stage}_batch_end
     on_{stage}_epoch_end                     # the module may still self.log here
     emit epoch metrics (sync_dist reduced here); on_{stage}_end
-    module.train()
+    on_{stage}_model_train                   # module.train(), when the module was training before
+
+Predict runs the same way with the predict hooks (on_predict_model_eval; no model_train).
 """
 from __future__ import annotations
 
@@ -96,6 +112,8 @@ import torch
 
 from ember import data as edata
 from ember.errors import MisconfigurationError
+from ember.trainer import hooks as _hooks
+from ember.trainer.arguments import maybe_reload_dataloaders as reload_dataloaders
 from ember.trainer.progress import agree_stop
 from ember.trainer.state import check_epoch_trained, check_finite_loss
 
@@ -179,6 +197,8 @@ class FitLoop:
         t = self.t
         module, model, strategy, precision = t.module, t.model, t.strategy, t.strategy.precision
         ls = t.loop_state
+        if t.reload_dataloaders_every_n_epochs:
+            reload_dataloaders(t)
         loader = t._train_loader
         edata.set_epoch(loader, ls.epoch)
         t._val_ran_at_batch_end = False
@@ -215,7 +235,7 @@ class FitLoop:
         zero_grad = opt.optimizer.zero_grad if opt is not None and not owns_step else None
         update_scale = precision.update if precision.scaler is not None else None
         fwd_ctx = precision.forward_context if precision.autocast_dtype is not None else None
-        to_device = strategy.batch_to_device if t._needs_transfer else None
+        to_device = _hooks.batch_transfer(t, 0) or (strategy.batch_to_device if t._needs_transfer else None)
         cast = precision.convert_input if precision.needs_input_cast else None
         use_no_sync = acc_n > 1 and strategy.world_size > 1
         h_start, h_end = t._hooks["on_train_batch_start"], t._hooks["on_train_batch_end"]
@@ -230,7 +250,9 @@ class FitLoop:
         # the ranks agree with one small all-reduce (agree_stop)
         multi = strategy.world_size > 1
         agree_due = False
-        training_step = module.training_step
+        training_step = _hooks.step_call(module.training_step)   # training_step(batch) works too
+        backward = _hooks.with_backward_hooks(t, backward, acc)   # itself unless a backward hook is overridden
+        t._backward_hooks = _hooks.backward_hooks(t) if not automatic else None   # manual_backward's
         ahead = None
         if acc_n > 1 and automatic and not edata.has_length(loader):
             # unknown epoch length (IterableDataset): look acc_n - 1 batches ahead, so the last
@@ -241,6 +263,10 @@ class FitLoop:
             # CUDA: batch i + 1 pinned and its copy issued before step i runs (ember/prefetch.py)
             loader, to_device = DevicePrefetch(loader, strategy.batch_to_device, strategy.root_device), None
         before_step = bool(t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"))
+        # optimizer_step / optimizer_zero_grad / configure_gradient_clipping / on_before_zero_grad
+        # overridden: the step runs through them (None: the inline step below)
+        step_hooks = _hooks.optimizer_step_with_overrides(t, optimizers, clip_fn, before_step, update_scale) \
+            if automatic and optimizers else None
         # non-finite loss: checked (one host sync) only before steps that are log points, or
         # every step under detect_anomaly; a GradScaler (16-mixed) skips such steps by itself
         check_loss = None if (precision.scaler is not None or owns_step) else check_finite_loss
@@ -276,7 +302,11 @@ class FitLoop:
                             out = training_step(batch, batch_idx)
                     else:
                         out = training_step(batch, batch_idx)
-                    loss = out if type(out) is torch.Tensor else extract_loss(out)
+                    if type(out) is torch.Tensor:
+                        loss = out
+                        out = {"loss": loss}   # what on_train_batch_end receives, as Lightning
+                    else:
+                        loss = extract_loss(out)
                     if loss is not None:
                         t._last_loss = loss   # checked at the epoch end and before a save (no sync here)
                         if check_loss is not None and (
@@ -289,21 +319,24 @@ class FitLoop:
                 # optimizer step on the last micro-batch of the window
                 if boundary and (loss is not None or ls.grads_pending):
                     ls.grads_pending = False
-                    if before_step:
-                        t._before_optimizer_step(opt.optimizer)   # sees unscaled gradients
-                    if clip_fn is not None:    # each optimizer's gradients (unscaled first)
-                        for o in optimizers:
-                            clip_fn([p for g in o.param_groups for p in g["params"]], clip)
-                    if multi_opt:
-                        for o in optimizers:
-                            o.step()
-                            o.zero_grad()
+                    if step_hooks is not None:
+                        step_hooks(batch_idx, loss)
                     else:
-                        opt.step()             # skipped on inf/NaN gradients under 16-mixed
-                        if zero_grad is not None:
-                            zero_grad(set_to_none=True)
-                    if update_scale is not None:   # 16-mixed: one scale update after every optimizer stepped
-                        update_scale()
+                        if before_step:
+                            t._before_optimizer_step(opt.optimizer)   # sees unscaled gradients
+                        if clip_fn is not None:    # each optimizer's gradients (unscaled first)
+                            for o in optimizers:
+                                clip_fn([p for g in o.param_groups for p in g["params"]], clip)
+                        if multi_opt:
+                            for o in optimizers:
+                                o.step()
+                                o.zero_grad()
+                        else:
+                            opt.step()             # skipped on inf/NaN gradients under 16-mixed
+                            if zero_grad is not None:
+                                zero_grad(set_to_none=True)
+                        if update_scale is not None:   # 16-mixed: one scale update after every optimizer stepped
+                            update_scale()
                     ls.global_step += 1
                     if step_sched:
                         t._step_schedulers("step")   # not after a skipped step
@@ -371,16 +404,20 @@ class EvalLoop:
         prev_results = module._results
         module._results = results
         was_training = module.training
-        module.eval()
+        getattr(module, f"on_{hook_stage}_model_eval")()   # module.eval() unless overridden
         accepts_idx = "dataloader_idx" in inspect.signature(step_fn).parameters
+        step_fn = _hooks.step_call(step_fn)   # validation_step(batch) works too
         pre = f"on_{hook_stage}"
         hs, he = t._hooks[f"{pre}_batch_start"], t._hooks[f"{pre}_batch_end"]
+        ms, me = t._module_hook(f"{pre}_batch_start"), t._module_hook(f"{pre}_batch_end")
+        grad_ctx = torch.inference_mode if t.inference_mode else torch.no_grad
         t._call_hook(f"{pre}_start") if stage != "sanity" else None
         t._call_hook(f"{pre}_epoch_start")
         per_loader = []
-        with torch.no_grad():
+        with grad_ctx():
             for dl_idx, loader in enumerate(loaders):
                 t.current_dataloader = loader
+                transfer = _hooks.batch_transfer(t, dl_idx)
                 n = t._limit_batches(loader, limit)
                 t._current_pass_batches = n   # a shorter pass never reaches the sampler's padding
                 kwargs = {"dataloader_idx": dl_idx} if (accepts_idx and len(loaders) > 1) else {}
@@ -389,14 +426,20 @@ class EvalLoop:
                 for batch_idx, batch in enumerate(loader):
                     if batch_idx >= n:
                         break
-                    batch = t._prepare_batch(batch)
+                    batch = t._prepare_batch(batch, transfer)
                     results.batch, results._batch_size = batch, None
                     t._eval_batch_idx = batch_idx   # a per-batch gather_for_metrics drops padding on the last only
                     _call(hs, t, module, batch, batch_idx, dl_idx)
+                    if ms is not None:
+                        ms(batch, batch_idx, dl_idx)
                     fwd = t.strategy.precision.forward_context()
                     with fwd:
                         out = step_fn(batch, batch_idx, **kwargs)
                     _call(he, t, module, out, batch, batch_idx, dl_idx)
+                    if me is not None:
+                        me(out, batch, batch_idx, dl_idx)
+                    if results.eval_step_values and stage != "sanity":   # on_step=True in *_step, as Lightning
+                        t._emit_eval_step(results, stage)
                     count += 1
                 t._eval_batch_idx = None
                 if count == 0 and n != 0 and stage != "sanity":
@@ -410,7 +453,7 @@ class EvalLoop:
         t.current_dataloader = None
         module._results = prev_results
         if was_training:
-            module.train()
+            getattr(module, f"on_{hook_stage}_model_train")()   # module.train() unless overridden
         if len(per_loader) > 1:
             # one dict per dataloader: its own "/dataloader_idx_N" values plus the shared ones
             return [{k: v for k, v in metrics.items() if _loader_of(k) in (None, i)} for i in range(len(per_loader))]

@@ -107,6 +107,7 @@ def _step(trainer, interval: str, count: int) -> None:
         if count % cfg["frequency"]:
             continue
         s = cfg["scheduler"]
+        custom = trainer._lr_scheduler_step   # the module's lr_scheduler_step override (resolved at setup)
         if cfg["monitor"]:
             value = trainer.callback_metrics.get(cfg["monitor"])
             if value is None:
@@ -115,9 +116,9 @@ def _step(trainer, interval: str, count: int) -> None:
                         f"lr_scheduler monitor {cfg['monitor']!r} was never logged; logged metrics: "
                         f"{sorted(trainer.callback_metrics)}")
                 continue
-            s.step(float(value))
+            s.step(float(value)) if custom is None else custom(s, float(value))
         else:
-            s.step()
+            s.step() if custom is None else custom(s, None)
 
 
 class ManualOptimizer:

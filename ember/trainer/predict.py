@@ -9,6 +9,7 @@ import torch
 
 from ember.distributed import is_sample_list
 from ember.errors import MisconfigurationError
+from ember.trainer import hooks as _hooks
 
 
 def run_predict(t) -> list:
@@ -16,32 +17,43 @@ def run_predict(t) -> list:
     if not callable(getattr(module, "predict_step", None)):
         raise MisconfigurationError(f"{type(module).__name__} has no predict_step; implement it to run predict")
     was_training = module.training
-    module.eval()
+    module.on_predict_model_eval()   # module.eval() unless overridden
     hs, he = t._hooks["on_predict_batch_start"], t._hooks["on_predict_batch_end"]
+    ms, me = t._module_hook("on_predict_batch_start"), t._module_hook("on_predict_batch_end")
+    step = _hooks.step_call(module.predict_step)   # predict_step(batch) works too
     t._call_hook("on_predict_start")
     t._call_hook("on_predict_epoch_start")
     all_outputs = []
     # several dataloaders: predict_step(batch, batch_idx, dataloader_idx) when it takes one
     multi = len(t._eval_loaders) > 1 and "dataloader_idx" in inspect.signature(module.predict_step).parameters
-    with torch.no_grad():
+    with torch.inference_mode() if t.inference_mode else torch.no_grad():
         for dl_idx, loader in enumerate(t._eval_loaders):
             t.current_dataloader = loader
-            t._current_pass_batches = None   # predict always runs the whole loader
+            transfer = _hooks.batch_transfer(t, dl_idx)
+            n = t._limit_batches(loader, t.limit_predict_batches)
+            t._current_pass_batches = None   # the whole loader unless limit_predict_batches
+            full = t.limit_predict_batches is None or n >= t._limit_batches(loader, None)
             kwargs = {"dataloader_idx": dl_idx} if multi else {}
             outs = []
             for batch_idx, batch in enumerate(loader):
-                batch = t._prepare_batch(batch)
+                if batch_idx >= n:
+                    break
+                batch = t._prepare_batch(batch, transfer)
                 t._eval_batch_idx = batch_idx
                 for h in hs:
                     h(t, module, batch, batch_idx, dl_idx)
+                if ms is not None:
+                    ms(batch, batch_idx, dl_idx)
                 with t.strategy.precision.forward_context():
-                    out = module.predict_step(batch, batch_idx, **kwargs)
+                    out = step(batch, batch_idx, **kwargs)
                 for h in he:
                     h(t, module, out, batch, batch_idx, dl_idx)
+                if me is not None:
+                    me(out, batch, batch_idx, dl_idx)
                 outs.append(out)
             t._eval_batch_idx = None
             if t.world_size > 1:
-                outs = _gather_outputs(t, outs, loader)
+                outs = _gather_outputs(t, outs, loader, full)
             all_outputs.append(outs)
     t._call_hook("on_predict_epoch_end")
     t._call_hook("on_predict_end")
@@ -51,7 +63,7 @@ def run_predict(t) -> list:
     return all_outputs[0] if len(all_outputs) == 1 else all_outputs
 
 
-def _gather_outputs(t, outs: list, loader) -> list:
+def _gather_outputs(t, outs: list, loader, full: bool = True) -> list:
     """Concatenate this rank's batch outputs, gather exactly the dataset in order,
     and split it back into batches of the loader's batch size."""
     from ember import distributed
@@ -59,7 +71,7 @@ def _gather_outputs(t, outs: list, loader) -> list:
     if not outs or not all(isinstance(o, (torch.Tensor, dict, list, tuple)) for o in outs):
         return outs
     cat = _concat(outs)
-    full = distributed.gather_for_metrics(cat, num_padded=num_padded(loader), strategy=t.strategy)
+    full = distributed.gather_for_metrics(cat, num_padded=num_padded(loader) if full else 0, strategy=t.strategy)
     bs = getattr(loader, "batch_size", None) or _first_len(outs[0])
     return _split(full, bs)
 

@@ -187,6 +187,12 @@ def agree_stop(t, force: bool = False) -> bool:
         save_for_preemption(t, int(signum))
         return True
     if code:
-        ls.stop_request = ls.stop_reason = REQUESTS[int(code) - 1]
+        req = REQUESTS[int(code) - 1]
+        if req in ("should_stop", "early_stopping") and (t.min_epochs is not None or t.min_steps is not None):
+            from ember.trainer.arguments import min_reached
+            if not min_reached(t):   # min_epochs / min_steps: the request waits (every rank alike)
+                ls.stop_request, ls.stop_agreed = req, False
+                return False
+        ls.stop_request = ls.stop_reason = req
         return True
     return False

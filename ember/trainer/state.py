@@ -73,7 +73,8 @@ def build_loggers(t) -> list:
         out = list(arg)
     else:
         raise MisconfigurationError(f"logger={arg!r} is not valid; use True (TensorBoard), False, a Logger or a list of Loggers")
-    if out and t.is_global_zero and t.module is not None and t.module.hparams:
+    if out and t.is_global_zero and t.module is not None and t.module.hparams \
+            and t.enable_autolog_hparams:   # Trainer(enable_autolog_hparams=False): not logged
         for lg in out:
             lg.log_hyperparams(dict(t.module.hparams))
     return out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import re
 import time
 from typing import Any
 
@@ -15,42 +14,19 @@ from ember.callbacks.base import Callback, hook_table
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.module import DataModule, TrainModule, overrides
 from ember.trainer import checks as _checks
+from ember.trainer import arguments as _args
+from ember.trainer.arguments import _check_limit, _parse_max_time
+from ember.trainer import hooks as _hooks
 from ember.trainer import state as _state
 from ember.trainer import summary as _summary
-from ember.trainer.logging import Results, to_host
+from ember.trainer.logging import Results
+from ember.trainer.metrics import MetricsMixin
 from ember.trainer.loops import EvalLoop, FitLoop, limit_batches
 from ember.trainer.optim import ManualOptimizer, configure_optimizers, flush_scheduler_steps, step_schedulers
 from ember.trainer.progress import LoopProperties, LoopState
 
 
-def _parse_max_time(v):
-    if v is None:
-        return None
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-        return float(v)
-    if isinstance(v, _dt.timedelta):
-        return v.total_seconds()
-    if isinstance(v, dict):
-        return _dt.timedelta(**v).total_seconds()
-    if isinstance(v, str) and re.fullmatch(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", v):
-        d, h, m, s = map(int, v.split(":"))
-        return float(((d * 24 + h) * 60 + m) * 60 + s)
-    raise MisconfigurationError(f"max_time={v!r} is not valid; use seconds (a positive number), "
-                                "'DD:HH:MM:SS', a datetime.timedelta or a dict like {'hours': 2}")
-
-
-def _check_limit(name, v):
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise MisconfigurationError(f"{name}={v!r} is not valid; use an int number of batches, a float "
-                                    "fraction in [0, 1], or None for all")
-    if v < 0 or (isinstance(v, float) and v > 1.0):
-        raise MisconfigurationError(f"{name}={v!r} is not valid; an int must be >= 0 and a float in [0.0, 1.0]")
-    return v
-
-
-class Trainer(LoopProperties):
+class Trainer(MetricsMixin, LoopProperties):
     """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
 
     See ``ember/trainer/loops.py`` for the order of events and docs/trainer.md.
@@ -75,9 +51,11 @@ class Trainer(LoopProperties):
         log_every_n_steps: send step metrics to the loggers every N optimizer steps.
         callbacks: a Callback or a list of them (checkpointing, progress bar and summary are added by default).
         logger: True (TensorBoard), False, "tensorboard", "csv", "wandb", a Logger, or a list of those.
-        enable_checkpointing: add a ModelCheckpoint (one checkpoint per epoch) unless one is given.
-        enable_progress_bar: add a RichProgressBar (and print the end-of-fit summary) unless one is given.
-        enable_model_summary: print a table of the module's layers at the start of fit.
+        enable_checkpointing: add a ModelCheckpoint (one checkpoint per epoch) unless one is given (None: True
+            unless barebones).
+        enable_progress_bar: add a RichProgressBar (and print the end-of-fit summary) unless one is given (None: True
+            unless barebones).
+        enable_model_summary: print a table of the module's layers at the start of fit (None: True unless barebones).
         default_root_dir: folder for logs and checkpoints when no logger or callback says otherwise (default: cwd).
         deterministic: use deterministic algorithms ("warn": only warn about non-deterministic ones).
         seed: seed every RNG (python, numpy, torch) and the data order.
@@ -87,6 +65,18 @@ class Trainer(LoopProperties):
         activation_checkpointing: recompute activations of these blocks in backward (a class, classes or a policy).
         profiler: None, "simple" (a table of time per hook and step), "pytorch" (torch.profiler traces) or a Profiler.
         report: write report.html (every logged scalar's curve) and PNGs into the log folder after fit.
+        min_epochs: a stop request (should_stop, EarlyStopping) waits until this many epochs are done.
+        min_steps: a stop request waits until this many optimizer steps are done.
+        overfit_batches: train and validate on the same first N (int) or fraction (float) of training batches, unshuffled.
+        limit_test_batches: test batches per pass: an int, a fraction (float) or None for all.
+        limit_predict_batches: predict batches per dataloader: an int, a fraction (float) or None for all.
+        reload_dataloaders_every_n_epochs: call the dataloader hooks again every N epochs (0: never).
+        sync_batchnorm: under several (GPU) processes, turn BatchNorm layers into SyncBatchNorm.
+        use_distributed_sampler: False: use the DataLoaders as given (no sharding, no resumable sampler).
+        inference_mode: evaluate under torch.inference_mode (False: torch.no_grad).
+        benchmark: set torch.backends.cudnn.benchmark (None: leave it as it is).
+        barebones: nothing but the loop: no logger, checkpointing, progress bar, summary; self.log is an error.
+        enable_autolog_hparams: log the module's hparams to the loggers at the start of fit.
     """
 
     def __init__(self, *, max_epochs: int | None = None, max_steps: int = -1,
@@ -98,12 +88,17 @@ class Trainer(LoopProperties):
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
                  limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
                  log_every_n_steps: int = 50, callbacks: list[Callback] | Callback | None = None,
-                 logger: bool | str | Any | list | None = True, enable_checkpointing: bool = True,
-                 enable_progress_bar: bool = True, enable_model_summary: bool = True,
+                 logger: bool | str | Any | list | None = True, enable_checkpointing: bool | None = None,
+                 enable_progress_bar: bool | None = None, enable_model_summary: bool | None = None,
                  default_root_dir: str | os.PathLike | None = None, deterministic: bool | str = False,
                  seed: int | None = None, compile: bool | dict = False, fast_dev_run: bool | int = False,
                  detect_anomaly: bool = False, activation_checkpointing: type | tuple | Any = None,
-                 profiler: str | Any = None, report: bool = False, accelerator: str | None = None) -> None:
+                 profiler: str | Any = None, report: bool = False, accelerator: str | None = None,
+                 min_epochs: int | None = None, min_steps: int | None = None, overfit_batches: int | float = 0.0,
+                 limit_test_batches: int | float | None = None, limit_predict_batches: int | float | None = None,
+                 reload_dataloaders_every_n_epochs: int = 0, sync_batchnorm: bool = False,
+                 use_distributed_sampler: bool = True, inference_mode: bool = True, benchmark: bool | None = None,
+                 barebones: bool = False, enable_autolog_hparams: bool = True) -> None:
         from ember.lightning_compat import resolve_accelerator
         from ember.precision import Precision
         from ember.strategies import build_strategy
@@ -137,6 +132,15 @@ class Trainer(LoopProperties):
         self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
         if fast_dev_run is not False and (isinstance(fast_dev_run, bool) is False and (not isinstance(fast_dev_run, int) or fast_dev_run < 0)):
             raise MisconfigurationError(f"fast_dev_run={fast_dev_run!r} is not valid; use True, False or a positive int")
+        logger, enable_checkpointing, enable_progress_bar, enable_model_summary = _args.resolve_barebones(
+            barebones, logger, enable_checkpointing, enable_progress_bar, enable_model_summary, callbacks)
+        self.barebones = barebones
+        _args.set_arguments(
+            self, min_epochs=min_epochs, min_steps=min_steps, overfit_batches=overfit_batches,
+            limit_test_batches=limit_test_batches, limit_predict_batches=limit_predict_batches,
+            reload_dataloaders_every_n_epochs=reload_dataloaders_every_n_epochs, sync_batchnorm=sync_batchnorm,
+            use_distributed_sampler=use_distributed_sampler, inference_mode=inference_mode, benchmark=benchmark,
+            enable_autolog_hparams=enable_autolog_hparams, deterministic=deterministic)
         if max_epochs is None and max_steps == -1 and max_time is None:
             max_epochs = 1000   # as Lightning: stop eventually
         self.max_epochs, self.max_steps, self._max_time = max_epochs, max_steps, _parse_max_time(max_time)
@@ -161,20 +165,22 @@ class Trainer(LoopProperties):
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
-            torch.backends.cudnn.benchmark = False
+            if benchmark is None:   # benchmark=True wins (with a warning), as Lightning
+                torch.backends.cudnn.benchmark = False
         self.callbacks = _state.default_callbacks(
             callbacks, enable_checkpointing, enable_progress_bar, enable_model_summary)
         from ember.profiler import build_profiler
         from ember.callbacks.run_record import RunRecord
         self.profiler = build_profiler(profiler, self)   # None: nothing is wrapped, no cost
-        self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
+        if not barebones:
+            self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
         self.report_path: str | None = None
         _checks.check_logger_arg(logger)
         self._logger_arg = logger
         self.loggers = []
         # state: the loop position and control, in one object (trainer/progress.py)
         self.loop_state = LoopState()
-        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self._callback_metrics: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, float] = {}
         self.module: TrainModule | None = None
         self.model = None
@@ -183,7 +189,10 @@ class Trainer(LoopProperties):
         self.lr_scheduler_configs: list[dict] = []
         self._step_schedulers_list: list = []
         self._manual_optimizers: list = []
-        self._results = {s: Results(s) for s in ("train", "validate", "test", "sanity")}
+        self._results = {s: (_args.BarebonesResults if barebones else Results)(s)
+                         for s in ("train", "validate", "test", "sanity")}
+        self._fit_loaders: dict = {}   # what fit() was given (reload_dataloaders_every_n_epochs)
+        self._eval_log_steps: dict = {}   # logger step of per-batch validation/test values
         self._env_ready = False
         self._resumed = False
         self._signal_pending = False
@@ -202,6 +211,8 @@ class Trainer(LoopProperties):
         self.interrupted = False
         self.num_training_batches = 0
         self._hooks = hook_table([])
+        self._backward_hooks = None   # manual_backward's on_before/after_backward (set per epoch)
+        self._lr_scheduler_step = None   # the module's lr_scheduler_step override (set at setup)
 
     # ------------------------------------------------------------------ properties
     world_size = property(lambda self: self.strategy.world_size)
@@ -233,18 +244,6 @@ class Trainer(LoopProperties):
     def checkpoint_callback(self):
         cbs = self.checkpoint_callbacks
         return cbs[0] if cbs else None
-
-    @property
-    def progress_bar_metrics(self) -> dict[str, float]:
-        """What the progress bar shows, as floats: the latest value of each ``prog_bar``
-        step metric and, for each ``prog_bar`` epoch metric, the value that was logged
-        (equal to ``callback_metrics[name]``); read by the progress bar on its timer."""
-        out = {}
-        emitted = dict(self.callback_metrics)
-        for stage in ("train", "validate", "test"):
-            for k, v in self._results[stage].prog_bar_values(emitted).items():
-                out[k] = float(v) if not isinstance(v, torch.Tensor) else v.item()
-        return out
 
     @property
     def estimated_stepping_batches(self) -> int:
@@ -383,6 +382,7 @@ class Trainer(LoopProperties):
             self.strategy.precision = self._precision
             self._acc = Accelerator._for_trainer(self.strategy)   # sets the environment up (processes, device)
             self._env_ready = True
+            _checks.warn_fp16_on_cpu(self)
             if self.seed is None:
                 # one sampler seed for every rank, drawn from the (seeded) global RNG
                 self._data_seed = int(self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())))
@@ -390,14 +390,22 @@ class Trainer(LoopProperties):
                 self._data_seed = self.seed
         self._needs_transfer = self.strategy.root_device.type != "cpu"
         self.loggers = _state.build_loggers(self) if stage == "fit" or not self.loggers else self.loggers
+        if stage != "fit":   # as Lightning: validate/test/predict report their own metrics only
+            self._callback_metrics = {}
         _state.agree_log_versions(self)   # rank 0 picks the run folders, before callbacks read log_dir
+        _hooks.configure_callbacks(self, module)   # the module's callbacks join (or replace) the Trainer's
         self._hooks = hook_table(self.callbacks)
-        if datamodule is not None:
+        _hooks.check_module_hooks(self, module)
+        module_prepare = overrides(module, TrainModule, "prepare_data")
+        if datamodule is not None or module_prepare:
             if self.strategy.is_local_zero:
-                datamodule.prepare_data()
+                datamodule.prepare_data() if datamodule is not None else None
+                module.prepare_data() if module_prepare else None
             self.strategy.barrier("prepare_data")
+        if datamodule is not None:
             datamodule.setup(stage)
-        self._call_hook("setup", stage)
+        self._call_hook("setup", stage)   # callbacks', then the module's setup(stage)
+        self._lr_scheduler_step = self._module_hook("lr_scheduler_step")
         if first or self.model is None:
             with self.strategy.module_init_context():
                 module.configure_model()
@@ -406,6 +414,7 @@ class Trainer(LoopProperties):
             apply_activation_checkpointing(module, self._ac_policy)
             if self._compile:
                 compile_blocks(module, self._compile if isinstance(self._compile, dict) else None)
+            _args.convert_sync_batchnorm(self, module)   # sync_batchnorm under several processes
             self.model = self._acc.setup_module(module)
         self._setup_data(stage, loaders)   # before optimizers: schedules may use estimated_stepping_batches
         if stage == "fit":
@@ -440,13 +449,19 @@ class Trainer(LoopProperties):
         def as_list(x):
             return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
-        prep = self._acc.setup_dataloader
+        prep = self._acc.setup_dataloader if self.use_distributed_sampler else (lambda dl, **_: dl)
         if stage == "fit":
+            self._fit_loaders = loaders
             train = pick(loaders.get("train"), "train_dataloader", "train_dataloaders")
             if train is None:
                 raise MisconfigurationError("trainer.fit() needs training data: pass train_dataloaders=, a datamodule, "
                                             "or define train_dataloader() on the module")
-            self._train_loader = prep(train, seed=self._data_seed)
+            if self.overfit_batches:   # the same first batches for training and validation, in order
+                self._train_loader = prep(train, seed=self._data_seed, shuffle=False)
+                if callable(getattr(self.module, "validation_step", None)):
+                    loaders = {**loaders, "val": [self._train_loader]}
+            else:
+                self._train_loader = prep(train, seed=self._data_seed)
             self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
             if self.num_training_batches == 0:
                 raise MisconfigurationError("the train dataloader has no batches (limit_train_batches or an empty dataset)")
@@ -481,8 +496,10 @@ class Trainer(LoopProperties):
         n = limit_batches(n, limit, "limit")
         return n if n == float("inf") else int(n)
 
-    def _prepare_batch(self, batch):
-        if self._needs_transfer:
+    def _prepare_batch(self, batch, transfer=None):
+        if transfer is not None:   # the module's batch-transfer hooks (hooks.batch_transfer)
+            batch = transfer(batch)
+        elif self._needs_transfer:
             batch = self.strategy.batch_to_device(batch)
         p = self.strategy.precision
         return p.convert_input(batch) if p.needs_input_cast else batch
@@ -515,7 +532,8 @@ class Trainer(LoopProperties):
 
     def _evaluate(self, stage):
         self._call_hook("on_fit_start") if False else None
-        out = EvalLoop(self, stage).run(self._eval_loaders, self.limit_val_batches if stage == "validate" else None)
+        out = EvalLoop(self, stage).run(self._eval_loaders,
+                                        self.limit_val_batches if stage == "validate" else self.limit_test_batches)
         for lg in self.loggers if self.is_global_zero else []:
             lg.save()
         if getattr(self, "_verbose", True):
@@ -567,60 +585,6 @@ class Trainer(LoopProperties):
                 "comes. Gather once after the steps instead (in on_validation_epoch_end, or with the "
                 "GatherMetrics callback), or evaluate on a map-style dataset")
         return batch_padding(loader, self._eval_batch_idx, self._current_pass_batches)
-
-    # ------------------------------------------------------------------ metrics
-    def _emit_step(self, results: Results) -> None:
-        vals = results.step_values()
-        if not vals and self.world_size == 1:
-            return
-        host = to_host(vals, self.strategy)   # every rank: it takes part in the sync_dist names check
-        if not vals:
-            return
-        self._publish(host, {n: vals[n][0] for n in vals})
-
-    def _emit_epoch(self, results: Results, log: bool = True, names=None) -> dict:
-        vals = results.epoch_values(names)
-        host = to_host(vals, self.strategy)
-        if log and names is None and self.world_size > 1:
-            # once per stage, on every rank (also one that logged nothing: it takes part in the gather)
-            _checks.warn_unsynced(self, results.stage, vals, host)
-        if not vals:
-            return {}
-        for e, _ in vals.values():
-            if e.metric is not None:
-                e.metric.reset()   # computed: start clean (the sanity check or another stage may reuse it)
-        if log:
-            self._publish(host, {n: vals[n][0] for n in vals})
-        return host
-
-    def _publish(self, host: dict, entries: dict) -> None:
-        for k, v in host.items():
-            self.callback_metrics[k] = torch.tensor(v)
-            e = entries[k]
-            base = e.name
-            if k != base and not k.endswith("_epoch"):
-                continue
-            if k.endswith("_epoch"):
-                self.callback_metrics[base] = torch.tensor(v)
-        to_log = {k: v for k, v in host.items() if entries[k].logger}
-        if not to_log:
-            return
-        self.logged_metrics.update(to_log)
-        if self.is_global_zero:
-            to_log = dict(to_log, epoch=float(self.current_epoch)) if self.stage == "fit" else to_log
-            for lg in self.loggers:
-                lg.log_metrics(to_log, step=self.global_step)
-
-    def log_metric(self, name: str, value: Any, logger: bool = True) -> None:
-        """Record an already-reduced value (used by callbacks such as GatherMetrics)."""
-        v = float(value)
-        self.callback_metrics[name] = torch.tensor(v)
-        if logger:
-            self.logged_metrics[name] = v
-            if self.is_global_zero:
-                for lg in self.loggers:
-                    lg.log_metrics({name: v}, step=self.global_step)
-
 
 def _one_module(module: Any, model: Any) -> Any:
     """``fit(module)`` or Lightning's ``fit(model=...)``; both is an error."""

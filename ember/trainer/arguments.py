@@ -1,0 +1,151 @@
+"""Trainer arguments from Lightning beyond the core loop ones: ``min_epochs``,
+``min_steps``, ``overfit_batches``, ``limit_test_batches``, ``limit_predict_batches``,
+``reload_dataloaders_every_n_epochs``, ``sync_batchnorm``, ``use_distributed_sampler``,
+``inference_mode``, ``benchmark``, ``barebones`` and ``enable_autolog_hparams``:
+validation (each error names the argument and the fix) and what each does outside the
+step. Nothing here runs per step."""
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import warnings
+from typing import Any
+
+import torch
+
+from ember.errors import MisconfigurationError
+from ember.trainer.logging import Results
+
+
+def _parse_max_time(v):
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    if isinstance(v, _dt.timedelta):
+        return v.total_seconds()
+    if isinstance(v, dict):
+        return _dt.timedelta(**v).total_seconds()
+    if isinstance(v, str) and re.fullmatch(r"\d+:\d{1,2}:\d{1,2}:\d{1,2}", v):
+        d, h, m, s = map(int, v.split(":"))
+        return float(((d * 24 + h) * 60 + m) * 60 + s)
+    raise MisconfigurationError(f"max_time={v!r} is not valid; use seconds (a positive number), "
+                                "'DD:HH:MM:SS', a datetime.timedelta or a dict like {'hours': 2}")
+
+
+def _check_limit(name, v):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise MisconfigurationError(f"{name}={v!r} is not valid; use an int number of batches, a float "
+                                    "fraction in [0, 1], or None for all")
+    if v < 0 or (isinstance(v, float) and v > 1.0):
+        raise MisconfigurationError(f"{name}={v!r} is not valid; an int must be >= 0 and a float in [0.0, 1.0]")
+    return v
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise MisconfigurationError(f"{name}={v!r} is not valid; use True or False")
+    return v
+
+
+def _count(name: str, v: Any, allow_none: bool = True) -> int | None:
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise MisconfigurationError(f"{name}={v!r} is not valid; use an int >= 0{' or None' if allow_none else ''}")
+    return v
+
+
+def set_arguments(t, *, min_epochs, min_steps, overfit_batches, limit_test_batches, limit_predict_batches,
+                  reload_dataloaders_every_n_epochs, sync_batchnorm, use_distributed_sampler,
+                  inference_mode, benchmark, enable_autolog_hparams, deterministic) -> None:
+    """Validate and store the arguments on the Trainer ``t``."""
+    t.min_epochs = _count("min_epochs", min_epochs)
+    t.min_steps = _count("min_steps", min_steps)
+    if isinstance(overfit_batches, bool) or not isinstance(overfit_batches, (int, float)) or overfit_batches < 0 \
+            or (isinstance(overfit_batches, float) and overfit_batches > 1.0):
+        raise MisconfigurationError(f"overfit_batches={overfit_batches!r} is not valid; use an int number of "
+                                    "batches >= 0 or a float fraction in [0.0, 1.0] (0: off)")
+    t.overfit_batches = overfit_batches
+    t.limit_test_batches = _check_limit("limit_test_batches", limit_test_batches)
+    t.limit_predict_batches = _check_limit("limit_predict_batches", limit_predict_batches)
+    t.reload_dataloaders_every_n_epochs = _count("reload_dataloaders_every_n_epochs",
+                                                 reload_dataloaders_every_n_epochs, allow_none=False)
+    t.sync_batchnorm = _bool("sync_batchnorm", sync_batchnorm)
+    t.use_distributed_sampler = _bool("use_distributed_sampler", use_distributed_sampler)
+    t.inference_mode = _bool("inference_mode", inference_mode)
+    t.enable_autolog_hparams = _bool("enable_autolog_hparams", enable_autolog_hparams)
+    if benchmark is not None:
+        _bool("benchmark", benchmark)
+        if benchmark and deterministic:   # as Lightning: allowed, with a warning
+            warnings.warn("benchmark=True with deterministic=True: cuDNN's benchmark mode picks algorithms "
+                          "that are not deterministic (torch ignores cudnn.deterministic then); drop one of the "
+                          "two", UserWarning, stacklevel=4)
+        torch.backends.cudnn.benchmark = benchmark
+    t.benchmark = benchmark
+    if overfit_batches:
+        t.limit_train_batches = t.limit_val_batches = overfit_batches
+
+
+def resolve_barebones(barebones: Any, logger: Any, checkpointing: Any, progress_bar: Any, summary: Any,
+                      callbacks: Any) -> tuple:
+    """``(logger, checkpointing, progress_bar, summary)`` after ``barebones``: None means
+    True (the default) unless ``barebones=True``, which turns them all off; asking for one
+    of them together with ``barebones=True`` is an error naming the argument."""
+    _bool("barebones", barebones)
+    if not barebones:
+        return (logger, checkpointing is not False, progress_bar is not False, summary is not False)
+    asked = [n for n, v in (("enable_checkpointing", checkpointing), ("enable_progress_bar", progress_bar),
+                            ("enable_model_summary", summary)) if v]
+    if logger is not True and logger not in (False, None):   # True is the default: turned off
+        asked.insert(0, "logger")
+    from ember.callbacks import ModelCheckpoint, ModelSummary
+    from ember.callbacks.progress import ProgressBar
+    cbs = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks] if callbacks is not None else []
+    asked += [f"callbacks=[{type(c).__name__}(...)]" for c in cbs
+              if isinstance(c, (ModelCheckpoint, ModelSummary, ProgressBar))]
+    if asked:
+        raise MisconfigurationError(
+            f"barebones=True turns off loggers, checkpointing, the progress bar and the model summary, but "
+            f"{', '.join(asked)} asks for one; remove it or set barebones=False")
+    return False, False, False, False
+
+
+class BarebonesResults(Results):
+    """The results of a ``barebones`` Trainer: nothing is recorded, so ``self.log`` says so."""
+
+    def log(self, name, *args, **kwargs):
+        raise MisconfigurationError(
+            f"self.log({name!r}, ...) under Trainer(barebones=True): barebones keeps no metrics (no "
+            "loggers, progress bar or callback_metrics); set barebones=False to log")
+
+
+def convert_sync_batchnorm(t, module):
+    """``sync_batchnorm=True`` under several processes: BatchNorm layers become
+    SyncBatchNorm (in place, before the strategy wraps the module)."""
+    if t.sync_batchnorm and t.world_size > 1:
+        if t.strategy.root_device.type == "cpu" and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                                        for m in module.modules()):
+            raise MisconfigurationError(
+                "sync_batchnorm=True on CPU processes: torch's SyncBatchNorm runs on GPU devices only; "
+                "set sync_batchnorm=False (each process then normalises with its own batch statistics)")
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    return module
+
+
+def min_reached(t) -> bool:
+    """``min_epochs`` / ``min_steps`` reached: until then a stop request (``should_stop``,
+    EarlyStopping) waits; limits (max_*, max_time, a signal) still stop."""
+    ls = t.loop_state
+    return (t.min_epochs is None or ls.epoch >= t.min_epochs) and \
+        (t.min_steps is None or ls.global_step >= t.min_steps)
+
+
+def maybe_reload_dataloaders(t) -> None:
+    """At the start of an epoch (not a resumed one): every
+    ``reload_dataloaders_every_n_epochs`` epochs, call the dataloader hooks again."""
+    n, ls = t.reload_dataloaders_every_n_epochs, t.loop_state
+    if n and ls.epoch > 0 and ls.epoch % n == 0 and not ls.batches_done:
+        t._setup_data("fit", t._fit_loaders)

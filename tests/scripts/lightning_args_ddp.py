@@ -1,0 +1,81 @@
+"""Lightning Trainer arguments under 2 CPU processes (gloo, a 30 s process-group
+timeout), run by tests/test_lightning_args_multiproc.py.
+
+    python lightning_args_ddp.py ROOT
+
+1. use_distributed_sampler=False: every rank reads the whole loader as given;
+   True (default): each rank reads its half.
+2. min_epochs=2 with should_stop set on rank 0 at the first batch: both ranks train
+   two epochs, then stop together ("should_stop").
+3. sync_batchnorm=True with BatchNorm on CPU processes: a clear error on both ranks.
+Every rank writes ROOT/result_<rank>.json.
+"""
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import Callback
+from ember.errors import MisconfigurationError
+from ember.strategies import DDPStrategy
+
+
+class Net(ember.TrainModule):
+    def __init__(self, bn=False):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4) if bn else nn.Identity()
+        self.net = nn.Linear(4, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append(int(x[0, 0].mul(1000).round()))
+        return F.mse_loss(self.net(self.bn(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def loader(n=16):
+    x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4) / 1000
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+class StopOnRank0(Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_rank == 0:
+            trainer.should_stop = True
+
+
+def trainer(root, **kw):
+    args = dict(max_epochs=1, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=root, logger=False)
+    args.update(kw)
+    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=30), **args)
+
+
+def main(root):
+    out = {}
+    for flag in (False, True):
+        m = Net()
+        trainer(root, use_distributed_sampler=flag).fit(m, loader())
+        out[f"sampler_{flag}"] = m.seen
+    t = trainer(root, max_epochs=5, min_epochs=2, callbacks=[StopOnRank0()])
+    t.fit(Net(), loader())
+    out["min_epochs"] = [t.stop_reason, t.current_epoch, t.global_step]
+    try:
+        trainer(root, sync_batchnorm=True).fit(Net(bn=True), loader())
+        out["sync_bn"] = None
+    except MisconfigurationError as e:
+        out["sync_bn"] = str(e)
+    with open(os.path.join(root, f"result_{t.global_rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
