@@ -309,7 +309,7 @@ class TrainModule(nn.Module):
     def manual_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Manual optimization: ``loss.backward()`` through the strategy (loss scaling, DDP sync)."""
         t = self.trainer
-        t.strategy.backward(loss, t.model, **kwargs)
+        t.strategy.manual_backward(loss, t.model, **kwargs)
 
     # -- collectives ----------------------------------------------------------------
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:

@@ -103,18 +103,9 @@ def test_port_step_metrics_equal_lightning(name, on_ember, tmp_path):
     assert on_ember(name)["fit_metrics"] == run(tmp_path, name, lightning=True)["fit_metrics"]
 
 
-# ember fails there (Lightning does not): DDP + manual optimization with a toggled optimizer ends
-# in torch's "Encountered gradient which is undefined, but still allreduced by DDP reducer";
-# Lightning prepares DDP's reducer before each manual_backward. Seen once training_step(self, batch)
-# is supported (the port is skipped until then).
-GAN_ON_DDP = pytest.mark.xfail(strict=True, raises=AssertionError,
-                               reason="DDP + manual optimization with toggle_optimizer fails on ember")
-TWO_PROCESS_NAMES = [pytest.param(n, marks=GAN_ON_DDP) if n == "generative_adversarial_net" else n for n in NAMES]
-
-
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", TWO_PROCESS_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_port_on_two_processes(name, on_ember):
     one, two = on_ember(name), on_ember(name, devices=2)
     assert two["world"] == 2

@@ -127,6 +127,10 @@ class Strategy:
     def backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs) -> None:
         self.precision.backward(loss, **kwargs)
 
+    def manual_backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs) -> None:
+        """``TrainModule.manual_backward`` (manual optimization): the strategy's backward."""
+        self.backward(loss, module, **kwargs)
+
     def optimizer_step(self, optimizer, module: nn.Module | None = None, closure=None) -> None:
         self.precision.optimizer_step(optimizer, closure)
 
