@@ -3,13 +3,13 @@
 on Lightning itself (run_with_lightning.py maps the ``ember`` modules to
 ``lightning.pytorch``'s) gives the same numbers.
 
-On 2 processes the training loaders shuffle (as Lightning's DDP sampler always does) with
-ember's Trainer(seed=) set to the seed_everything seed, and the comparison is exact too.
-
 The comparison is exact (``==`` on float64 sums of every parameter tensor, test metrics,
-prediction sums): no randomness differs (``shuffle=False``, the same seed, noise drawn
-from the global RNG in the same order), both libraries run the same float32 operations
-in the same order on one thread, and an epoch mean is the same batch-size weighted sum.
+prediction sums): no randomness differs (``shuffle=False``, the same seed, noise and
+dropout drawn from the global RNG in the same order), both libraries run the same float32
+operations in the same order on one thread, and an epoch mean is the same batch-size
+weighted sum. On 2 processes the training loaders shuffle (as Lightning's DDP sampler
+always does) with ember's Trainer(seed=) set to the seed_everything seed, and the
+comparison is exact too.
 
 A port that stops on an exception naming a Lightning feature ember does not have yet
 (MISSING_FEATURES) is skipped with that reason, nothing else is."""
