@@ -260,7 +260,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         hooks = getattr(t, "_backward_hooks", None)   # on_before/after_backward, resolved per epoch
         if hooks is not None:
             hooks[0](loss)
-        t.strategy.backward(loss, t.model, **kwargs)
+        t.strategy.manual_backward(loss, t.model, **kwargs)   # DDP: prepares the reducer for this loss
         if hooks is not None:
             hooks[1]()
 

@@ -159,6 +159,27 @@ def test_missing_hooks_are_named(make_trainer, data):
         make_trainer().predict(NoStep(), data())
 
 
+def test_validation_data_without_validation_step_skips_validation(make_trainer, data):
+    """As Lightning: fit with validation data but no validation_step warns and trains
+    (Lightning's GAN example has a datamodule with a val_dataloader and no validation_step)."""
+    class TrainOnly(ember.TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = make_trainer(max_epochs=2, num_sanity_val_steps=2)
+    with pytest.warns(UserWarning, match=r"TrainOnly has no validation_step: validation is skipped"):
+        trainer.fit(TrainOnly(), data(), data(n=16))
+    assert trainer.global_step == 16 and trainer.current_epoch == 2
+    assert not any(k.startswith("val") for k in trainer.callback_metrics)
+
+
 @pytest.mark.parametrize("returned,pattern", [
     (None, r"configure_optimizers returned None"),
     ("adam", r"configure_optimizers returned str; return an optimizer"),

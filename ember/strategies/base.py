@@ -156,6 +156,10 @@ class Strategy:
         """``loss.backward()`` through the precision (loss scaling)."""
         self.precision.backward(loss, **kwargs)
 
+    def manual_backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs: Any) -> None:
+        """``TrainModule.manual_backward`` (manual optimization): the strategy's backward."""
+        self.backward(loss, module, **kwargs)
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None,
                        closure: Callable[[], Any] | None = None) -> None:
         """``optimizer.step()`` through the precision (a scaled step may be skipped)."""

@@ -306,6 +306,21 @@ class DDPStrategy(Strategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     # -- step ------------------------------------------------------------------------
+    def manual_backward(self, loss: torch.Tensor, module: nn.Module | None = None, **kwargs) -> None:
+        """Manual optimization: DDP's forward (``training_step``) prepared one gradient
+        reduction, but the step may run several backwards (one per toggled optimizer, each
+        leaving the other parameters without gradients). Prepare the reduction for each, from
+        this loss's graph, as Lightning does; unused parameters need
+        ``find_unused_parameters=True``."""
+        if isinstance(module, nn.parallel.DistributedDataParallel) and torch.is_grad_enabled() \
+                and module.require_backward_grad_sync:
+            from torch.nn.parallel.distributed import _find_tensors
+            module.require_forward_param_sync = True
+            outputs = list(_find_tensors(loss)) if module.find_unused_parameters and not module.static_graph else []
+            module.reducer._rebuild_buckets()
+            module.reducer.prepare_for_backward(outputs)
+        self.backward(loss, module, **kwargs)
+
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         if enabled and isinstance(module, nn.parallel.DistributedDataParallel):
             return module.no_sync()

@@ -469,6 +469,11 @@ class Trainer(MetricsMixin, LoopProperties):
                                  for v in as_list(pick(loaders.get("val"), "val_dataloader", "val_dataloaders"))]
             if self.limit_val_batches == 0:
                 self._val_loaders = []
+            elif self._val_loaders and not callable(getattr(self.module, "validation_step", None)):
+                import warnings   # as Lightning: validation data without a validation_step skips validation
+                warnings.warn(f"fit() was given validation data but {type(self.module).__name__} has no "
+                              "validation_step: validation is skipped (define validation_step to run it)", stacklevel=4)
+                self._val_loaders = []
             vci = self.val_check_interval
             if isinstance(vci, float):
                 n = self.num_training_batches

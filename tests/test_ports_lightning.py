@@ -1,0 +1,135 @@
+"""The ports of Lightning's own examples (tests/ports/lightning/) run on one process and on
+2 CPU processes (DDP, gloo, 60 s process-group timeout); on one process the same file run
+on Lightning itself (run_with_lightning.py maps the ``ember`` modules to
+``lightning.pytorch``'s) gives the same numbers.
+
+The comparison is exact (``==`` on float64 sums of every parameter tensor, test metrics,
+prediction sums): no randomness differs (``shuffle=False``, the same seed, noise and
+dropout drawn from the global RNG in the same order), both libraries run the same float32
+operations in the same order on one thread, and an epoch mean is the same batch-size
+weighted sum. On 2 processes the training loaders shuffle (as Lightning's DDP sampler
+always does) with ember's Trainer(seed=) set to the seed_everything seed, and the
+comparison is exact too.
+
+A port that stops on an exception naming a Lightning feature ember does not have yet
+(MISSING_FEATURES) is skipped with that reason, nothing else is."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_accelerator import ROOT, clean_env
+
+PORTS = ROOT / "tests" / "ports" / "lightning"
+pytestmark = pytest.mark.slow
+
+# exception text naming a missing feature -> the feature (to be built on its own branch)
+MISSING_FEATURES = {
+    r"unexpected keyword argument 'limit_test_batches'": "Trainer(limit_test_batches=)",
+    r"training_step\(\) takes 2 positional arguments but 3 were given": "training_step(self, batch) without batch_idx",
+}
+# metrics logged with on_step=True only (or their "_step" part): ember puts them in
+# callback_metrics at log_every_n_steps points only (issue 15, "Step metrics in callback_metrics")
+STEP_ONLY = {"autoencoder": ["train_loss"], "backbone_image_classifier": ["train_loss_step"],
+             "generative_adversarial_net": ["d_loss", "g_loss"], "bug_report_model": ["train_loss"],
+             "transformer": ["train_loss"]}
+NAMES = sorted(STEP_ONLY)
+
+
+def run(tmp_path, name: str, lightning: bool = False, devices: int = 1) -> dict:
+    """Run port ``name`` in ``tmp_path`` and return what it wrote; skip on a missing feature."""
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, str(PORTS / f"{name}.py")]
+    if lightning:
+        cmd.insert(1, str(PORTS / "run_with_lightning.py"))
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=clean_env(PORT_OUT=str(out), PORT_DEVICES=str(devices), PYTHONPATH=str(ROOT)))
+    if r.returncode != 0:
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+        if re.match(r"(\[rank\d\]: )?(TypeError|AttributeError|(ember\.errors\.)?MisconfigurationError): ", last):
+            for pattern, feature in MISSING_FEATURES.items():
+                if re.search(pattern, last):
+                    pytest.skip(f"{name}: ember lacks {feature} ({last.strip()})")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def on_ember(tmp_path_factory):
+    """``on_ember(name, devices=1)``: the port's results on ember, run once per module."""
+    cache: dict = {}
+
+    def get(name, devices=1):
+        key = (name, devices)
+        if key not in cache:
+            try:
+                cache[key] = run(tmp_path_factory.mktemp(f"ember{devices}_{name}"), name, devices=devices)
+            except pytest.skip.Exception as e:
+                cache[key] = e
+        if isinstance(cache[key], pytest.skip.Exception):
+            raise cache[key]
+        return cache[key]
+    return get
+
+
+def without(metrics: dict, names: list[str]) -> dict:
+    return {k: v for k, v in metrics.items() if k not in names}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", NAMES)
+def test_port_on_one_process_equals_lightning(name, on_ember, tmp_path):
+    ember = on_ember(name)
+    assert ember["world"] == 1 and ember["params"]
+    pytest.importorskip("lightning")
+    lit = run(tmp_path, name, lightning=True)
+    assert ember["params"] == lit["params"]            # every weight, after fit
+    assert ember.get("test") == lit.get("test")        # test(ckpt_path="best") metrics
+    for key in ("prediction0_sum", "n_predictions", "test_accuracy", "grids", "images"):
+        assert ember.get(key) == lit.get(key), key
+    assert without(ember["fit_metrics"], STEP_ONLY[name]) == without(lit["fit_metrics"], STEP_ONLY[name])
+
+
+@pytest.mark.xfail(strict=True, reason="issue 15: a step metric reaches callback_metrics only at "
+                   "log_every_n_steps points (fixed on another branch; remove this mark when merged)")
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["autoencoder", "backbone_image_classifier"])
+def test_port_step_metrics_equal_lightning(name, on_ember, tmp_path):
+    pytest.importorskip("lightning")
+    assert on_ember(name)["fit_metrics"] == run(tmp_path, name, lightning=True)["fit_metrics"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", NAMES)
+def test_port_on_two_processes(name, on_ember):
+    one, two = on_ember(name), on_ember(name, devices=2)
+    assert two["world"] == 2
+    assert two["params"].keys() == one["params"].keys() and two["params"] != one["params"]   # shuffled, sharded
+    assert all(math.isfinite(v) for v in two["params"].values())
+    assert [t.keys() for t in two.get("test", [])] == [t.keys() for t in one.get("test", [])]
+    if "n_predictions" in one:
+        assert two["n_predictions"] == one["n_predictions"] == 297   # the whole test set, gathered, no padding
+    assert without(two["fit_metrics"], STEP_ONLY[name]).keys() == without(one["fit_metrics"], STEP_ONLY[name]).keys()
+
+
+# (not the GAN and the transformer: ember's Trainer(seed=), which gives the sampler Lightning's
+# seed, re-seeds the global RNG after the model is built, so their noise and dropout differ)
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["autoencoder", "backbone_image_classifier", "bug_report_model"])
+def test_port_on_two_processes_equals_lightning(name, on_ember, tmp_path):
+    ember = on_ember(name, devices=2)
+    pytest.importorskip("lightning")
+    lit = run(tmp_path, name, lightning=True, devices=2)
+    assert lit["world"] == 2
+    assert ember["params"] == lit["params"]            # same shuffled shards, same averaged gradients
+    assert ember.get("test") == lit.get("test")        # rank 0's test metrics (logged without sync_dist)
+    # predict: ember returns the whole test set on every rank (gathered, in order), Lightning each rank's shard
+    assert ember.get("n_predictions", 297) == 297 and lit.get("n_predictions", 149) == 149
+    assert without(ember["fit_metrics"], STEP_ONLY[name]) == without(lit["fit_metrics"], STEP_ONLY[name])
