@@ -324,6 +324,42 @@ def test_short_step_signatures(make_trainer, data):
     assert [p.shape for p in trainer.predict(dataloaders=data(n=16))] == [torch.Size([8, 1])] * 2
 
 
+def test_step_signature_is_read_under_functools_wraps_layers():
+    """The short form is recognised through wrappers: FSDP's register_fsdp_forward_method
+    re-binds a functools.wraps wrapper of the bound method (its own signature loses ``batch``
+    as if it were ``self``), and a decorator in the class wraps the plain function."""
+    import functools
+    import types
+
+    from ember.trainer.hooks import takes_batch_idx
+
+    def deco(f):
+        @functools.wraps(f)
+        def inner(*args, **kwargs):
+            return f(*args, **kwargs)
+        return inner
+
+    class M(LinearModule):
+        @deco
+        def short_step(self, batch):
+            return batch
+
+        @deco
+        def long_step(self, batch, batch_idx):
+            return batch
+
+    for name, full in (("training_step", True), ("short_step", False), ("long_step", True)):
+        m = M()
+        orig = getattr(m, name)
+
+        @functools.wraps(orig)   # the shape of torch.distributed.fsdp.register_fsdp_forward_method
+        def wrapped(self, *args, **kwargs):
+            return orig(*args, **kwargs)
+        setattr(m, name, types.MethodType(wrapped, m))
+        assert takes_batch_idx(orig) is full, name
+        assert takes_batch_idx(getattr(m, name)) is full, name
+
+
 def test_unsupported_lightning_hook_is_named_at_fit(make_trainer, data):
     class Backward(LinearModule):
         def backward(self, loss, *args, **kwargs):

@@ -9,15 +9,11 @@ dropout drawn from the global RNG in the same order), both libraries run the sam
 operations in the same order on one thread, and an epoch mean is the same batch-size
 weighted sum. On 2 processes the training loaders shuffle (as Lightning's DDP sampler
 always does) with ember's Trainer(seed=) set to the seed_everything seed, and the
-comparison is exact too.
-
-A port that stops on an exception naming a Lightning feature ember does not have yet
-(MISSING_FEATURES) is skipped with that reason, nothing else is."""
+comparison is exact too."""
 from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import sys
 
@@ -28,13 +24,8 @@ from test_accelerator import ROOT, clean_env
 PORTS = ROOT / "tests" / "ports" / "lightning"
 pytestmark = pytest.mark.slow
 
-# exception text naming a missing feature -> the feature (to be built on its own branch)
-MISSING_FEATURES = {
-    r"unexpected keyword argument 'limit_test_batches'": "Trainer(limit_test_batches=)",
-    r"training_step\(\) takes 2 positional arguments but 3 were given": "training_step(self, batch) without batch_idx",
-}
-# metrics logged with on_step=True only (or their "_step" part): ember puts them in
-# callback_metrics at log_every_n_steps points only (issue 15, "Step metrics in callback_metrics")
+# metrics logged with on_step=True only (or their "_step" part): their value in callback_metrics
+# is the last step's, compared on its own in test_port_step_metrics_equal_lightning
 STEP_ONLY = {"autoencoder": ["train_loss"], "backbone_image_classifier": ["train_loss_step"],
              "generative_adversarial_net": ["d_loss", "g_loss"], "bug_report_model": ["train_loss"],
              "transformer": ["train_loss"]}
@@ -42,19 +33,13 @@ NAMES = sorted(STEP_ONLY)
 
 
 def run(tmp_path, name: str, lightning: bool = False, devices: int = 1) -> dict:
-    """Run port ``name`` in ``tmp_path`` and return what it wrote; skip on a missing feature."""
+    """Run port ``name`` in ``tmp_path`` and return what it wrote."""
     out = tmp_path / "results.json"
     cmd = [sys.executable, str(PORTS / f"{name}.py")]
     if lightning:
         cmd.insert(1, str(PORTS / "run_with_lightning.py"))
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=clean_env(PORT_OUT=str(out), PORT_DEVICES=str(devices), PYTHONPATH=str(ROOT)))
-    if r.returncode != 0:
-        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
-        if re.match(r"(\[rank\d\]: )?(TypeError|AttributeError|(ember\.errors\.)?MisconfigurationError): ", last):
-            for pattern, feature in MISSING_FEATURES.items():
-                if re.search(pattern, last):
-                    pytest.skip(f"{name}: ember lacks {feature} ({last.strip()})")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -67,12 +52,7 @@ def on_ember(tmp_path_factory):
     def get(name, devices=1):
         key = (name, devices)
         if key not in cache:
-            try:
-                cache[key] = run(tmp_path_factory.mktemp(f"ember{devices}_{name}"), name, devices=devices)
-            except pytest.skip.Exception as e:
-                cache[key] = e
-        if isinstance(cache[key], pytest.skip.Exception):
-            raise cache[key]
+            cache[key] = run(tmp_path_factory.mktemp(f"ember{devices}_{name}"), name, devices=devices)
         return cache[key]
     return get
 
@@ -95,10 +75,8 @@ def test_port_on_one_process_equals_lightning(name, on_ember, tmp_path):
     assert without(ember["fit_metrics"], STEP_ONLY[name]) == without(lit["fit_metrics"], STEP_ONLY[name])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15: a step metric reaches callback_metrics only at "
-                   "log_every_n_steps points (fixed on another branch; remove this mark when merged)")
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["autoencoder", "backbone_image_classifier"])
+@pytest.mark.parametrize("name", NAMES)
 def test_port_step_metrics_equal_lightning(name, on_ember, tmp_path):
     pytest.importorskip("lightning")
     assert on_ember(name)["fit_metrics"] == run(tmp_path, name, lightning=True)["fit_metrics"]

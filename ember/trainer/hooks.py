@@ -178,13 +178,21 @@ def batch_transfer(t, dataloader_idx: int = 0) -> Callable | None:
 def takes_batch_idx(fn: Callable) -> bool:
     """Whether a ``*_step`` accepts ``batch_idx`` (Lightning allows ``training_step(self,
     batch)``): inspected once per epoch or pass, never per step."""
+    # read the function under any functools.wraps layers: FSDP's register_fsdp_forward_method
+    # re-binds a wrapper of the *bound* method, whose own signature would lose ``batch`` as if
+    # it were ``self``; a decorator inside the class wraps the plain function, which still
+    # lists ``self``
+    target = inspect.unwrap(fn)
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
         return True
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return True
-    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 2
+    n = len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+    if inspect.ismethod(fn) and not inspect.ismethod(target):
+        n -= 1   # the unwrapped plain function's ``self``
+    return n >= 2
 
 
 def step_call(fn: Callable) -> Callable:
