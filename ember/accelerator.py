@@ -17,7 +17,7 @@ from torch import nn
 
 from ember import data as edata
 from ember import distributed as _dist
-from ember.accelerator_compat import AccelerateNames
+from ember.accelerator_compat import AccelerateNames, Topology
 from ember.accelerator_trackers import AcceleratorTrackers
 from ember.accelerator_state import _InOrder, _Islice, _MultiContext, _Yield, _only  # noqa: F401
 from ember.accelerator_state import (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard,
@@ -37,7 +37,7 @@ _NULL = contextlib.nullcontext()
 _REDUCTIONS = ("sum", "mean", "max", "min", "none")
 
 
-class Accelerator(AccelerateNames, AcceleratorTrackers):
+class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
     """Prepare models, optimizers, dataloaders and schedulers for the chosen
     strategy (single device, DDP, FSDP, DeepSpeed) and precision, and give a
     custom loop the verbs it needs (backward, accumulation, clipping, collectives,
@@ -184,16 +184,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers):
         self.gradient_accumulation_steps = int(accumulate_grad_batches)
         self.sync_gradients, self._loss_div, self._step = True, 1, 0
 
-    # -- topology -------------------------------------------------------------------
-    device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
-    num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
-    process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
-    local_process_index = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
-    is_main_process = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
-    is_local_main_process = property(lambda self: self.strategy.is_local_zero, doc="bool: local rank 0")
-    is_last_process = property(lambda self: self.strategy.global_rank == self.strategy.world_size - 1,
-                               doc="bool: the highest global rank")
-    use_distributed = property(lambda self: self.strategy.world_size > 1, doc="bool: more than one process")
+    # -- topology: device, num_processes, process_index, is_main_process, ... (Topology) ----
     precision = property(lambda self: self.strategy.precision.name, doc='str: the precision ("32-true", ...)')
 
     @property

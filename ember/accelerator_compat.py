@@ -167,7 +167,21 @@ class TorchDynamoPlugin:
 _SHARED: dict = {}
 
 
-class PartialState:
+class Topology:
+    """Where this process stands, read from ``self.strategy``: the properties
+    :class:`PartialState` and the Accelerator share."""
+    device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
+    num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
+    process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
+    local_process_index = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
+    is_main_process = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
+    is_local_main_process = property(lambda self: self.strategy.is_local_zero, doc="bool: local rank 0")
+    is_last_process = property(lambda self: self.process_index == self.num_processes - 1,
+                               doc="bool: the highest global rank")
+    use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+
+
+class PartialState(Topology):
     """The process layout without an Accelerator (Accelerate's ``PartialState``):
     ``num_processes``, ``process_index``, ``local_process_index``, ``device``,
     ``is_main_process``, ``distributed_type``, ``wait_for_everyone()``,
@@ -185,14 +199,6 @@ class PartialState:
         self._strategy = strategy
 
     strategy = property(lambda self: _SHARED.get("strategy", self._strategy), doc="the shared Strategy")
-    device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
-    num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
-    process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
-    local_process_index = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
-    is_main_process = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
-    is_local_main_process = property(lambda self: self.strategy.is_local_zero, doc="bool: local rank 0")
-    is_last_process = property(lambda self: self.process_index == self.num_processes - 1, doc="bool: the last rank")
-    use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
     distributed_type = property(lambda self: distributed_type_of(self.strategy), doc=":class:`DistributedType`")
     initialized = property(lambda self: True, doc="always True (the state is set up on construction)")
 
