@@ -1,9 +1,13 @@
 """Hyperparameters shared by TrainModule and DataModule: ``save_hyperparameters``
-records the ``__init__`` arguments in ``self.hparams``."""
+records the ``__init__`` arguments in ``self.hparams``. The loggers get the datamodule's
+and the module's together (:func:`merged_hparams`); checkpoints keep the datamodule's
+JSON-safe ones in ``meta.json`` (:func:`datamodule_meta`)."""
 from __future__ import annotations
 
 import copy
 import inspect
+import json
+from typing import Any
 
 from torch import nn
 
@@ -68,3 +72,51 @@ class HyperparametersMixin:
         """A copy of ``hparams`` as :meth:`save_hyperparameters` recorded them (later
         changes to ``self.hparams`` do not show here)."""
         return _copy_hparams(self.__dict__.get("_hparams_initial") or AttributeDict())
+
+
+def merged_hparams(module: Any, datamodule: Any) -> dict:
+    """The hparams sent to the loggers at setup: the datamodule's and the module's together
+    (as Lightning). A name both hold with different values is a
+    :class:`~ember.errors.MisconfigurationError`, as in Lightning."""
+    hparams = dict(module.hparams)
+    dm_hp = getattr(datamodule, "hparams", None) if datamodule is not None else None
+    if not dm_hp:
+        return hparams
+    clash = sorted(k for k, v in dm_hp.items() if k in hparams and not _same(hparams[k], v))
+    if clash:
+        from ember.errors import MisconfigurationError
+        raise MisconfigurationError(
+            f"the hyperparameters {clash} are saved by both {type(module).__name__} and "
+            f"{type(datamodule).__name__} (save_hyperparameters) with different values; the loggers get one set "
+            "of hparams, so rename them on one side or leave them out there with save_hyperparameters(ignore=...)")
+    return {**dict(dm_hp), **hparams}
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:   # tensors of several elements and the like: equal only when identical
+        return a is b
+
+
+def json_safe(hparams: dict) -> dict:
+    """The hparams JSON holds as they are; other values are left out (no ``str()`` of objects)."""
+    out = {}
+    for k, v in hparams.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        out[str(k)] = v
+    return out
+
+
+def datamodule_meta(datamodule: Any) -> dict:
+    """What a checkpoint's ``meta.json`` records of the datamodule: its class and the JSON-safe
+    values of its ``save_hyperparameters()`` as ``datamodule_hparams`` (Lightning's
+    ``datamodule_hyper_parameters``); nothing when it saved none."""
+    hp = getattr(datamodule, "hparams", None) if datamodule is not None else None
+    if not hp:
+        return {}
+    return {"datamodule_class": f"{type(datamodule).__module__}.{type(datamodule).__qualname__}",
+            "datamodule_hparams": json_safe(hp)}

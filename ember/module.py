@@ -238,9 +238,12 @@ class TrainModule(HyperparametersMixin, nn.Module):
             self.log(k, v, **kwargs)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on global rank zero only."""
-        if self._trainer is None or self._trainer.is_global_zero:
+        """``print`` on global rank zero only; above the progress bar while it is live
+        (``trainer.print``)."""
+        if self._trainer is None:
             print(*args, **kwargs)
+        else:
+            self._trainer.print(*args, **kwargs)
 
     # -- optimizers (manual optimization) -----------------------------------------
     def optimizers(self) -> Any:

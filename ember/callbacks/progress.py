@@ -65,6 +65,11 @@ class ProgressBar(Callback):
         """Print text (or rich renderables) above the live display, on stderr."""
         print(*objects, file=sys.stderr, flush=True)
 
+    @property
+    def is_live(self) -> bool:
+        """Whether a live display is drawn now (``trainer.print`` then prints through :meth:`print`)."""
+        return False
+
 
 class RichProgressBar(ProgressBar):
     """A rich progress bar: epoch, bar, batches done/total, elapsed time, ETA and
@@ -122,6 +127,11 @@ class RichProgressBar(ProgressBar):
             from rich.console import Console
             self._console = Console(file=sys.stderr)
         return self._console
+
+    @property
+    def is_live(self) -> bool:
+        """Whether rich's live display is drawn now (on a terminal or in Jupyter)."""
+        return self._progress is not None
 
     def _live(self) -> bool:
         c = self.console

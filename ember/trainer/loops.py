@@ -419,6 +419,8 @@ class EvalLoop:
                 t.current_dataloader = loader
                 transfer = _hooks.batch_transfer(t, dl_idx)
                 n = t._limit_batches(loader, limit)
+                if stage == "sanity":   # trainer.num_sanity_val_batches
+                    n = min(n, float("inf") if t.num_sanity_val_steps == -1 else t.num_sanity_val_steps)
                 t._current_pass_batches = n   # a shorter pass never reaches the sampler's padding
                 kwargs = {"dataloader_idx": dl_idx} if (accepts_idx and len(loaders) > 1) else {}
                 results.dataloader_idx = dl_idx if len(loaders) > 1 else None

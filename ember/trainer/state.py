@@ -73,10 +73,12 @@ def build_loggers(t) -> list:
         out = list(arg)
     else:
         raise MisconfigurationError(f"logger={arg!r} is not valid; use True (TensorBoard), False, a Logger or a list of Loggers")
-    if out and t.is_global_zero and t.module is not None and t.module.hparams \
-            and t.enable_autolog_hparams:   # Trainer(enable_autolog_hparams=False): not logged
-        for lg in out:
-            lg.log_hyperparams(dict(t.module.hparams))
+    if out and t.is_global_zero and t.module is not None and t.enable_autolog_hparams:
+        from ember.hparams import merged_hparams   # Trainer(enable_autolog_hparams=False): not logged
+        hparams = merged_hparams(t.module, t.datamodule)
+        if hparams:
+            for lg in out:
+                lg.log_hyperparams(hparams)
     return out
 
 
@@ -156,11 +158,12 @@ def trainer_state(t) -> dict:
 
 def checkpoint_meta(t) -> dict:
     from ember.checkpoint_checks import optimizer_names
+    from ember.hparams import datamodule_meta
     m = t.module
     return {"strategy": t.strategy.name, "world_size": t.world_size, "precision": t.precision,
             "module_class": f"{type(m).__module__}.{type(m).__qualname__}",
             "hparams": dict(m.hparams), "epoch": t.current_epoch, "global_step": t.global_step,
-            "optimizers": optimizer_names(t.optimizers)}
+            "optimizers": optimizer_names(t.optimizers), **datamodule_meta(t.datamodule)}
 
 
 def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
@@ -416,7 +419,7 @@ def restore(t, path: str, full: bool) -> None:
     except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as err:
         raise CheckpointError(f"{path} does not fit this module/optimizer setup: {type(err).__name__}: {err}") from err
     t._resumed = full
-    t.ckpt_path = path
+    t._ckpt_path = path   # trainer.ckpt_path
     if not full:
         return
     if not state or "loop" not in state:

@@ -24,9 +24,11 @@ from ember.trainer.metrics import MetricsMixin
 from ember.trainer.loops import EvalLoop, FitLoop, limit_batches
 from ember.trainer.optim import ManualOptimizer, configure_optimizers, flush_scheduler_steps, step_schedulers
 from ember.trainer.progress import LoopProperties, LoopState
+from ember.trainer.run_state import (FN_STAGE, RunningStage, RunProperties, TrainerFn, TrainerState,
+                                     TrainerStatus)
 
 
-class Trainer(MetricsMixin, LoopProperties):
+class Trainer(MetricsMixin, LoopProperties, RunProperties):
     """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
 
     See ``ember/trainer/loops.py`` for the order of events and docs/trainer.md.
@@ -207,7 +209,9 @@ class Trainer(MetricsMixin, LoopProperties):
         self._current_pass_batches = None
         self._eval_batch_idx = None   # the evaluation batch in progress (per-batch gather_for_metrics)
         self.stage = None
-        self.sanity_checking = False
+        self.state = TrainerState()   # Lightning's trainer.state (run_state.py); set at stage boundaries
+        self._ckpt_path, self._ckpt_path_user = None, False
+        self._run_loaders: dict = {}   # validate/test/predict: the dataloaders of the last such run
         self.interrupted = False
         self.num_training_batches = 0
         self._hooks = hook_table([])
@@ -313,6 +317,8 @@ class Trainer(MetricsMixin, LoopProperties):
                 raise MisconfigurationError(f"trainer.{stage}(): got a DataModule both in place of the dataloaders "
                                             "and as datamodule=; pass it once")
             datamodule, loaders = loaders[first], {**loaders, first: None}
+        if ckpt_path is None and self._ckpt_path_user:
+            ckpt_path = self._ckpt_path   # trainer.ckpt_path = ... (Lightning's user-managed path)
         if ckpt_path is None and stage == "fit":
             ckpt_path = _state.elastic_resume_path(self)   # "last" after an elastic restart
         by_name = ckpt_path in ("last", "best")
@@ -321,6 +327,9 @@ class Trainer(MetricsMixin, LoopProperties):
             # environment before setup): the other ranks take rank 0's path, broadcast below
             ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)
         self.stage = stage
+        self.state.status, self.state.fn, self.state.stage = TrainerStatus.RUNNING, TrainerFn(stage), FN_STAGE[stage]
+        if not self._ckpt_path_user:
+            self._ckpt_path = None   # set when this run restores a checkpoint
         self.interrupted = self._resumed = False
         self._fit_t0 = self._fit_exception = None
         if stage == "fit":
@@ -345,6 +354,7 @@ class Trainer(MetricsMixin, LoopProperties):
             return self._evaluate(stage)
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
+            self.state.status = TrainerStatus.INTERRUPTED
             if stage == "fit":   # a later fit() restarts the broken epoch from its first batch
                 self.loop_state.stop_reason = "interrupted" if self.interrupted else "exception"
                 self.loop_state.reset_epoch()
@@ -368,7 +378,10 @@ class Trainer(MetricsMixin, LoopProperties):
             if self.datamodule is not None:
                 self.datamodule.teardown(stage)
             self.strategy.teardown()
-            self.stage = None
+            self.stage = self.state.stage = None
+            if self.state.status == TrainerStatus.RUNNING:
+                self.state.status = TrainerStatus.INTERRUPTED if self.loop_state.stop_reason == "preempted" \
+                    and stage == "fit" else TrainerStatus.FINISHED
             _state.exit_if_preempted(self)   # SystemExit(0) after a preemption save (docs/checkpointing.md)
 
     def _setup(self, module, datamodule, stage, loaders):
@@ -486,12 +499,14 @@ class Trainer(MetricsMixin, LoopProperties):
             ls = as_list(pick(given, name, "dataloaders"))
             if not ls:
                 raise MisconfigurationError(f"trainer.{stage}() needs data: pass dataloaders=, a datamodule, or define {name}()")
-            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in ls]
+            self._eval_loaders = self._run_loaders[stage] = [prep(v, seed=self._data_seed, shuffle=False, even=False)
+                                                             for v in ls]
         else:
             ls = as_list(pick(loaders.get("predict"), "predict_dataloader", "dataloaders"))
             if not ls:
                 raise MisconfigurationError("trainer.predict() needs data: pass dataloaders=, a datamodule, or define predict_dataloader()")
-            self._eval_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False) for v in ls]
+            self._eval_loaders = self._run_loaders[stage] = [prep(v, seed=self._data_seed, shuffle=False, even=False)
+                                                             for v in ls]
 
     def _limit_batches(self, loader, limit) -> int:
         try:
@@ -517,12 +532,11 @@ class Trainer(MetricsMixin, LoopProperties):
         _state.install_signal_handlers(self)
         self._call_hook("on_fit_start")
         if self.num_sanity_val_steps and self._val_loaders and not self._resumed:
-            self.sanity_checking = True
+            self.state.stage = RunningStage.SANITY_CHECKING
             self._call_hook("on_sanity_check_start")
-            n = None if self.num_sanity_val_steps == -1 else self.num_sanity_val_steps
-            EvalLoop(self, "sanity").run(self._val_loaders, n)
+            EvalLoop(self, "sanity").run(self._val_loaders, self.limit_val_batches)   # num_sanity_val_batches
             self._call_hook("on_sanity_check_end")
-            self.sanity_checking = False
+            self.state.stage = RunningStage.TRAINING
         FitLoop(self).run()
         flush_scheduler_steps(self)   # the last optimizer step's deferred scheduler step (16-mixed)
         self._call_hook("on_fit_end")
@@ -533,7 +547,9 @@ class Trainer(MetricsMixin, LoopProperties):
 
     def _run_validation(self):
         self.stage_before = self.stage
+        self.state.stage = RunningStage.VALIDATING
         EvalLoop(self, "validate").run(self._val_loaders, self.limit_val_batches)
+        self.state.stage = RunningStage.TRAINING
 
     def _evaluate(self, stage):
         self._call_hook("on_fit_start") if False else None

@@ -8,6 +8,7 @@ timeout), run by tests/test_lightning_args_multiproc.py.
 2. min_epochs=2 with should_stop set on rank 0 at the first batch: both ranks train
    two epochs, then stop together ("should_stop").
 3. sync_batchnorm=True with BatchNorm on CPU processes: a clear error on both ranks.
+4. trainer.num_devices / device_ids / num_nodes / state; trainer.print prints on rank 0 only.
 Every rank writes ROOT/result_<rank>.json.
 """
 import json
@@ -68,6 +69,8 @@ def main(root):
     t = trainer(root, max_epochs=5, min_epochs=2, callbacks=[StopOnRank0()])
     t.fit(Net(), loader())
     out["min_epochs"] = [t.stop_reason, t.current_epoch, t.global_step]
+    out["helpers"] = [t.num_devices, t.device_ids, t.num_nodes, t.world_size, str(t.state.status.value)]
+    t.print(f"trainer.print from rank {t.global_rank}", flush=True)
     try:
         trainer(root, sync_batchnorm=True).fit(Net(bn=True), loader())
         out["sync_bn"] = None
