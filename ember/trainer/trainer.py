@@ -546,7 +546,6 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
         return None
 
     def _run_validation(self):
-        self.stage_before = self.stage
         self.state.stage = RunningStage.VALIDATING
         EvalLoop(self, "validate").run(self._val_loaders, self.limit_val_batches)
         self.state.stage = RunningStage.TRAINING
