@@ -37,6 +37,7 @@ from torch import nn
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.strategies.base import _NULL
 from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
+from ember.strategies.full_load import allocate_meta, rank0_full_state, shard_from_rank0
 from ember.strategies.full_load import load_full_weights  # noqa: F401  (public here since it was written)
 from ember.strategies.ddp import DDPStrategy
 
@@ -50,12 +51,6 @@ def _env_flag(name: str, default: bool) -> bool:
     if value is None or value == "":
         return default
     return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores (a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def init_single_process_group(backend: str = "gloo") -> bool:
@@ -283,9 +278,10 @@ class FSDPStrategy(DDPStrategy):
         module = self.precision.convert_module(module)
         tensors = list(chain(module.named_parameters(), module.named_buffers()))
         meta = {n for n, t in tensors if t.is_meta}
-        if meta:
+        full = rank0_full_state(self, module)         # weights read on rank 0 only (hf_load)
+        if meta and full is None:
             self._check_resettable(module, meta)      # before any change to the module
-        else:
+        elif not meta:
             module = module.to(self.root_device)
         for fqn, p in module.named_parameters():      # weak: an optimizer may still hold them
             self._old_params[id(p)] = (module, fqn, weakref.ref(p))
@@ -303,7 +299,9 @@ class FSDPStrategy(DDPStrategy):
             if not isinstance(m, FSDPModule):
                 fully_shard(m, **kw)
         fully_shard(module, **kw)
-        if meta:
+        if full is not None:
+            shard_from_rank0(self, module, meta, full)
+        elif meta:
             self._materialize(module, meta)
         for name in _STEP_METHODS:
             if callable(getattr(module, name, None)):
@@ -329,13 +327,8 @@ class FSDPStrategy(DDPStrategy):
 
     def _materialize(self, module: nn.Module, meta: set[str]) -> None:
         """Allocate the shards of meta tensors and initialise them with ``reset_parameters``."""
-        keep = {n: _local(t).detach().clone() for n, t in chain(module.named_parameters(), module.named_buffers())
-                if n not in meta}
-        module.to_empty(device=self.root_device)
+        allocate_meta(module, meta, self.root_device)
         with torch.no_grad():
-            for n, t in chain(module.named_parameters(), module.named_buffers()):
-                if n in keep:
-                    _local(t).copy_(keep[n])
             for mod_name, m in module.named_modules():
                 own = [f"{mod_name}.{n}" if mod_name else n
                        for n, _ in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))]
