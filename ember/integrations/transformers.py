@@ -201,7 +201,9 @@ class TransformersModule(TrainModule):
         elif isinstance(model, (str, os.PathLike)):
             self.hparams["model"] = os.fspath(model)
             if self.task not in ("sequence-classification", "token-classification") or num_labels is not None:
-                del self.model                      # read when first used (see __getattr__)
+                from ember.integrations.hf_load import pretrained_config
+                pretrained_config(self, os.fspath(model))   # config.json only: a bad name fails here
+                del self.model                      # the weights are read when first used (see __getattr__)
                 self._pending_model = os.fspath(model)
         else:
             self._set_model(self._from_config(model_config))

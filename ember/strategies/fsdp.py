@@ -9,7 +9,9 @@ SLURM, or ``devices=N`` from a plain script).
 - ``configure_model`` runs on the meta device: layers built there cost no
   memory until they are sharded, then each rank allocates its shard and calls
   ``reset_parameters()`` on every module that owns meta tensors (so every such
-  module must define it, as the ``torch.nn`` layers do).
+  module must define it, as the ``torch.nn`` layers do). A module marked by
+  ``ember.integrations.hf_load`` (a Transformers model read on rank 0 only) takes
+  rank 0's weights into its shards instead (``full_load.shard_from_rank0``).
 - Checkpoints are ``torch.distributed.checkpoint`` (DCP) folders ``model/``
   holding model and optimizer shards; they load at any world size.
   ``state_dict_type="full"`` writes ``model.safetensors`` (+ full optimizer
