@@ -19,6 +19,7 @@ from torch import nn
 import ember
 from ember.errors import MisconfigurationError
 from ember.strategies.blocks import apply_activation_checkpointing, compile_blocks, find_blocks
+from ember.strategies.full_load import load_full_weights
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "mesh_train.py")
 TOL = 1e-5
@@ -89,11 +90,11 @@ def test_model_parallel_async_save_commits_the_state_of_the_save(runs):
     committed whole (both ranks' shards listed in meta.json), and holds the weights of the
     moment of the save (those of the synchronous 2x2 run's epoch-0 checkpoint)."""
     import glob
-    from ember.strategies.full_load import load_full_weights
     ref, run = runs("ref"), runs("tp_async")
     assert _max_diff(run["weights"], ref["weights"]) < TOL and run["mesh"] == [1, 2]
     with open(os.path.join(runs.out, "tp_async_pending.json")) as f:
-        assert json.load(f) == [False, True]        # epoch 1 began while epoch 0's save was in flight
+        pending = json.load(f)
+    assert pending["tp"] == [False, True]        # epoch 1 began while epoch 0's save was in flight
     found = sorted(glob.glob(os.path.join(runs.out, "ckpt_async", "*")))
     assert len(found) == 2 and not any(p.endswith(".tmp") for p in found), found
     for path in found:
@@ -105,6 +106,22 @@ def test_model_parallel_async_save_commits_the_state_of_the_save(runs):
     assert _max_diff(epoch0, sync0) < TOL
     final = {k: v for k, v in load_full_weights(found[1]).items()}
     assert _max_diff(epoch0, final) > 100 * TOL      # training went on after the first save
+
+
+def test_fsdp_full_state_async_save_writes_on_rank0_in_the_background(runs):
+    """FSDPStrategy(state_dict_type="full", async_save=True): rank 0's writer thread
+    writes model.safetensors of the moment of the save; the run's numbers are unchanged."""
+    import glob
+    ref, run = runs("ref"), runs("full_async")
+    assert _max_diff(run["weights"], ref["weights"]) < TOL
+    with open(os.path.join(runs.out, "tp_async_pending.json")) as f:
+        assert json.load(f)["full"] == [False, True]   # rank 0 held the background write into epoch 1
+    found = sorted(glob.glob(os.path.join(runs.out, "ckpt_full_async", "*")))
+    assert len(found) == 2 and not any(p.endswith(".tmp") for p in found), found
+    assert all(os.path.isfile(os.path.join(p, "model.safetensors")) for p in found)
+    sync0 = load_full_weights(sorted(glob.glob(os.path.join(runs.out, "ckpt", "epoch=0-*")))[0])
+    assert _max_diff(load_full_weights(found[0]), sync0) < TOL
+    assert _max_diff(load_full_weights(found[1]), ref["weights"]) < TOL
 
 
 def test_hsdp_and_fsdp_equal_one_process_and_fsdp_halves_the_state(runs):

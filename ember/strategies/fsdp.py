@@ -96,7 +96,8 @@ class FSDPStrategy(DDPStrategy):
             (the strategy runs its own :class:`~ember.precision.ShardedMixedPrecision`).
         state_dict_type: ``"sharded"`` (DCP folder, default) or ``"full"``
             (``model.safetensors`` gathered on rank 0; memory of the full model).
-        async_save: write DCP checkpoints in a background thread; the checkpoint
+        async_save: write checkpoints in a background thread (DCP's ``async_save``;
+            with ``state_dict_type="full"``, rank 0's writer thread); the checkpoint
             directory appears once the write finishes (at the latest at the next
             save or at teardown).
         init_on_meta: build ``configure_model`` layers on the meta device (default True).
@@ -365,6 +366,8 @@ class FSDPStrategy(DDPStrategy):
         ``async_save`` is dropped, not committed: a commit needs every rank at its
         collectives, and a rank that failed must end at once rather than wait there. Its
         ``NAME.tmp`` stays behind and never counts as a checkpoint."""
+        if not isinstance(self._pending_save, tuple):   # a full-state write by rank 0's thread
+            return super().on_exception(exc)
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             warnings.warn(f"the asynchronous save of {pending[1]} was not committed: the run failed "
@@ -459,19 +462,8 @@ class FSDPStrategy(DDPStrategy):
         path = os.path.normpath(os.fspath(path))
         meta = self._meta(module, meta, sharded=self.state_dict_type == "sharded",
                           state_dict_type=self.state_dict_type)
-        if self.state_dict_type == "full":
-            weights = self.module_state_dict(module)
-            opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
-            error = None
-            if self.is_global_zero:
-                try:
-                    state = None if weights_only else dict(trainer_state, optimizers=opt_states)
-                    cio.write_checkpoint(path, weights, state, meta)
-                except Exception as err:     # reported to every rank below, raised here as it is
-                    error = err
-            from ember.strategies.full_load import raise_rank0_error
-            raise_rank0_error(self, error, f"checkpoint {path} was not written on rank 0")
-            return
+        if self.state_dict_type == "full":   # gathered to rank 0, written as one device does (async_save too)
+            return super().save_checkpoint(path, module, optimizers, trainer_state, meta, weights_only)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
         tmp = cio.tmp_path(path)
@@ -521,6 +513,8 @@ class FSDPStrategy(DDPStrategy):
 
     def _finish_pending_save(self) -> None:
         """Wait for a background (``async_save``) write, then commit its directory."""
+        if not isinstance(self._pending_save, tuple):   # state_dict_type="full": rank 0's writer thread
+            return super()._finish_pending_save()
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return

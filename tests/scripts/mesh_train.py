@@ -161,9 +161,12 @@ def main() -> None:
         pending = PendingAtEpochStart()
         fit(out, run, ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, async_save=True, **short),
             1, checkpoints=os.path.join(out, "ckpt_async"), extra=[pending])
+        full = PendingAtEpochStart()   # FSDP, full state: rank 0's writer thread
+        fit(out, "full_async", FSDPStrategy(state_dict_type="full", async_save=True, **short), 2,
+            checkpoints=os.path.join(out, "ckpt_full_async"), extra=[full])
         if int(os.environ["RANK"]) == 0:
             with open(os.path.join(out, "tp_async_pending.json"), "w") as f:
-                json.dump(pending.seen, f)
+                json.dump({"tp": pending.seen, "full": full.seen}, f)
     elif run == "hsdp":
         fit(out, "hsdp_2x1", FSDPStrategy(hsdp=(2, 1), **short), 2)
         fit(out, "fsdp_1x2", FSDPStrategy(hsdp=(1, 2), **short), 2)
