@@ -29,8 +29,13 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt2")
     torch.manual_seed(3)
     cfg = GPT2Config(vocab_size=hf_tiny.vocab_size(), n_embd=512, n_layer=6, n_head=8, n_positions=64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=4, eos_token_id=4)
     GPT2LMHeadModel(cfg).save_pretrained(folder)       # ~19M parameters, 75 MB
+    broken = folder.parent / "broken"                    # the same, its weights file cut short
+    broken.mkdir()
+    for name in os.listdir(folder):
+        data = (folder / name).read_bytes()
+        (broken / name).write_bytes(data[:1000] if name.endswith(".safetensors") else data)
     return folder
 
 
@@ -43,8 +48,10 @@ def fsdp_run(saved, tmp_path_factory):
            "--master_port", str(find_free_port()), str(SCRIPTS / "hf_fsdp_load.py"), str(saved), str(out)]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {(mode, r): torch.load(out / f"{mode}.rank{r}.pt", weights_only=True)
-            for mode in ("once", "every") for r in range(2)}
+    res = {(mode, r): torch.load(out / f"{mode}.rank{r}.pt", weights_only=True)
+           for mode in ("once", "every") for r in range(2)}
+    res.update({("broken", r): (out / f"broken.rank{r}.txt").read_text() for r in range(2)})
+    return res
 
 
 @pytest.mark.multiproc
@@ -63,7 +70,7 @@ def test_fsdp_only_rank0_reads_the_weights(fsdp_run, saved):
     size = os.path.getsize(saved / "model.safetensors")
     r0, r1 = fsdp_run[("once", 0)], fsdp_run[("once", 1)]
     assert not r0["meta_after_configure"] and r1["meta_after_configure"]   # rank 1: built from the config
-    rises = {k: v["rise"] / size for k, v in fsdp_run.items()}
+    rises = {k: v["rise"] / size for k, v in fsdp_run.items() if k[0] != "broken"}
     print("peak RSS rise / model size:", rises)
     # rank 0 held the whole model; rank 1 only its half (a shard), about half of what it
     # held when it read the weights itself (the whole model, then its shard)
@@ -81,6 +88,14 @@ def test_fsdp_training_equals_every_rank_loading(fsdp_run):
     assert any(not torch.equal(once[k], fsdp_run[("once", 0)]["start"][k]) for k in once)   # it trained
     for k in once:
         assert torch.equal(once[k], fsdp_run[("once", 1)]["final"][k])
+
+
+@pytest.mark.multiproc
+def test_fsdp_weights_rank0_cannot_read_fail_every_rank(fsdp_run):
+    r0, r1 = fsdp_run[("broken", 0)], fsdp_run[("broken", 1)]
+    assert r0 != "None" and not r0.startswith("CheckpointError"), r0     # rank 0: its own exception
+    assert r1.startswith("CheckpointError: rank 0 could not load the pretrained model") and "broken" in r1, r1
+    assert r0.split(": ", 1)[1][:40] in r1                               # rank 0's message, on rank 1
 
 
 def test_model_by_name_is_read_on_first_use(saved):

@@ -8,7 +8,9 @@ each rank writing OUT_DIR/<mode>.rank<R>.pt:
 - "every": ``TransformersModule(GPT2LMHeadModel.from_pretrained(MODEL_DIR), ...)``: every
   rank reads the weights (the control);
 - "once": ``TransformersModule(MODEL_DIR, ...)``: the weights are read when the Trainer
-  sets the module up.
+  sets the module up;
+- then a copy of MODEL_DIR (../broken) whose weights file is cut short: each rank
+  writes the error it raised to OUT_DIR/broken.rank<R>.txt.
 Each records the rise of its peak resident memory (VmHWM, reset through
 /proc/self/clear_refs before the fit) from building the module to the start of training,
 whether the model was on the meta device after configure_model, the full weights
@@ -40,6 +42,8 @@ def status(key: str) -> int:
 
 
 class Recorder(TransformersModule):
+    record: dict = {}
+
     def configure_model(self):
         super().configure_model()
         self.record["meta_after_configure"] = any(p.is_meta for p in self.model.parameters())
@@ -81,6 +85,17 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     fit("every", out)     # first: the lazy imports of a first fit count against the control
     fit("once", out)
+    # a weights file rank 0 cannot read: every rank raises (no rank waits for the broadcast)
+    broken = os.path.join(os.path.dirname(MODEL_DIR), "broken")
+    try:
+        module = Recorder(broken, task="causal-lm")
+        Trainer(strategy=FSDPStrategy(timeout=60), max_steps=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False).fit(module, [])
+        error = None
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    with open(os.path.join(out, f"broken.rank{os.environ['RANK']}.txt"), "w") as f:
+        f.write(str(error))
 
 
 if __name__ == "__main__":
