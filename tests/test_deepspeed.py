@@ -226,6 +226,14 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         s.resolve_config()
 
 
+def test_async_save_is_a_clear_error():
+    # without the check, async_save went into the zero_optimization section unnoticed
+    with pytest.raises(MisconfigurationError, match=r"DeepSpeedStrategy\(async_save=True\) is not supported.*"
+                                                    r"FSDPStrategy\(async_save=True\)"):
+        _strategy(async_save=True)
+    assert "async_save" not in (_strategy(async_save=False).resolve_config().get("zero_optimization") or {})
+
+
 FP16_CHECK = """
 import os
 os.environ["DS_ACCELERATOR"] = "cpu"

@@ -19,6 +19,7 @@ from torch import nn
 import ember
 from ember.errors import MisconfigurationError
 from ember.strategies.blocks import apply_activation_checkpointing, compile_blocks, find_blocks
+from ember.strategies.full_load import load_full_weights
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "mesh_train.py")
 TOL = 1e-5
@@ -42,7 +43,7 @@ def _run(out, run, nproc):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mesh"))
-    for run, nproc in (("ref", 1), ("2x2", 4), ("4x1", 4), ("1x1", 1), ("hsdp", 2)):
+    for run, nproc in (("ref", 1), ("2x2", 4), ("4x1", 4), ("1x1", 1), ("hsdp", 2), ("tp_async", 2)):
         _run(out, run, nproc)
 
     def get(name):
@@ -50,6 +51,7 @@ def runs(tmp_path_factory):
             r = json.load(f)
         r["weights"] = {k: torch.tensor(v) for k, v in r["weights"].items()}
         return r
+    get.out = out
     return get
 
 
@@ -82,6 +84,46 @@ def test_2x2_checkpoint_resumes_on_another_mesh(runs, run, mesh):
 
 
 @pytest.mark.multiproc
+def test_model_parallel_async_save_commits_the_state_of_the_save(runs):
+    """ModelParallelStrategy(async_save=True) on a 1x2 (tensor-parallel) mesh: each epoch's
+    DCP checkpoint is written in the background (still pending when the next epoch starts),
+    committed whole (both ranks' shards listed in meta.json), and holds the weights of the
+    moment of the save (those of the synchronous 2x2 run's epoch-0 checkpoint)."""
+    import glob
+    ref, run = runs("ref"), runs("tp_async")
+    assert _max_diff(run["weights"], ref["weights"]) < TOL and run["mesh"] == [1, 2]
+    with open(os.path.join(runs.out, "tp_async_pending.json")) as f:
+        pending = json.load(f)
+    assert pending["tp"] == [False, True]        # epoch 1 began while epoch 0's save was in flight
+    found = sorted(glob.glob(os.path.join(runs.out, "ckpt_async", "*")))
+    assert len(found) == 2 and not any(p.endswith(".tmp") for p in found), found
+    for path in found:
+        with open(os.path.join(path, "meta.json")) as f:
+            files = json.load(f)["files"]
+        assert {"model/__0_0.distcp", "model/__1_0.distcp", "model/.metadata"} <= set(files), files
+    epoch0 = load_full_weights(found[0])
+    sync0 = load_full_weights(sorted(glob.glob(os.path.join(runs.out, "ckpt", "epoch=0-*")))[0])
+    assert _max_diff(epoch0, sync0) < TOL
+    final = {k: v for k, v in load_full_weights(found[1]).items()}
+    assert _max_diff(epoch0, final) > 100 * TOL      # training went on after the first save
+
+
+def test_fsdp_full_state_async_save_writes_on_rank0_in_the_background(runs):
+    """FSDPStrategy(state_dict_type="full", async_save=True): rank 0's writer thread
+    writes model.safetensors of the moment of the save; the run's numbers are unchanged."""
+    import glob
+    ref, run = runs("ref"), runs("full_async")
+    assert _max_diff(run["weights"], ref["weights"]) < TOL
+    with open(os.path.join(runs.out, "tp_async_pending.json")) as f:
+        assert json.load(f)["full"] == [False, True]   # rank 0 held the background write into epoch 1
+    found = sorted(glob.glob(os.path.join(runs.out, "ckpt_full_async", "*")))
+    assert len(found) == 2 and not any(p.endswith(".tmp") for p in found), found
+    assert all(os.path.isfile(os.path.join(p, "model.safetensors")) for p in found)
+    sync0 = load_full_weights(sorted(glob.glob(os.path.join(runs.out, "ckpt", "epoch=0-*")))[0])
+    assert _max_diff(load_full_weights(found[0]), sync0) < TOL
+    assert _max_diff(load_full_weights(found[1]), ref["weights"]) < TOL
+
+
 def test_hsdp_and_fsdp_equal_one_process_and_fsdp_halves_the_state(runs):
     ref, hsdp, fsdp = runs("ref"), runs("hsdp_2x1"), runs("fsdp_1x2")
     assert hsdp["mesh_dims"] == ["replicate", "shard"] and hsdp["mesh"] == [2, 1] and fsdp["mesh"] == [1, 2]

@@ -26,7 +26,7 @@ from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.integrations.hf_data import (CausalLMData, LengthGroupedSampler, PadCollator, TextClassificationData,
                                         TokenizedDataset)
-from ember.integrations.hf_io import _offline, load_tokenizer, not_found_error
+from ember.integrations.hf_io import _offline, load_tokenizer
 from ember.module import TrainModule
 
 __all__ = ["TransformersModule", "TextClassificationData", "CausalLMData", "ExportBestPretrained",
@@ -85,12 +85,6 @@ def _task_of_class(name: str) -> str | None:
     if "ForSeq2SeqLM" in name or "ForConditionalGeneration" in name:
         return "seq2seq-lm"
     return None
-
-
-def _dtype_kwarg() -> str:
-    import transformers
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 def _lr_lambda(kind: str, warmup_steps: int | None, warmup_ratio: float, total_steps):
@@ -207,7 +201,10 @@ class TransformersModule(TrainModule):
         elif isinstance(model, (str, os.PathLike)):
             self.hparams["model"] = os.fspath(model)
             if self.task not in ("sequence-classification", "token-classification") or num_labels is not None:
-                self._set_model(self._load(os.fspath(model)))
+                from ember.integrations.hf_load import pretrained_config
+                pretrained_config(self, os.fspath(model))   # config.json only: a bad name fails here
+                del self.model                      # the weights are read when first used (see __getattr__)
+                self._pending_model = os.fspath(model)
         else:
             self._set_model(self._from_config(model_config))
 
@@ -267,31 +264,19 @@ class TransformersModule(TrainModule):
                 "label2id": self.label2id or {v: k for k, v in id2label.items()}}
 
     def _load(self, name: str) -> nn.Module:
-        from transformers import AutoConfig
-        local = self.local_files_only or _offline()
-        try:
-            config = AutoConfig.from_pretrained(name, local_files_only=local)
-        except (OSError, ValueError) as err:
-            raise not_found_error("model", name, err, self.local_files_only) from err
-        labels = self._label_kwargs()
-        mismatched = bool(labels) and getattr(config, "num_labels", None) != labels["num_labels"]
-        for k, v in labels.items():
-            setattr(config, k, v)
-        kwargs = {_dtype_kwarg(): torch.float32, **self.model_kwargs}
-        if mismatched:
-            kwargs.setdefault("ignore_mismatched_sizes", True)
-        try:
-            return self._auto_cls.from_pretrained(name, config=config, local_files_only=local, **kwargs)
-        except (OSError, ValueError) as err:
-            raise not_found_error("model", name, err, self.local_files_only) from err
+        from ember.integrations.hf_load import load_pretrained
+        return load_pretrained(self, name)
 
     def _from_config(self, cfg: dict) -> nn.Module:
-        from transformers import AutoConfig
-        cfg = dict(cfg)
-        config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-        for k, v in self._label_kwargs().items():
-            setattr(config, k, v)
-        return self._auto_cls.from_config(config)
+        from ember.integrations.hf_load import model_from_config
+        return model_from_config(self, cfg)
+
+    def __getattr__(self, name: str) -> Any:
+        # a model given by name is read on first use, or by configure_model (once per job under FSDP)
+        if name == "model" and self.__dict__.get("_pending_model") is not None:
+            self._set_model(self._load(self.__dict__.pop("_pending_model")))
+            return self._modules["model"]
+        return super().__getattr__(name)
 
     def _set_model(self, model: nn.Module) -> None:
         cfg = getattr(model, "config", None)
@@ -353,12 +338,18 @@ class TransformersModule(TrainModule):
             self.tokenizer = dm.tokenizer
         data_labels = getattr(dm, "id2label", None) if self.task in ("sequence-classification",
                                                                      "token-classification") else None
+        from ember.integrations.hf_load import build_model
+        strategy = getattr(self._trainer, "strategy", None)
+        pending = self.__dict__.pop("_pending_model", None)
+        if pending is not None:
+            with torch.device("cpu"):   # metrics: real tensors inside a meta-device init context (FSDP)
+                self._set_model(build_model(self, pending, strategy))
         if self.model is None:
             if data_labels:
                 self.num_labels, self.id2label = len(data_labels), dict(data_labels)
                 self.label2id = {v: k for k, v in data_labels.items()}
-            with torch.device("cpu"):   # real weights even inside a meta-device init context (FSDP)
-                self._set_model(self._load(self.hparams["model"]))
+            with torch.device("cpu"):
+                self._set_model(build_model(self, self.hparams["model"], strategy))
             if self.num_labels is not None:
                 self.hparams.update(num_labels=self.num_labels, id2label=dict(self.id2label),
                                     label2id=dict(self.label2id))

@@ -159,6 +159,9 @@ class DeepSpeedStrategy(DDPStrategy):
         offload_optimizer: optimizer states and step on the CPU.
         offload_parameters: parameters on the CPU (stage 3 only).
         config: a DeepSpeed config dict or JSON file; ``"auto"`` values are filled in.
+        async_save: not supported (a MisconfigurationError says why): DeepSpeed writes its
+            ZeRO files through its own checkpoint engine, whose asynchronous writers need
+            DeepSpeed's AsyncIO (DeepNVMe) op; use ``FSDPStrategy(async_save=True)``.
         **kwargs: merged into the config's ``zero_optimization`` section
             (e.g. ``stage3_param_persistence_threshold=0``).
     """
@@ -172,8 +175,18 @@ class DeepSpeedStrategy(DDPStrategy):
                  offload_optimizer: bool | None = None, offload_parameters: bool | None = None,
                  config: dict[str, Any] | str | os.PathLike | None = None, process_group_backend: str | None = None,
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
-                 start_method: str = "popen", cluster_environment: Any = None, **kwargs: Any) -> None:
+                 start_method: str = "popen", cluster_environment: Any = None, async_save: bool = False,
+                 **kwargs: Any) -> None:
         import warnings
+        if async_save:
+            raise MisconfigurationError(
+                "DeepSpeedStrategy(async_save=True) is not supported: DeepSpeed writes its ZeRO checkpoint files "
+                "through its own checkpoint engine, and its asynchronous engines (the 'checkpoint': {'writer': ...} "
+                "config: FastCheckpointEngine, DecoupledCheckpointEngine) write through DeepSpeed's AsyncIO "
+                "(DeepNVMe, libaio) op and commit on their own schedule, outside ember's rule that a "
+                "checkpoint is renamed into place only once every rank's files are complete. Save synchronously "
+                "(async_save=False), or use FSDPStrategy(async_save=True) / ModelParallelStrategy(async_save=True), "
+                "which write DCP checkpoints in the background")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
             super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,

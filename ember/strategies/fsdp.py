@@ -9,7 +9,9 @@ SLURM, or ``devices=N`` from a plain script).
 - ``configure_model`` runs on the meta device: layers built there cost no
   memory until they are sharded, then each rank allocates its shard and calls
   ``reset_parameters()`` on every module that owns meta tensors (so every such
-  module must define it, as the ``torch.nn`` layers do).
+  module must define it, as the ``torch.nn`` layers do). A module marked by
+  ``ember.integrations.hf_load`` (a Transformers model read on rank 0 only) takes
+  rank 0's weights into its shards instead (``full_load.shard_from_rank0``).
 - Checkpoints are ``torch.distributed.checkpoint`` (DCP) folders ``model/``
   holding model and optimizer shards; they load at any world size.
   ``state_dict_type="full"`` writes ``model.safetensors`` (+ full optimizer
@@ -37,6 +39,7 @@ from torch import nn
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.strategies.base import _NULL
 from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
+from ember.strategies.full_load import allocate_meta, rank0_full_state, shard_from_rank0
 from ember.strategies.full_load import load_full_weights  # noqa: F401  (public here since it was written)
 from ember.strategies.ddp import DDPStrategy
 
@@ -50,12 +53,6 @@ def _env_flag(name: str, default: bool) -> bool:
     if value is None or value == "":
         return default
     return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores (a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def init_single_process_group(backend: str = "gloo") -> bool:
@@ -99,7 +96,8 @@ class FSDPStrategy(DDPStrategy):
             (the strategy runs its own :class:`~ember.precision.ShardedMixedPrecision`).
         state_dict_type: ``"sharded"`` (DCP folder, default) or ``"full"``
             (``model.safetensors`` gathered on rank 0; memory of the full model).
-        async_save: write DCP checkpoints in a background thread; the checkpoint
+        async_save: write checkpoints in a background thread (DCP's ``async_save``;
+            with ``state_dict_type="full"``, rank 0's writer thread); the checkpoint
             directory appears once the write finishes (at the latest at the next
             save or at teardown).
         init_on_meta: build ``configure_model`` layers on the meta device (default True).
@@ -283,9 +281,10 @@ class FSDPStrategy(DDPStrategy):
         module = self.precision.convert_module(module)
         tensors = list(chain(module.named_parameters(), module.named_buffers()))
         meta = {n for n, t in tensors if t.is_meta}
-        if meta:
+        full = rank0_full_state(self, module)         # weights read on rank 0 only (hf_load)
+        if meta and full is None:
             self._check_resettable(module, meta)      # before any change to the module
-        else:
+        elif not meta:
             module = module.to(self.root_device)
         for fqn, p in module.named_parameters():      # weak: an optimizer may still hold them
             self._old_params[id(p)] = (module, fqn, weakref.ref(p))
@@ -303,7 +302,9 @@ class FSDPStrategy(DDPStrategy):
             if not isinstance(m, FSDPModule):
                 fully_shard(m, **kw)
         fully_shard(module, **kw)
-        if meta:
+        if full is not None:
+            shard_from_rank0(self, module, meta, full)
+        elif meta:
             self._materialize(module, meta)
         for name in _STEP_METHODS:
             if callable(getattr(module, name, None)):
@@ -329,13 +330,8 @@ class FSDPStrategy(DDPStrategy):
 
     def _materialize(self, module: nn.Module, meta: set[str]) -> None:
         """Allocate the shards of meta tensors and initialise them with ``reset_parameters``."""
-        keep = {n: _local(t).detach().clone() for n, t in chain(module.named_parameters(), module.named_buffers())
-                if n not in meta}
-        module.to_empty(device=self.root_device)
+        allocate_meta(module, meta, self.root_device)
         with torch.no_grad():
-            for n, t in chain(module.named_parameters(), module.named_buffers()):
-                if n in keep:
-                    _local(t).copy_(keep[n])
             for mod_name, m in module.named_modules():
                 own = [f"{mod_name}.{n}" if mod_name else n
                        for n, _ in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))]
@@ -370,6 +366,8 @@ class FSDPStrategy(DDPStrategy):
         ``async_save`` is dropped, not committed: a commit needs every rank at its
         collectives, and a rank that failed must end at once rather than wait there. Its
         ``NAME.tmp`` stays behind and never counts as a checkpoint."""
+        if not isinstance(self._pending_save, tuple):   # a full-state write by rank 0's thread
+            return super().on_exception(exc)
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             warnings.warn(f"the asynchronous save of {pending[1]} was not committed: the run failed "
@@ -464,19 +462,8 @@ class FSDPStrategy(DDPStrategy):
         path = os.path.normpath(os.fspath(path))
         meta = self._meta(module, meta, sharded=self.state_dict_type == "sharded",
                           state_dict_type=self.state_dict_type)
-        if self.state_dict_type == "full":
-            weights = self.module_state_dict(module)
-            opt_states = [] if weights_only else [self.optimizer_state_dict(o, module) for o in optimizers]
-            error = None
-            if self.is_global_zero:
-                try:
-                    state = None if weights_only else dict(trainer_state, optimizers=opt_states)
-                    cio.write_checkpoint(path, weights, state, meta)
-                except Exception as err:     # reported to every rank below, raised here as it is
-                    error = err
-            from ember.strategies.full_load import raise_rank0_error
-            raise_rank0_error(self, error, f"checkpoint {path} was not written on rank 0")
-            return
+        if self.state_dict_type == "full":   # gathered to rank 0, written as one device does (async_save too)
+            return super().save_checkpoint(path, module, optimizers, trainer_state, meta, weights_only)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
         tmp = cio.tmp_path(path)
@@ -526,6 +513,8 @@ class FSDPStrategy(DDPStrategy):
 
     def _finish_pending_save(self) -> None:
         """Wait for a background (``async_save``) write, then commit its directory."""
+        if not isinstance(self._pending_save, tuple):   # state_dict_type="full": rank 0's writer thread
+            return super()._finish_pending_save()
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return

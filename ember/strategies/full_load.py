@@ -148,3 +148,46 @@ def load_full_weights(path: str) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(sd, checkpoint_id=folder, no_dist=True, storage_reader=dcp_reader(folder), planner=dcp_planner())
     return {k[len(prefix):]: v for k, v in sd.items()}
+
+
+def rank0_full_state(strategy, module: nn.Module) -> "dict | None":
+    """Before sharding: the full state rank 0 will send when ``module`` is marked to take
+    its weights from rank 0 (``ember.integrations.hf_load``); ``None`` otherwise."""
+    from ember.integrations.hf_load import FROM_RANK0_ATTR
+    if not getattr(module, FROM_RANK0_ATTR, False):
+        return None
+    return module.state_dict() if strategy.is_global_zero else {}
+
+
+def shard_from_rank0(strategy, module: nn.Module, meta: set[str], full: dict) -> None:
+    """After sharding: allocate this rank's meta tensors (uninitialised: nothing is
+    computed for them) and fill every shard with rank 0's ``full`` state
+    (``set_model_state_dict`` with ``broadcast_from_rank0``); buffers outside the state
+    dict (non-persistent: position ids, rotary frequencies) are sent by one broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    if meta:
+        allocate_meta(module, meta, strategy.root_device)
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    keys = set(module.state_dict().keys())
+    extra = [(n, b) for n, b in module.named_buffers() if n not in keys]
+    sent = strategy.broadcast({n: b.detach().cpu() for n, b in extra} if strategy.is_global_zero else None)
+    with torch.no_grad():
+        for n, b in extra:
+            b.copy_(sent[n])
+
+
+def allocate_meta(module: nn.Module, meta: set[str], device: torch.device) -> None:
+    """Give the (sharded) meta tensors ``meta`` of ``module`` uninitialised memory on
+    ``device``; the other tensors keep their values."""
+    from itertools import chain
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+    keep = {n: local(t).detach().clone() for n, t in chain(module.named_parameters(), module.named_buffers())
+            if n not in meta}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for n, t in chain(module.named_parameters(), module.named_buffers()):
+            if n in keep:
+                local(t).copy_(keep[n])

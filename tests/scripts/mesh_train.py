@@ -101,11 +101,21 @@ def local_numel(module: nn.Module, opt) -> int:
     return n
 
 
-def fit(out: str, run: str, strategy, dp: int, ckpt_path=None, checkpoints=None) -> None:
+class PendingAtEpochStart(Callback):
+    """Whether the epoch-end checkpoint was still being written when the next epoch began."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_epoch_start(self, trainer, module):
+        self.seen.append(getattr(trainer.strategy, "_pending_save", None) is not None)
+
+
+def fit(out: str, run: str, strategy, dp: int, ckpt_path=None, checkpoints=None, extra=()) -> None:
     torch.manual_seed(0)
     module = TPNet()
     rec = Record()
-    cbs = [rec]
+    cbs = [rec, *extra]
     if checkpoints:
         cbs.append(ModelCheckpoint(dirpath=checkpoints, save_top_k=-1))
     trainer = ember.Trainer(strategy=strategy, devices="cpu" if strategy == "single" else "auto",
@@ -147,6 +157,16 @@ def main() -> None:
         fit(out, run, ModelParallelStrategy(tensor_parallel_size=1, **short), 4, ckpt_path=epoch0_checkpoint(out))
     elif run == "1x1":
         fit(out, run, ModelParallelStrategy(**short), 1, ckpt_path=epoch0_checkpoint(out))
+    elif run == "tp_async":      # 1 x 2 (tensor parallel), DCP checkpoints written in the background
+        pending = PendingAtEpochStart()
+        fit(out, run, ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, async_save=True, **short),
+            1, checkpoints=os.path.join(out, "ckpt_async"), extra=[pending])
+        full = PendingAtEpochStart()   # FSDP, full state: rank 0's writer thread
+        fit(out, "full_async", FSDPStrategy(state_dict_type="full", async_save=True, **short), 2,
+            checkpoints=os.path.join(out, "ckpt_full_async"), extra=[full])
+        if int(os.environ["RANK"]) == 0:
+            with open(os.path.join(out, "tp_async_pending.json"), "w") as f:
+                json.dump({"tp": pending.seen, "full": full.seen}, f)
     elif run == "hsdp":
         fit(out, "hsdp_2x1", FSDPStrategy(hsdp=(2, 1), **short), 2)
         fit(out, "fsdp_1x2", FSDPStrategy(hsdp=(1, 2), **short), 2)
