@@ -17,6 +17,7 @@ from ember.precision import Precision
 
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "shard_deepspeed.py")
+ASYNC_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "async_deepspeed.py")
 
 
 def _env():
@@ -226,12 +227,64 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         s.resolve_config()
 
 
-def test_async_save_is_a_clear_error():
-    # without the check, async_save went into the zero_optimization section unnoticed
-    with pytest.raises(MisconfigurationError, match=r"DeepSpeedStrategy\(async_save=True\) is not supported.*"
-                                                    r"FSDPStrategy\(async_save=True\)"):
-        _strategy(async_save=True)
-    assert "async_save" not in (_strategy(async_save=False).resolve_config().get("zero_optimization") or {})
+def test_async_save_is_a_strategy_switch_not_a_zero_key():
+    # before async_save was a named argument, it went into the zero_optimization section unnoticed
+    assert _strategy(async_save=True).async_save is True
+    for flag in (True, False):
+        assert "async_save" not in (_strategy(async_save=flag).resolve_config().get("zero_optimization") or {})
+
+
+@pytest.fixture(scope="module")
+def async_results(ds_ops, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("async_zero2"))
+    r = subprocess.run([sys.executable, ASYNC_SCRIPT, out], env=_env(), capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, f"async run failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+    def get(name, rank=0):
+        with open(os.path.join(out, f"{name}.rank{rank}.json")) as f:
+            return json.load(f)
+    return get
+
+
+class TestAsyncSave:
+    """DeepSpeedStrategy(async_save=True), ZeRO stage 2, 2 processes (tests/scripts/async_deepspeed.py)."""
+    pytestmark = multiproc
+
+    def test_async_checkpoint_equals_sync_one(self, async_results):
+        for rank in (0, 1):
+            r = async_results("async_equal", rank)
+            assert r["same_files"] and r["unequal"] == [], r
+            assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r["files"], r["files"]
+            assert "mp_rank_00_model_states.pt" in r["files"], r["files"]
+            assert r["final_equal"]
+            assert r["committed"] == ["step=3", "step=6"]      # committed at the next save / teardown
+
+    def test_async_resume_is_bit_identical(self, async_results):
+        for rank in (0, 1):
+            r = async_results("async_equal", rank)
+            assert r["resumed_bit_identical"] and r["global_step"] == 6
+
+    def test_async_save_snapshots_before_returning(self, async_results):
+        for rank in (0, 1):
+            r = async_results("async_snapshot", rank)
+            assert r["written_at_return"] is False, r     # its writer was held back: save returned before writing
+            assert r["changed_live"]                      # the parameters did change after the save returned
+            assert r["fp32_equal"] and r["module_file_equal"], r
+
+    def test_async_commit_checks_every_ranks_files(self, async_results):
+        name = async_results("async_commit", 1)["dropped"][0]
+        assert name.startswith("zero_pp_rank_1_")
+        for rank in (0, 1):
+            r = async_results("async_commit", rank)
+            assert r["returned"] and r["committed"] is False, r
+            assert r["error"].startswith("CheckpointError") and f"rank 1's file {name} is missing" in r["error"], r
+
+    def test_async_save_dropped_when_training_fails(self, async_results):
+        for rank in (0, 1):
+            r = async_results("async_failed_run", rank)
+            assert r["error"] == "failed at step 4"
+            assert r["left"] == [], r               # step=3 neither committed nor left as step=3.tmp
+            assert len(r["warned"]) == 1 and "step=3" in r["warned"][0], r
 
 
 FP16_CHECK = """

@@ -159,9 +159,9 @@ class DeepSpeedStrategy(DDPStrategy):
         offload_optimizer: optimizer states and step on the CPU.
         offload_parameters: parameters on the CPU (stage 3 only).
         config: a DeepSpeed config dict or JSON file; ``"auto"`` values are filled in.
-        async_save: not supported (a MisconfigurationError says why): DeepSpeed writes its
-            ZeRO files through its own checkpoint engine, whose asynchronous writers need
-            DeepSpeed's AsyncIO (DeepNVMe) op; use ``FSDPStrategy(async_save=True)``.
+        async_save: write the ZeRO files in a background thread per rank: the save copies
+            the states to CPU memory and returns; the checkpoint is checked and committed
+            at the next save, before a load, or at teardown (see ``docs/sharding.md``).
         **kwargs: merged into the config's ``zero_optimization`` section
             (e.g. ``stage3_param_persistence_threshold=0``).
     """
@@ -178,15 +178,6 @@ class DeepSpeedStrategy(DDPStrategy):
                  start_method: str = "popen", cluster_environment: Any = None, async_save: bool = False,
                  **kwargs: Any) -> None:
         import warnings
-        if async_save:
-            raise MisconfigurationError(
-                "DeepSpeedStrategy(async_save=True) is not supported: DeepSpeed writes its ZeRO checkpoint files "
-                "through its own checkpoint engine, and its asynchronous engines (the 'checkpoint': {'writer': ...} "
-                "config: FastCheckpointEngine, DecoupledCheckpointEngine) write through DeepSpeed's AsyncIO "
-                "(DeepNVMe, libaio) op and commit on their own schedule, outside ember's rule that a "
-                "checkpoint is renamed into place only once every rank's files are complete. Save synchronously "
-                "(async_save=False), or use FSDPStrategy(async_save=True) / ModelParallelStrategy(async_save=True), "
-                "which write DCP checkpoints in the background")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
             super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
@@ -224,6 +215,8 @@ class DeepSpeedStrategy(DDPStrategy):
         self.config: dict | None = None
         self._engine = None
         self._module: nn.Module | None = None
+        self.async_save = bool(async_save)
+        self._ds_pending: tuple | None = None   # (path, state, meta, engine, writer, error) awaiting its commit
 
     # -- configuration -----------------------------------------------------------------
     def configure_from_trainer(self, accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
@@ -381,6 +374,9 @@ class DeepSpeedStrategy(DDPStrategy):
             if callable(method) and isinstance(raw, nn.Module):
                 wrapper._methods[name] = method
                 setattr(raw, name, _through_engine(engine, name))
+        if self.async_save:
+            from ember.strategies.deepspeed_async import install
+            install(engine)
         self._engine = engine
         self._module = raw
         return engine, [ds_optimizer]
@@ -478,6 +474,7 @@ class DeepSpeedStrategy(DDPStrategy):
         partitions), then rank 0 checks that every rank's files are there (:meth:`_commit`),
         adds ``trainer_state.pt`` and ``meta.json`` and renames."""
         from ember import checkpoint_io as cio
+        self._finish_pending_save()
         path = os.path.normpath(os.fspath(path))
         meta = dict(meta, sharded=True, deepspeed={"zero_stage": self.stage, "tag": TAG})
         engine = self._engine_for(module)
@@ -499,13 +496,43 @@ class DeepSpeedStrategy(DDPStrategy):
             cio._remove(tmp)
             os.makedirs(tmp)
         self.barrier("save_checkpoint:tmp")
+        background = getattr(engine.checkpoint_engine, "take", None) if self.async_save else None
+        failed = None
         try:
             engine.save_checkpoint(tmp, tag=TAG, client_state={}, save_latest=False)
-            mine: "dict[str, int] | str" = _written_by(engine, tmp)
-        except Exception as err:     # reported by rank 0 below, so no rank waits for this one
-            mine = f"{type(err).__name__}: {err}"
+        except Exception as err:     # reported by rank 0 at the commit, so no rank waits for this one
+            failed = f"{type(err).__name__}: {err}"
         state = dict(trainer_state, optimizers=[{"stored_in": cio.DCP_WEIGHTS_DIR, "format": "deepspeed"}])
+        # async_save: this rank's writer thread writes the files; every rank defers the commit, failed or not
+        self._ds_pending = (path, state, meta, engine, background() if background else None, failed)
+        self._async_in_flight = True
+        if background is None:
+            self._finish_pending_save()
+
+    def _finish_pending_save(self) -> None:
+        """Wait for this rank's writer of the last checkpoint (``async_save``), then commit
+        it with :meth:`_commit` (a collective: every rank calls it, at a save, a load, teardown)."""
+        if not self._async_in_flight:
+            return
+        from ember import checkpoint_io as cio
+        self._async_in_flight = False
+        (path, state, meta, engine, writer, failed), self._ds_pending = self._ds_pending, None
+        try:
+            writer.wait() if writer is not None else None
+            mine: "dict[str, int] | str" = failed or _written_by(engine, cio.tmp_path(path))
+        except Exception as err:     # reported by rank 0 below, so no rank waits for this one
+            mine = failed or f"{type(err).__name__}: {err}"
         self._commit(path, state, meta, mine)
+
+    def on_exception(self, exc: BaseException) -> None:
+        """A checkpoint not committed yet is dropped without a collective: this rank's
+        writer is let finish, rank 0 removes ``NAME.tmp`` (which never counts)."""
+        pending, self._ds_pending = self._ds_pending, None
+        self._async_in_flight = False
+        if pending is not None:
+            from ember.strategies.deepspeed_async import drop
+            drop(pending[0], pending[4], self.is_global_zero, exc)
+        super().on_exception(exc)
 
     def _commit(self, path: str, state: dict, meta: dict, mine: "dict[str, int] | str") -> None:
         """Every rank reports the ZeRO files it wrote (``{name: bytes}``, or its error);
@@ -537,6 +564,7 @@ class DeepSpeedStrategy(DDPStrategy):
         """Resume from a checkpoint this strategy wrote (same world size for optimizer
         states), or load weights from any ember checkpoint."""
         from ember import checkpoint_io as cio
+        self._finish_pending_save()
         path = os.fspath(path)
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
         state = state or {}
