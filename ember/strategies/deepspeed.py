@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
+from ember.strategies.async_save import cpu_snapshot
 from ember.strategies.base import _NULL
 from ember.strategies.ddp import DDPStrategy
 from ember.strategies.fsdp import init_single_process_group
@@ -503,10 +504,11 @@ class DeepSpeedStrategy(DDPStrategy):
         except Exception as err:     # reported by rank 0 at the commit, so no rank waits for this one
             failed = f"{type(err).__name__}: {err}"
         state = dict(trainer_state, optimizers=[{"stored_in": cio.DCP_WEIGHTS_DIR, "format": "deepspeed"}])
-        # async_save: this rank's writer thread writes the files; every rank defers the commit, failed or not
+        if background is not None:     # this rank's writer writes the files; commit (and trainer_state.pt) deferred
+            state, meta = cpu_snapshot((state, meta))
         self._ds_pending = (path, state, meta, engine, background() if background else None, failed)
-        self._async_in_flight = True
-        if background is None:
+        self._async_in_flight = True     # every rank defers the commit, failed or not
+        if background is None:           # a synchronous save commits now
             self._finish_pending_save()
 
     def _finish_pending_save(self) -> None:
@@ -517,12 +519,8 @@ class DeepSpeedStrategy(DDPStrategy):
         from ember import checkpoint_io as cio
         self._async_in_flight = False
         (path, state, meta, engine, writer, failed), self._ds_pending = self._ds_pending, None
-        try:
-            writer.wait() if writer is not None else None
-            mine: "dict[str, int] | str" = failed or _written_by(engine, cio.tmp_path(path))
-        except Exception as err:     # reported by rank 0 below, so no rank waits for this one
-            mine = failed or f"{type(err).__name__}: {err}"
-        self._commit(path, state, meta, mine)
+        from ember.strategies.deepspeed_async import report
+        self._commit(path, state, meta, report(writer, failed, lambda: _written_by(engine, cio.tmp_path(path))))
 
     def on_exception(self, exc: BaseException) -> None:
         """A checkpoint not committed yet is dropped without a collective: this rank's

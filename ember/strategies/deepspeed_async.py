@@ -135,3 +135,14 @@ def drop(path: str, writer: "RankWriter | None", remove_tmp: bool, exc: BaseExce
         cio._remove(cio.tmp_path(path))
     warnings.warn(f"the asynchronous save of {path} was not committed: the run failed ({type(exc).__name__})",
                   UserWarning, stacklevel=3)
+
+
+def report(writer: "RankWriter | None", failed: "str | None", written) -> "dict[str, int] | str":
+    """This rank's report for the commit: after its ``writer`` finished, ``written()``
+    (``{name: bytes}``), or the error of the save (``failed``) or of a write, as text."""
+    try:
+        if writer is not None:
+            writer.wait()
+        return failed or written()
+    except Exception as err:     # reported by rank 0 at the commit, so no rank waits for this one
+        return failed or f"{type(err).__name__}: {err}"
