@@ -184,3 +184,16 @@ def test_ddp_rank0_writes_in_the_background_and_errors_reach_every_rank(tmp_path
         assert differences(wa, wb, name) == [] and differences(sa["optimizers"], sb["optimizers"]) == []
     assert r0["fail"].startswith("CheckpointError") and "state['bad']" in r0["fail"]
     assert r1["fail"].startswith("CheckpointError") and "failed on rank 0" in r1["fail"]
+
+
+def test_snapshot_keeps_dict_types_and_shared_tensors():
+    """State the synchronous save accepts snapshots too: a defaultdict keeps its factory,
+    an OrderedDict its type, and one tensor held twice (tied weights) stays one copy."""
+    import collections
+
+    from ember.strategies.async_save import cpu_snapshot
+    t = torch.ones(3)
+    snap = cpu_snapshot({"s": collections.defaultdict(list, a=t, b=t), "o": collections.OrderedDict(x=1)})
+    assert type(snap["s"]) is collections.defaultdict and snap["s"].default_factory is list
+    assert snap["s"]["a"] is snap["s"]["b"] and snap["s"]["a"] is not t and torch.equal(snap["s"]["a"], t)
+    assert type(snap["o"]) is collections.OrderedDict and snap["o"] == {"x": 1}

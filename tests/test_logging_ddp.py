@@ -29,3 +29,7 @@ def test_sync_dist_metric_on_one_rank_raises_on_every_rank_naming_metric_and_ran
         assert "'only_rank0' on rank(s) [0], not on rank(s) [1]" in r["step"]
         assert r["epoch"] is not None and "'only_rank1' on rank(s) [1], not on rank(s) [0]" in r["epoch"]
         assert r["step_seconds"] < 9 and r["epoch_seconds"] < 9   # raised, not the 10 s timeout
+        # a value logged on rank 0 only in on_train_epoch_end (no sync_dist) does not hang
+        assert r["late"] is None and r["late_seconds"] < 9
+        # callback_metrics holds a sync_dist step metric's reduced value, on every rank
+        assert r["late_seen_v"] == 5.0

@@ -140,3 +140,29 @@ def test_iterable_dataset_in_the_loop_with_accumulation(tmp_path, monkeypatch):
     assert differences(out["0"][0], out["1"][0]) == [] and out["0"][1] == out["1"][1] == 4
     # with prefetch the stream is one batch (2 samples) further at every step, up to its end
     assert out["1"][2] == [min(n + 2, 7) for n in out["0"][2]] and out["1"][2] != out["0"][2]
+
+
+def test_prefetch_runs_the_modules_batch_transfer_hooks(tmp_path, monkeypatch):
+    """With prefetch on (as on CUDA), the batch-transfer hooks still shape the training
+    batches: the prefetcher sends batches through them, not around them."""
+    from conftest import LinearModule, regression_data
+
+    class Zeroed(LinearModule):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return [b * 0 for b in batch]
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(float(batch[0].abs().sum()))
+            return super().training_step(batch, batch_idx)
+
+    for flag in ("0", "1"):
+        monkeypatch.setenv("EMBER_PREFETCH", flag)
+        m = Zeroed()
+        ember.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path).fit(
+            m, DataLoader(regression_data(16), batch_size=4))
+        assert m.seen == [0.0] * 4, flag

@@ -75,3 +75,23 @@ def test_other_ranks_print_above_rank0_live_bar(tmp_path):
     assert re.fullmatch(r"step 16 loss=[\d.e+-]+", lines[bars[0] + 1]), lines[bars[0] + 1]
     assert lines[bars[0] + 2] == "Fit stopped: reached max_epochs=2"
     assert all(not ln or ln.startswith(("[rank 1]", "Epoch", "step", "Fit stopped", "  ")) for ln in lines), lines
+
+
+def test_forwarded_stdout_still_acts_as_the_real_stream(tmp_path):
+    """While lines are forwarded, ``sys.stdout`` still has the real stream's descriptor and
+    attributes: ``subprocess.run(stdout=sys.stdout)`` and ``sys.stdout.buffer`` work on every
+    rank as on rank 0."""
+    import socket
+
+    from ember.callbacks.rank_output import LineForwarder
+    a, b = socket.socketpair()
+    with open(tmp_path / "out.txt", "w") as real:
+        fwd = LineForwarder(a, "[rank 1] ", real)
+        assert fwd.fileno() == real.fileno() and fwd.buffer is real.buffer
+        subprocess.run([sys.executable, "-c", "print('from a child')"], stdout=fwd, check=True)
+        fwd.write("forwarded\n")
+        fwd.close_forwarding()
+    b.settimeout(5)
+    assert b.recv(4096) == b"[rank 1] forwarded\n"
+    b.close()
+    assert (tmp_path / "out.txt").read_text() == "from a child\n"

@@ -105,3 +105,17 @@ def test_sampler_drawing_from_the_global_rng_warns_on_a_mid_epoch_resume(tmp_pat
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message=".*log_every_n_steps")
         make(tmp_path / "w").fit(LinearModule(), kept, ckpt_path=str(ck2 / "epoch=0-step=3"))
+
+
+def test_user_generator_with_workers_warns_on_a_mid_epoch_resume(tmp_path):
+    """With num_workers > 0 the workers' prefetching decides how far a user sampler's own
+    generator is drawn, so a mid-epoch resume cannot promise the later epochs' order: warn."""
+    ds = regression_data(64)
+
+    def loader():
+        g = torch.Generator().manual_seed(123)
+        return DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, generator=g), num_workers=1)
+    make(tmp_path / "a", [ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, save_top_k=-1)],
+         max_epochs=1).fit(Recording(), loader())
+    with pytest.warns(UserWarning, match="num_workers=1"):
+        make(tmp_path / "b", max_epochs=1).fit(Recording(), loader(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=4"))

@@ -46,6 +46,17 @@ class LineForwarder(io.TextIOBase):
     def isatty(self) -> bool:
         return False
 
+    def fileno(self) -> int:
+        """The real stream's descriptor (``subprocess.run(stdout=sys.stdout)``, faulthandler):
+        what goes straight to the descriptor bypasses the forwarding, as before it."""
+        return self._fallback.fileno()
+
+    def __getattr__(self, name: str):
+        # everything else a text stream may be asked for (``buffer``, ``reconfigure``, ...)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._fallback, name)
+
     def write(self, s: str) -> int:
         with self._lock:
             if self._sock is None:

@@ -95,8 +95,10 @@ def build_model(module: Any, name: str, strategy: Any = None) -> nn.Module:
     raise_rank0_error(strategy, error, f"rank 0 could not load the pretrained model {name}")
     if model is None:
         config, _ = pretrained_config(module, name)
+        # the same dtype as rank 0's from_pretrained (a user's dtype/torch_dtype wins there too)
+        dtype = module.model_kwargs.get("dtype", module.model_kwargs.get("torch_dtype", torch.float32))
         kwargs = {k: v for k, v in module.model_kwargs.items() if k == "attn_implementation"}
         with torch.device("meta"):
-            model = module._auto_cls.from_config(config, **{_dtype_kwarg(): torch.float32}, **kwargs)
+            model = module._auto_cls.from_config(config, **{_dtype_kwarg(): dtype}, **kwargs)
     setattr(module, FROM_RANK0_ATTR, True)
     return model

@@ -23,15 +23,17 @@ def cpu_snapshot(obj: Any, reuse: Any = None) -> Any:
     tensors of matching shape and dtype are overwritten instead of allocated again (no new
     pages to fault in: the copy runs at memory speed). CUDA tensors are copied into pinned
     buffers without blocking, then synchronised once."""
-    cuda = []
-    out = _snap(obj, reuse, cuda)
+    cuda: list = []
+    out = _snap(obj, reuse, cuda, {})
     if cuda:
         torch.cuda.synchronize()
     return out
 
 
-def _snap(obj: Any, reuse: Any, cuda: list) -> Any:
+def _snap(obj: Any, reuse: Any, cuda: list, memo: dict) -> Any:
     if isinstance(obj, torch.Tensor):
+        if id(obj) in memo:   # one tensor held twice (tied weights) stays one copy
+            return memo[id(obj)]
         src = obj.detach()
         if isinstance(reuse, torch.Tensor) and reuse.shape == src.shape and reuse.dtype == src.dtype \
                 and reuse.layout == src.layout == torch.strided:
@@ -40,14 +42,20 @@ def _snap(obj: Any, reuse: Any, cuda: list) -> Any:
             dst = torch.empty_like(src, device="cpu", pin_memory=src.is_cuda)
         if src.is_cuda:
             cuda.append(True)
-        return dst.copy_(src, non_blocking=src.is_cuda)
+        memo[id(obj)] = dst.copy_(src, non_blocking=src.is_cuda)
+        return memo[id(obj)]
     if isinstance(obj, dict):
         r = reuse if isinstance(reuse, dict) else {}
-        items = ((k, _snap(v, r.get(k), cuda)) for k, v in obj.items())
-        return {k: v for k, v in items} if type(obj) is dict else type(obj)(items)
+        items = [(k, _snap(v, r.get(k), cuda, memo)) for k, v in obj.items()]
+        if type(obj) is dict:
+            return dict(items)
+        out = copy.copy(obj)   # a dict subclass (defaultdict, OrderedDict) keeps its type and factory
+        out.clear()
+        out.update(items)
+        return out
     if isinstance(obj, (list, tuple)):
         r = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
-        out = [_snap(v, rv, cuda) for v, rv in zip(obj, r)]
+        out = [_snap(v, rv, cuda, memo) for v, rv in zip(obj, r)]
         if isinstance(obj, list):
             return out
         return type(obj)(*out) if hasattr(obj, "_fields") else type(obj)(out)

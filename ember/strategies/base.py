@@ -240,6 +240,7 @@ class Strategy:
         arrival = mark_arrival()
         try:
             out = self.broadcast(flag, 0) if how == "rank0" else self.reduce(flag, how)
+            host = out.tolist()   # where an asynchronous backend (NCCL) would wait
         except Exception as err:
             missing = missing_ranks(arrival)
             if not missing:
@@ -254,7 +255,7 @@ class Strategy:
                 f"their own output). If they are only slow, raise the strategy's timeout=. ({type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''})") from err
         kinds = [type(v) for v in values]
-        res = [bool(x) if k is bool else int(x) if k is int else float(x) for k, x in zip(kinds, out.tolist())]
+        res = [bool(x) if k is bool else int(x) if k is int else float(x) for k, x in zip(kinds, host)]
         return res if many else res[0]
 
     # -- checkpoints -------------------------------------------------------------

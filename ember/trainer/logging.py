@@ -170,11 +170,15 @@ class Results:
                 out[e.name + "_step" if e.on_epoch else e.name] = (e, e.last)
         return out
 
-    def latest_step_values(self) -> dict:
+    def latest_step_values(self, reduced_only: bool = False) -> dict:
         """Latest value of each ``on_step`` metric logged in this epoch (detached tensors,
-        where they were logged), under ``name_step`` and, for step-only metrics, ``name``."""
+        where they were logged), under ``name_step`` and, for step-only metrics, ``name``.
+        ``reduced_only`` (several processes): not the ``sync_dist`` ones, whose value on
+        this rank is not the reduced one (they keep the value of the last log point)."""
         out = {}
         for e in self.entries.values():
+            if reduced_only and e.sync_dist:
+                continue
             if e.on_step and e.updated and e.last is not None and e.metric is None:
                 out[e.name + "_step" if e.on_epoch else e.name] = e.last
         return out

@@ -169,7 +169,8 @@ class FitLoop:
                 t._call_hook("on_train_epoch_end")
             finally:
                 results.epoch_end_hook = False
-            if results.late:   # values logged in on_train_epoch_end
+            if results.late or t.world_size > 1:   # values logged in on_train_epoch_end (every rank
+                # takes part in the sync_dist names check, also one that logged nothing here)
                 t._emit_epoch(results, names=results.late)
                 results.late = set()
             ls.epoch += 1
@@ -261,7 +262,7 @@ class FitLoop:
         from ember.prefetch import DevicePrefetch, prefetch_enabled
         if prefetch_enabled(strategy.root_device):
             # CUDA: batch i + 1 pinned and its copy issued before step i runs (ember/prefetch.py)
-            loader, to_device = DevicePrefetch(loader, strategy.batch_to_device, strategy.root_device), None
+            loader, to_device = DevicePrefetch(loader, to_device or strategy.batch_to_device, strategy.root_device), None
         before_step = bool(t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"))
         # optimizer_step / optimizer_zero_grad / configure_gradient_clipping / on_before_zero_grad
         # overridden: the step runs through them (None: the inline step below)

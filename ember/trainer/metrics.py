@@ -20,7 +20,7 @@ class MetricsMixin:
         each training metric logged with ``on_step=True`` (on its device: read here, at
         the reader's own pace, not copied per step)."""
         if self.stage == "fit":
-            self._callback_metrics.update(self._results["train"].latest_step_values())
+            self._callback_metrics.update(self._results["train"].latest_step_values(self.world_size > 1))
         return self._callback_metrics
 
     @callback_metrics.setter

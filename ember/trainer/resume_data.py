@@ -60,6 +60,14 @@ def restore_data(t, saved: dict | None, path: str) -> None:
                 UserWarning, stacklevel=4)
     gen = edata.own_generator(edata.index_sampler(dl))
     state = saved.get("generator_state")
+    if mid and gen is not None and dl.num_workers:
+        warnings.warn(
+            f"resuming {path} mid-epoch with a sampler that draws from its own generator and num_workers="
+            f"{dl.num_workers}: how far the workers' prefetching drew from that generator differs between an "
+            "uninterrupted run and a resumed one, so the order of the epochs after this one may differ (samples "
+            "repeat or are left out). For an exact mid-epoch resume use num_workers=0, or leave shuffling to "
+            "ember's sampler (no generator; Trainer(seed=)), or save checkpoints at epoch ends",
+            UserWarning, stacklevel=4)
     if gen is not None and isinstance(state, torch.Tensor):
         try:
             gen.set_state(state)

@@ -7,6 +7,10 @@ process-group timeout so a hang fails fast), run by tests/test_logging_ddp.py.
    (rank 1 logs nothing at all), emitted at the step log point.
 2. ``epoch``: validation_step logs ``only_rank1`` with sync_dist=True on rank 1 only,
    emitted at the validation epoch end.
+3. ``late``: rank 0 alone logs ``late_rank0`` (no sync_dist) in on_train_epoch_end, a
+   common pattern that must not hang; each rank logs ``v`` = 10 * rank per step with
+   sync_dist=True, and records ``callback_metrics["v"]`` in on_train_epoch_end: the
+   reduced value of the last log point (5.0), not its own.
 Every rank records the error it raised (or None) in ROOT/result_<rank>.json.
 """
 import json
@@ -32,7 +36,15 @@ class Net(ember.TrainModule):
         x, y = batch
         if self.where == "step" and self.global_rank == 0:
             self.log("only_rank0", 1.0, on_step=True, sync_dist=True)
+        if self.where == "late":
+            self.log("v", 10.0 * self.global_rank, on_step=True, on_epoch=False, sync_dist=True)
         return F.mse_loss(self.net(x), y)
+
+    def on_train_epoch_end(self):
+        if self.where == "late":
+            self.seen_v = float(self.trainer.callback_metrics["v"])
+            if self.global_rank == 0:
+                self.log("late_rank0", 1.0)
 
     def validation_step(self, batch, batch_idx):
         if self.where == "epoch" and self.global_rank == 1:
@@ -46,17 +58,19 @@ def main(root):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
     out = {}
-    for where in ("step", "epoch"):
+    for where in ("step", "epoch", "late"):
         trainer = ember.Trainer(devices=2, strategy=DDPStrategy(timeout=10), max_epochs=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 num_sanity_val_steps=0, log_every_n_steps=2, default_root_dir=root)
         start = time.monotonic()
+        net = Net(where)
         try:
-            trainer.fit(Net(where), DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+            trainer.fit(net, DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
             out[where] = None
         except Exception as err:   # noqa: BLE001 - recorded for the test
             out[where] = f"{type(err).__name__}: {err}"
         out[where + "_seconds"] = time.monotonic() - start
+        out[where + "_seen_v"] = getattr(net, "seen_v", None)
         out["rank"] = trainer.global_rank
     with open(f"{root}/result_{out['rank']}.json", "w") as f:
         json.dump(out, f)
