@@ -43,10 +43,8 @@ def _duration(s: float) -> str:
 
 
 def _early_stopper(t):
-    for cb in t.callbacks:
-        if type(cb).__name__ == "EarlyStopping" and getattr(cb, "stopping_reason", None):
-            return cb
-    return None
+    """The EarlyStopping callback (a subclass too) that stopped the run, if any."""
+    return next((cb for cb in t.early_stopping_callbacks if getattr(cb, "stopping_reason", None)), None)
 
 
 def _describe_stop(t) -> str:
