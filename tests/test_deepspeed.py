@@ -287,6 +287,17 @@ class TestAsyncSave:
             assert len(r["warned"]) == 1 and "step=3" in r["warned"][0], r
 
 
+    @pytest.mark.parametrize("case, failing", [("sync_rank1", 1), ("sync_rank0", 0), ("async_rank1", 1)])
+    def test_a_write_failing_on_one_rank_fails_every_rank_at_once(self, async_results, case, failing):
+        for rank in (0, 1):
+            r = async_results(f"enospc_{case}", rank)
+            assert r["error"] is not None and r["error"].startswith("CheckpointError"), r
+            assert f"rank {failing}: OSError: [Errno 28] No space left on device" in r["error"], r
+            assert r["seconds"] < 20, r        # the process-group timeout is 60 s: nobody waited for it
+            assert r["committed"] is False and r["next_save_committed"] is True, r
+        assert async_results(f"enospc_{case}", failing)["cause"] == "OSError"   # the real error under it
+
+
 FP16_CHECK = """
 import os
 os.environ["DS_ACCELERATOR"] = "cpu"

@@ -375,9 +375,8 @@ class DeepSpeedStrategy(DDPStrategy):
             if callable(method) and isinstance(raw, nn.Module):
                 wrapper._methods[name] = method
                 setattr(raw, name, _through_engine(engine, name))
-        if self.async_save:
-            from ember.strategies.deepspeed_async import install
-            install(engine)
+        from ember.strategies.deepspeed_writes import install
+        install(engine, background=self.async_save)     # a failed write is reported, not waited on
         self._engine = engine
         self._module = raw
         return engine, [ds_optimizer]
@@ -493,22 +492,32 @@ class DeepSpeedStrategy(DDPStrategy):
             raise_rank0_error(self, error, f"checkpoint {path} was not written on rank 0")
             return
         tmp = cio.tmp_path(path)
+        error = None
         if self.is_global_zero:
-            cio._remove(tmp)
-            os.makedirs(tmp)
-        self.barrier("save_checkpoint:tmp")
-        background = getattr(engine.checkpoint_engine, "take", None) if self.async_save else None
+            try:
+                cio._remove(tmp)
+                os.makedirs(tmp)
+            except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
+                error = err
+        from ember.strategies.full_load import raise_rank0_error
+        raise_rank0_error(self, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
+        from ember.strategies.deepspeed_writes import EmberCheckpointEngine
+        writes = engine.checkpoint_engine if isinstance(engine.checkpoint_engine, EmberCheckpointEngine) else None
+        if writes is not None:
+            writes.begin()
         failed = None
         try:
             engine.save_checkpoint(tmp, tag=TAG, client_state={}, save_latest=False)
-        except Exception as err:     # reported by rank 0 at the commit, so no rank waits for this one
-            failed = f"{type(err).__name__}: {err}"
+        except Exception as err:     # reported at the commit, so no rank waits for this one
+            failed = err
+        writer, write_error = writes.take() if writes is not None else (None, None)
+        failed = failed or write_error     # a failed write on this rank: recorded, DeepSpeed's barrier still met
         state = dict(trainer_state, optimizers=[{"stored_in": cio.DCP_WEIGHTS_DIR, "format": "deepspeed"}])
-        if background is not None:     # this rank's writer writes the files; commit (and trainer_state.pt) deferred
+        if writer is not None:           # this rank's writer writes the files; commit (and trainer_state.pt) deferred
             state, meta = cpu_snapshot((state, meta))
-        self._ds_pending = (path, state, meta, engine, background() if background else None, failed)
+        self._ds_pending = (path, state, meta, engine, writer, failed)
         self._async_in_flight = True     # every rank defers the commit, failed or not
-        if background is None:           # a synchronous save commits now
+        if not self.async_save:          # a synchronous save commits now
             self._finish_pending_save()
 
     def _finish_pending_save(self) -> None:
@@ -519,8 +528,14 @@ class DeepSpeedStrategy(DDPStrategy):
         from ember import checkpoint_io as cio
         self._async_in_flight = False
         (path, state, meta, engine, writer, failed), self._ds_pending = self._ds_pending, None
-        from ember.strategies.deepspeed_async import report
-        self._commit(path, state, meta, report(writer, failed, lambda: _written_by(engine, cio.tmp_path(path))))
+        from ember.strategies.deepspeed_writes import report, written_by
+        mine, error = report(writer, failed, lambda: written_by(engine, cio.tmp_path(path), TAG))
+        try:
+            self._commit(path, state, meta, mine)
+        except CheckpointError as err:
+            if error is not None and err.__cause__ is None and err is not error:
+                raise err from error     # this rank's own write error: the real traceback under the common message
+            raise
 
     def on_exception(self, exc: BaseException) -> None:
         """A checkpoint not committed yet is dropped without a collective: this rank's
@@ -528,7 +543,7 @@ class DeepSpeedStrategy(DDPStrategy):
         pending, self._ds_pending = self._ds_pending, None
         self._async_in_flight = False
         if pending is not None:
-            from ember.strategies.deepspeed_async import drop
+            from ember.strategies.deepspeed_writes import drop
             drop(pending[0], pending[4], self.is_global_zero, exc)
         super().on_exception(exc)
 
@@ -555,7 +570,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True, extra_files=shards)
             except Exception as err:     # reported to every rank below, raised here as it is
                 error = err
-        raise_rank0_error(self, error, f"checkpoint {path} was not committed")
+        raise_rank0_error(self, error, f"checkpoint {path} was not committed", complete=True)
 
     def load_checkpoint(self, path: str, module: nn.Module, optimizers: list, strict: bool = True,
                         weights_only: bool = False) -> dict:
@@ -611,17 +626,6 @@ def _shapes_of(module: nn.Module):
         shape = tuple(getattr(v, "ds_shape", v.shape))
         shapes[k] = torch.empty(shape, device="meta")
     return type(type(module).__name__, (), {"state_dict": lambda self: shapes})()
-
-
-def _written_by(engine, folder: str) -> dict[str, int]:
-    """``{name: bytes}`` of the files this rank's ``engine.save_checkpoint(folder, tag=TAG)``
-    wrote into ``folder/TAG`` (its ZeRO partition; the model states where it saves them)."""
-    names = []
-    if getattr(engine, "save_zero_checkpoint", False):
-        names.append(engine._get_zero_ckpt_name(folder, TAG))
-    if getattr(engine, "save_non_zero_checkpoint", False):
-        names.append(engine._get_ckpt_name(folder, TAG))
-    return {os.path.basename(n): os.path.getsize(n) for n in names}
 
 
 def _through_engine(engine, name: str):

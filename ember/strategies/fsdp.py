@@ -509,7 +509,7 @@ class FSDPStrategy(DDPStrategy):
                 cio.write_checkpoint(path, None, state, meta, keep_existing_tmp=True, extra_files=shards)
             except Exception as err:     # reported to every rank below, raised here as it is
                 error = err
-        raise_rank0_error(self, error, f"checkpoint {path} was not committed")
+        raise_rank0_error(self, error, f"checkpoint {path} was not committed", complete=True)
 
     def _finish_pending_save(self) -> None:
         """Wait for a background (``async_save``) write, then commit its directory."""

@@ -23,16 +23,22 @@ from torch import nn
 from ember.errors import CheckpointError
 
 
-def raise_rank0_error(strategy, error: "BaseException | None", what: str) -> None:
+def raise_rank0_error(strategy, error: "BaseException | None", what: str, complete: bool = False) -> None:
     """Rank 0's outcome of a step only it ran (a read, a commit), on every rank: one
     broadcast, then rank 0 raises its own exception and the others a CheckpointError
-    ``"<what>: <rank 0's error>"``; nothing when rank 0 succeeded. Every rank must call it
-    (it replaces a closing barrier, so no rank waits for one that failed)."""
-    verdict = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+    ``"<what>: <rank 0's error>"``; nothing when rank 0 succeeded. ``complete``: a
+    CheckpointError of rank 0 already says what failed (a commit's verdict), so the other
+    ranks raise its message as it is. Every rank must call it (it replaces a closing
+    barrier, so no rank waits for one that failed)."""
+    verdict = None
+    if error is not None:
+        verdict = (str(error) if complete and isinstance(error, CheckpointError)
+                   else f"{what}: {type(error).__name__}: {error}")
+    verdict = strategy.broadcast(verdict)
     if verdict is not None:
         if error is not None:
             raise error
-        raise CheckpointError(f"{what}: {verdict}")
+        raise CheckpointError(verdict)
 
 
 def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: list, strict: bool = True,

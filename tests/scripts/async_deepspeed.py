@@ -13,10 +13,17 @@ process-group timeout), run by tests/test_deepspeed.py. Started as a plain scrip
    on both ranks.
 5. An exception in training (both ranks) while step=3 is pending: it is dropped without a
    collective (not committed, its NAME.tmp removed) and the exception reaches the caller.
+6. A write that fails on one rank only (ENOSPC at its torch.save) inside DeepSpeed's
+   ``save_checkpoint``, synchronous (rank 1's ZeRO partition; rank 0's model states) and in
+   the background (rank 1): every rank raises a CheckpointError naming the failing rank and
+   the real error within seconds (no rank left in DeepSpeed's closing barrier), nothing is
+   committed, and the next save succeeds.
 """
+import errno
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -169,3 +176,42 @@ torch.distributed.barrier()       # both ranks have dropped theirs before rank 0
 sc.write_result(OUT, "async_failed_run", {
     "error": error, "left": sorted(os.listdir(fail_dir)) if os.path.isdir(fail_dir) else [],
     "warned": [str(w.message) for w in caught if "was not committed" in str(w.message)]}, rank)
+
+
+# 6. one rank's write fails inside engine.save_checkpoint: every rank raises at once, naming it
+real_torch_save = torch.save
+
+
+def enospc_on(rank_, name_part):
+    def failing_save(obj, f, *args, **kwargs):
+        if rank == rank_ and name_part in (os.fspath(f) if isinstance(f, (str, os.PathLike)) else ""):
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(f))
+        return real_torch_save(obj, f, *args, **kwargs)
+    return failing_save
+
+
+for case, async_save, rank_, name_part in (("sync_rank1", False, 1, "zero_pp_rank_1_"),
+                                           ("sync_rank0", False, 0, "mp_rank_00_model_states"),
+                                           ("async_rank1", True, 1, "zero_pp_rank_1_")):
+    t = trainer(ds(async_save=async_save), max_steps=1)
+    t.fit(sc.make_net(), sc.loader())
+    path = os.path.join(OUT, f"enospc_{case}")
+    res = {}
+    torch.save = enospc_on(rank_, name_part)
+    t0 = time.monotonic()
+    try:
+        t.save_checkpoint(path)
+        t.strategy.wait_for_checkpoint()
+        res["error"] = None
+    except Exception as err:
+        res["error"] = f"{type(err).__name__}: {err}"
+        res["cause"] = type(err.__cause__).__name__ if err.__cause__ is not None else None
+    finally:
+        torch.save = real_torch_save
+    res["seconds"] = time.monotonic() - t0
+    res["committed"] = os.path.exists(path)
+    again = os.path.join(OUT, f"again_{case}")
+    t.save_checkpoint(again)
+    t.strategy.wait_for_checkpoint()
+    res["next_save_committed"] = os.path.isfile(os.path.join(again, "meta.json"))
+    sc.write_result(OUT, f"enospc_{case}", res, rank)
