@@ -222,11 +222,18 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
     def setup_dataloader(self, dataloader: Any, *, seed: int | None = None, shuffle: bool | None = None,
                          even: bool = True) -> Any:
         """Shard ``dataloader`` over the data-parallel ranks (``ember.data.prepare_dataloader``;
-        ``even=False`` keeps every item of an IterableDataset, for evaluation)."""
+        ``even=False`` keeps every item of an IterableDataset, for evaluation). Under several
+        processes, a sampler kept with the user's own generator gets rank 0's generator
+        state on every rank (``ember.data.agree_generator``: one small collective here,
+        warning when the states differed). Every rank must call it at the same point."""
         kw = self.strategy.distributed_sampler_kwargs() or {}
         if seed is None:
             seed = self.seed if self.seed is not None else 0
-        return edata.prepare_dataloader(dataloader, seed=seed, shuffle=shuffle, even=even, **kw)
+        out = edata.prepare_dataloader(dataloader, seed=seed, shuffle=shuffle, even=even, **kw)
+        st = self.strategy
+        if st.world_size > 1:
+            edata.agree_generator(out, st.all_gather_object, st.broadcast, warn=st.is_global_zero)
+        return out
 
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *objs: Any, device_placement: list[bool] | None = None) -> Any:

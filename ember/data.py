@@ -8,16 +8,20 @@ already seen, and leaves the global RNG streams untouched. An
 ``IterableDataset`` is wrapped in a :class:`ShardedIterable` (this rank's and
 this worker's share of the stream). A user's sampler carrying its own
 ``torch.Generator`` (``RandomSampler(generator=g)``) is kept, generator and seed
-included; its generator's state at each epoch start is recorded so a mid-epoch
-resume draws the same order again (:func:`set_epoch`). DataLoader workers are seeded from (run
-seed, epoch, data-parallel rank, worker): see :mod:`ember.data_seed`.
+included; under several processes the ranks agree on its state once, at setup
+(:func:`agree_generator`), and its state at each epoch start is recorded so a
+mid-epoch resume draws the same order again (:func:`set_epoch`). DataLoader
+workers are seeded from (run seed, epoch, data-parallel rank, worker): see
+:mod:`ember.data_seed`.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import math
-from typing import Any, Iterator
+import warnings
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler,
@@ -138,6 +142,39 @@ def own_generator(sampler: Any) -> torch.Generator | None:
     generator instead of replacing it with a :class:`ResumableSampler`."""
     gen = getattr(sampler, "generator", None)
     return gen if isinstance(gen, torch.Generator) else None
+
+
+def agree_generator(dl: Any, all_gather_object: Callable[[Any], list], broadcast: Callable[[Any], Any], *,
+                    warn: bool = True) -> bool:
+    """Give the user's sampler generator of a prepared loader (:func:`own_generator`) rank
+    0's state on every rank. Every rank draws the whole order from its own copy of that
+    generator and keeps its shard, so the copies must agree, or samples are trained twice
+    or never in an epoch. One ``all_gather_object`` of a short digest of the state; when
+    the digests differ, one ``broadcast`` of rank 0's state, set on every rank, and (with
+    ``warn``) a warning naming the sampler and the fix. Returns True when the state was
+    replaced. Call it once per loader preparation (at setup), on every rank, with the
+    strategy's collectives; a loader without a user generator costs nothing."""
+    gen = own_generator(index_sampler(dl))
+    if gen is None:
+        return False
+    state = gen.get_state()
+    digest = hashlib.sha256(state.numpy().tobytes()).hexdigest()[:16]
+    digests = all_gather_object(digest)
+    if len(set(digests)) <= 1:
+        return False
+    ref = broadcast(state)
+    gen.set_state(ref.to(state.device) if isinstance(ref, torch.Tensor) else ref)
+    if warn:
+        sampler = index_sampler(dl)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        warnings.warn(
+            f"the generator of the {type(sampler).__name__} (generator=) of the DataLoader over "
+            f"{type(dl.dataset).__name__} was in a different state on rank(s) {', '.join(map(str, differ))} than on "
+            "rank 0: each rank would have drawn its own order and the ranks' shards would have overlapped "
+            "(samples trained twice or never in an epoch). Every rank now uses rank 0's generator state. Seed the "
+            "generator alike on every rank (torch.Generator().manual_seed(seed), not seed + rank), or drop "
+            "generator= and let Trainer(seed=) / Accelerator(seed=) shuffle", UserWarning, stacklevel=3)
+    return True
 
 
 def draws_global_rng(sampler: Any) -> bool:

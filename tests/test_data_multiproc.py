@@ -82,3 +82,35 @@ def test_iterable_dataset_under_ddp_with_accumulation(tmp_path, script):
     assert len(d0) == len(d1) == 8
     for col in range(3):   # torch, numpy, python random: no value shared between the ranks
         assert not {row[col] for row in d0} & {row[col] for row in d1}, col
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_user_generator_seeded_per_rank_is_agreed_from_rank_0(tmp_path, script):
+    """DataLoader(shuffle=True, generator=torch.Generator().manual_seed(100 + rank)): each
+    rank drew its own order and kept its shard of it, so some samples were trained twice and
+    others never in an epoch, silently. Now the ranks agree on the generator state at setup
+    (rank 0's, with one warning on rank 0), under the Trainer and the Accelerator: the two
+    shards are the dataset once each, in the order one process draws with rank 0's seed.
+    Generators seeded alike: no warning, the same shards."""
+    r0, r1 = torchrun("generator", tmp_path)
+    n, ref = script.GEN_SIZE, script.gen_order(100)
+    assert r0["world"] == 2
+    for key in ("trainer_per_rank", "acc_per_rank", "trainer_alike", "acc_alike"):
+        a, b = r0[key]["seen"], r1[key]["seen"]
+        assert not set(a) & set(b), (key, a, b)                 # no sample on both ranks
+        assert sorted(a + b) == list(range(n)), key             # every sample once
+        assert (a, b) == (ref[0::2], ref[1::2]), key            # rank r: samples r, r+2, ... of the order
+        assert r1[key]["warnings"] == [], key                   # warned on rank 0 only
+    for key in ("trainer_per_rank", "acc_per_rank"):
+        (msg,) = r0[key]["warnings"]
+        assert "RandomSampler" in msg and "rank(s) 1" in msg and "seed" in msg, msg
+    for key in ("trainer_alike", "acc_alike"):
+        assert r0[key]["warnings"] == [], key
+    # a resume gives every rank the checkpoint's (rank 0's) generator state: the resumed
+    # epoch is the uninterrupted run's epoch 1 on both ranks
+    half = n // 2
+    for d in (r0, r1):
+        full = d["resume"]["full"]
+        assert d["resume"]["first"] == full[:half]
+        assert d["resume"]["resumed"] == full[half:], d["rank"]
+    assert sorted(r0["resume"]["full"][half:] + r1["resume"]["full"][half:]) == list(range(n))

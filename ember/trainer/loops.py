@@ -57,7 +57,10 @@ Where the ranks agree (each decision made once; never a collective per step)::
 
     setup                 rank 0 picks the logger version folders (trainer.log_dir), broadcast
                           (state.agree_log_versions); ckpt_path "last"/"best" is resolved on
-                          rank 0 only, broadcast, so every rank restores the same checkpoint
+                          rank 0 only, broadcast, so every rank restores the same checkpoint;
+                          a train loader kept with the user's sampler generator gets rank 0's
+                          generator state (ember.data.agree_generator: one all_gather_object
+                          of a digest, a broadcast only when the states differ)
     each checkpoint save  rank 0's outcome (its write, or its check of every rank's shard
                           files) is broadcast in place of a closing barrier: a failure
                           raises on every rank, no rank waits for the timeout

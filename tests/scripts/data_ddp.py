@@ -209,6 +209,80 @@ def run_iterable(devices, root):
     return trainer, res
 
 
+GEN_SIZE, GEN_BATCH = 20, 2
+
+
+class IdRecorder(TrainModule):
+    """Records the sample ids it trains on."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(3, 1)
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, i = batch
+        self.seen += i.tolist()
+        return self.net(x).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def gen_order(seed):
+    """The order one process draws from DataLoader(shuffle=True, generator=seed) in its first pass."""
+    g = torch.Generator().manual_seed(seed)
+    dl = DataLoader(eval_set(GEN_SIZE), batch_size=GEN_BATCH, shuffle=True, generator=g)
+    return [int(i) for _, ids in dl for i in ids]
+
+
+def _generator_warnings(caught):
+    return [str(w.message) for w in caught if "generator" in str(w.message) and "rank 0" in str(w.message)]
+
+
+def run_generator(devices, root):
+    """A user's generator= seeded per rank (100 + rank) or alike (100), under the Trainer
+    (one epoch) and the Accelerator (one pass): the sample ids each rank saw, and the
+    warnings about differing generator states."""
+    import warnings
+    rank = int(os.environ.get("RANK", "0"))
+    res = {}
+    for name, seed in (("per_rank", 100 + rank), ("alike", 100)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = Trainer(devices=devices, strategy=strategy(devices), max_epochs=1, default_root_dir=root,
+                              **QUIET)
+            module = IdRecorder()
+            g = torch.Generator().manual_seed(seed)
+            trainer.fit(module, DataLoader(eval_set(GEN_SIZE), batch_size=GEN_BATCH, shuffle=True, generator=g))
+        res[f"trainer_{name}"] = {"seen": module.seen, "warnings": _generator_warnings(caught)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc = Accelerator(strategy=strategy(devices))
+            g = torch.Generator().manual_seed(seed)
+            loader = acc.prepare(DataLoader(eval_set(GEN_SIZE), batch_size=GEN_BATCH, shuffle=True, generator=g))
+            seen = [int(i) for _, ids in loader for i in ids]
+        res[f"acc_{name}"] = {"seen": seen, "warnings": _generator_warnings(caught)}
+    # per-rank seeds, two epochs: uninterrupted, and stopped after epoch 0 then resumed
+    # (the checkpoint holds rank 0's generator state, which every rank then uses)
+    runs = {}
+    for name, epochs, ckpt in (("full", 2, None), ("first", 1, None), ("resumed", 2, os.path.join(root, "gen.ckpt"))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = Trainer(devices=devices, strategy=strategy(devices), max_epochs=epochs, default_root_dir=root,
+                              **QUIET)
+            module = IdRecorder()
+            g = torch.Generator().manual_seed(100 + rank)
+            trainer.fit(module, DataLoader(eval_set(GEN_SIZE), batch_size=GEN_BATCH, shuffle=True, generator=g),
+                        ckpt_path=ckpt)
+        if name == "first":
+            trainer.save_checkpoint(os.path.join(root, "gen.ckpt"))
+        runs[name] = module.seen
+    res["resume"] = runs
+    return trainer, res
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     devices = int(os.environ.get("EMBER_TEST_DEVICES", "2"))
@@ -216,6 +290,8 @@ def main():
         trainer, res = run_gather(devices, out)
     elif scenario == "iterable":
         trainer, res = run_iterable(devices, out)
+    elif scenario == "generator":
+        trainer, res = run_generator(devices, out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     res["rank"], res["world"] = trainer.global_rank, trainer.world_size
