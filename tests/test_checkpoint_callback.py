@@ -229,6 +229,22 @@ def test_validation_metric_before_first_validation_is_skipped_with_a_warning(tmp
     assert names(tmp_path / "checkpoints") == ["epoch=1-step=6", "epoch=1-step=8"]
 
 
+def test_save_last_is_written_although_the_monitored_metric_is_not_there_yet(tmp_path):
+    # max_steps stops mid-epoch before the first validation: no top-k checkpoint can be
+    # ranked, but save_last=True still leaves a `last` to resume from (as Lightning does)
+    cb = ModelCheckpoint(monitor="val/score", save_last=True)
+    with pytest.warns(UserWarning, match=r"no validation has run yet\); 'last' is written"):
+        _, t = fit(tmp_path, [cb], max_steps=2)
+    assert t.stop_reason == "max_steps"
+    assert names(tmp_path / "checkpoints") == ["last"]
+    assert cb.best_model_path == "" and cb.last_model_path == str(tmp_path / "checkpoints" / "last")
+    resumed, t2 = fit(tmp_path / "resumed", ckpt_path=cb.last_model_path, max_steps=3)
+    assert t2.global_step == 3 and t2.current_epoch == 0     # continued in the middle of epoch 0
+    ref, _ = fit(tmp_path / "ref", max_steps=3)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), k
+
+
 # -- ckpt_path for every entry point --------------------------------------------------------------------
 def test_validate_test_predict_with_best_and_last(tmp_path):
     cb = ModelCheckpoint(monitor="val/score", save_top_k=1, save_last=True)

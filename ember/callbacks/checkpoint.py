@@ -243,8 +243,13 @@ class ModelCheckpoint(Callback):
             if self._metrics_expected(trainer):
                 raise MisconfigurationError(msg)
             if not self._warned and trainer.is_global_zero:
-                warnings.warn(msg + " Skipping this save (no validation has run yet).", stacklevel=2)
+                warnings.warn(msg + " Skipping this save (no validation has run yet)" + (
+                    "; 'last' is written (save_last=True)." if self.save_last else "."), stacklevel=2)
             self._warned = True
+            if self.save_last:   # as in Lightning, `last` does not wait for the monitored metric
+                self._last_global_step_saved = step
+                self._last_time = time.monotonic()
+                self._update_last(trainer, None, ext)
             return
         self._last_global_step_saved = step
         self._last_time = time.monotonic()
