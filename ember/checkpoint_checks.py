@@ -12,8 +12,12 @@ nothing outside it. Every rule lives here:
   with ``weights_only=True`` (:func:`dcp_reader`, :func:`dcp_planner`);
 - unknown format versions are refused, a newer ember or another torch warned
   (:func:`check_meta`);
-- every file ember wrote itself has a content digest in ``meta.json`` that must match
-  (:func:`check_digests`): a swapped or corrupted file is refused before it is read.
+- ``model.safetensors``, ``trainer_state.pt`` and an Accelerator's ``model_N.safetensors``
+  have a content digest in ``meta.json`` that must match (:func:`check_digests`): a
+  swapped or corrupted file is refused before it is read. Shard files (DCP, DeepSpeed)
+  are size-checked only, and the per-rank ``rng_state_<rank>.pt`` files that
+  ``Accelerator.save_state`` adds after its commit are in neither list (they are read
+  with the tensor-only loader, like every file here).
 
 It also holds the checks of what a save may replace (:func:`check_save_target`) and
 how an ``OSError`` while writing is reported (:func:`write_error`).
