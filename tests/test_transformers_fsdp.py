@@ -106,3 +106,22 @@ def test_model_by_name_is_read_on_first_use(saved):
     ref = GPT2LMHeadModel.from_pretrained(saved).state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in module.model.state_dict().items())
     assert module._modules["model"] is module.model and "_pending_model" not in module.__dict__
+
+
+def test_rank0_moves_its_pretrained_model_to_meta_keeping_tied_weights(saved):
+    # before sharding, rank 0 drops its full model from the device side like the other ranks
+    # (its weights stay in the host-memory state dict it sends); GPT-2's tied embedding and
+    # head must stay one parameter, or rank 0 would shard one parameter more than the others
+    from transformers import GPT2LMHeadModel
+    from ember.strategies.full_load import to_meta
+    model = GPT2LMHeadModel.from_pretrained(saved)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    n_params = len(list(model.parameters()))
+    full = model.state_dict()
+    to_meta(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert len(list(model.parameters())) == n_params
+    assert all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    assert not any(t.is_meta for t in full.values())        # the state to send is untouched
+    untied = GPT2LMHeadModel.from_pretrained(saved).to("meta")     # what Module.to alone does
+    assert untied.lm_head.weight is not untied.transformer.wte.weight

@@ -39,7 +39,7 @@ from torch import nn
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.strategies.base import _NULL
 from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
-from ember.strategies.full_load import allocate_meta, rank0_full_state, shard_from_rank0
+from ember.strategies.full_load import allocate_meta, rank0_full_state, shard_from_rank0, to_meta
 from ember.strategies.full_load import load_full_weights  # noqa: F401  (public here since it was written)
 from ember.strategies.ddp import DDPStrategy
 
@@ -282,12 +282,20 @@ class FSDPStrategy(DDPStrategy):
         tensors = list(chain(module.named_parameters(), module.named_buffers()))
         meta = {n for n, t in tensors if t.is_meta}
         full = rank0_full_state(self, module)         # weights read on rank 0 only (hf_load)
-        if meta and full is None:
+        for fqn, p in module.named_parameters():      # weak: an optimizer may still hold them
+            self._old_params[id(p)] = (module, fqn, weakref.ref(p))
+        rank0_buffers = None
+        if full is not None and not meta:
+            # rank 0 shards from the meta device like the others: its full weights stay in
+            # host memory (``full``) and reach the device one tensor at a time, never the
+            # whole model at once
+            rank0_buffers = {n: b.detach().cpu() for n, b in module.named_buffers() if n not in full}
+            module = to_meta(module)
+            meta = {n for n, _ in chain(module.named_parameters(), module.named_buffers())}
+        elif meta and full is None:
             self._check_resettable(module, meta)      # before any change to the module
         elif not meta:
             module = module.to(self.root_device)
-        for fqn, p in module.named_parameters():      # weak: an optimizer may still hold them
-            self._old_params[id(p)] = (module, fqn, weakref.ref(p))
         apply_activation_checkpointing(module, self._ac_policy)   # before sharding, as torchtitan
         kw = dict(mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self._mp_policy(),
                   offload_policy=(CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
@@ -303,7 +311,7 @@ class FSDPStrategy(DDPStrategy):
                 fully_shard(m, **kw)
         fully_shard(module, **kw)
         if full is not None:
-            shard_from_rank0(self, module, meta, full)
+            shard_from_rank0(self, module, meta, full, rank0_buffers)
         elif meta:
             self._materialize(module, meta)
         for name in _STEP_METHODS:

@@ -165,21 +165,45 @@ def rank0_full_state(strategy, module: nn.Module) -> "dict | None":
     return module.state_dict() if strategy.is_global_zero else {}
 
 
-def shard_from_rank0(strategy, module: nn.Module, meta: set[str], full: dict) -> None:
+def shard_from_rank0(strategy, module: nn.Module, meta: set[str], full: dict,
+                     rank0_buffers: "dict[str, torch.Tensor] | None" = None) -> None:
     """After sharding: allocate this rank's meta tensors (uninitialised: nothing is
     computed for them) and fill every shard with rank 0's ``full`` state
     (``set_model_state_dict`` with ``broadcast_from_rank0``); buffers outside the state
-    dict (non-persistent: position ids, rotary frequencies) are sent by one broadcast."""
+    dict (non-persistent: position ids, rotary frequencies) are sent by one broadcast,
+    from ``rank0_buffers`` where rank 0 took them before it moved its module to meta."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     if meta:
         allocate_meta(module, meta, strategy.root_device)
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     keys = set(module.state_dict().keys())
     extra = [(n, b) for n, b in module.named_buffers() if n not in keys]
-    sent = strategy.broadcast({n: b.detach().cpu() for n, b in extra} if strategy.is_global_zero else None)
+    mine = None
+    if strategy.is_global_zero:
+        mine = rank0_buffers if rank0_buffers is not None else {n: b.detach().cpu() for n, b in extra}
+    sent = strategy.broadcast(mine)
     with torch.no_grad():
         for n, b in extra:
             b.copy_(sent[n])
+
+
+def to_meta(module: nn.Module) -> nn.Module:
+    """``module`` with every parameter and buffer on the meta device, tied parameters
+    still tied (``Module.to`` gives each module its own new Parameter when the device
+    type changes, which unties shared weights such as tied embeddings)."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    aliases = []
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                if id(p) in first:
+                    aliases.append((mod, name, first[id(p)]))
+                else:
+                    first[id(p)] = (mod, name)
+    module.to("meta")
+    for mod, name, (owner, owner_name) in aliases:
+        mod._parameters[name] = owner._parameters[owner_name]
+    return module
 
 
 def allocate_meta(module: nn.Module, meta: set[str], device: torch.device) -> None:
