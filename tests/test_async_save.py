@@ -135,6 +135,24 @@ def test_failing_last_write_raises_at_the_end_of_fit(tmp_path):
     assert len(_ckpts(tmp_path)) == last - 1
 
 
+class HoldsSnapshot(Callback):
+    """Keeps a weak reference to a tensor of the CPU copy the last save was written from."""
+    ref = None
+
+    def on_train_end(self, trainer, module):
+        import weakref
+        weights = trainer.strategy._snapshot[0]      # (weights, trainer state) of the last save
+        HoldsSnapshot.ref = weakref.ref(next(iter(weights.values())))
+
+
+def test_the_cpu_copy_is_released_after_fit(tmp_path):
+    # the copy is reused between saves, but a model-sized buffer must not outlive the fit
+    import gc
+    module, trainer = fit(tmp_path, callbacks=[HoldsSnapshot()], checkpoint=_every_step(), strategy=_async())
+    gc.collect()     # the trainer and its strategy are still alive here
+    assert HoldsSnapshot.ref is not None and HoldsSnapshot.ref() is None
+
+
 class SaveThenFail(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         trainer.save_checkpoint(os.path.join(trainer.default_root_dir, "pending"))

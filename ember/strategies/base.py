@@ -124,8 +124,10 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release what the strategy set up (process group, engine) at the end of a run;
-        a pending ``async_save`` checkpoint is finished (committed) first."""
+        a pending ``async_save`` checkpoint is finished (committed) first, and the CPU copy
+        it was written from (kept between saves to reuse its buffers) is released."""
         self._finish_pending_save()
+        self._snapshot = None
 
     def on_exception(self, exc: BaseException) -> None:
         """After an exception in the run (the Trainer calls this before teardown): a

@@ -282,20 +282,20 @@ class FSDPStrategy(DDPStrategy):
         tensors = list(chain(module.named_parameters(), module.named_buffers()))
         meta = {n for n, t in tensors if t.is_meta}
         full = rank0_full_state(self, module)         # weights read on rank 0 only (hf_load)
+        if meta and full is None:
+            self._check_resettable(module, meta)      # before any change to the module
+        elif not meta and full is None:
+            module = module.to(self.root_device)
         for fqn, p in module.named_parameters():      # weak: an optimizer may still hold them
             self._old_params[id(p)] = (module, fqn, weakref.ref(p))
         rank0_buffers = None
         if full is not None and not meta:
             # rank 0 shards from the meta device like the others: its full weights stay in
             # host memory (``full``) and reach the device one tensor at a time, never the
-            # whole model at once
+            # whole model at once (new Parameter objects: the old ones are recorded above)
             rank0_buffers = {n: b.detach().cpu() for n, b in module.named_buffers() if n not in full}
             module = to_meta(module)
             meta = {n for n, _ in chain(module.named_parameters(), module.named_buffers())}
-        elif meta and full is None:
-            self._check_resettable(module, meta)      # before any change to the module
-        elif not meta:
-            module = module.to(self.root_device)
         apply_activation_checkpointing(module, self._ac_policy)   # before sharding, as torchtitan
         kw = dict(mesh=self.mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self._mp_policy(),
                   offload_policy=(CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
