@@ -80,6 +80,21 @@ def test_launcher_sigterm_after_a_failed_rank_stops_a_blocked_rank_at_once(tmp_p
 
 
 @pytest.mark.timeout(200)
+def test_launcher_sigterm_after_a_killed_rank_stops_a_blocked_rank_at_once(tmp_path):
+    """Rank 1 is SIGKILLed (the OOM killer's way: no Python error, no error file) while rank
+    0 is blocked outside Python: the agent's SIGTERM still ends rank 0 at once."""
+    cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", str(SCRIPTS / "failfast_ddp.py"),
+           "peer_killed", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=150)
+    ended = time.time()
+    assert p.returncode != 0, p.stderr[-4000:]
+    failed_at = float((tmp_path / "failed_at").read_text())
+    assert ended - failed_at < 15, ended - failed_at          # was 30+ s (the agent's grace, then SIGKILL)
+    assert ("ember: rank 0 stops now: SIGTERM from the launcher after another rank ended (1 of the other 1 "
+            "local rank(s) ended without recording an error: killed?)") in p.stderr, p.stderr[-4000:]
+
+
+@pytest.mark.timeout(200)
 def test_no_sync_is_left_when_the_step_raises(tmp_path):
     """Issue 12 item 9: no_sync is exception-safe in the Trainer's step and in
     Accelerator.accumulate (DDP's gradient sync is back on after the exception)."""

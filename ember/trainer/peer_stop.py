@@ -12,10 +12,13 @@ on SIGTERM, ends the process with the default SIGTERM action when a rank on this
 has recorded its error (its torchrun error file exists): the SIGTERM is then the agent
 stopping the job, not a preemption.
 
-A second SIGTERM is deliberately not a reason: under SLURM a preempted step's workers
-get SIGTERM both from SLURM and from the agent forwarding its own, and they must still
-save. A peer that died without recording an error (SIGKILL, a segfault) leaves the
-agent's grace period as the bound. ``EMBER_SIGTERM_FAIL_FAST=0`` turns the watcher off
+A local rank that died without recording an error (SIGKILL, the OOM killer, a segfault)
+is found too: on Linux, fewer live processes beside this one under the agent (this
+process's parent) than ``LOCAL_WORLD_SIZE - 1`` means a peer is gone, and a preemption
+cannot be saved without it anyway. A second SIGTERM is deliberately not a reason: under
+SLURM a preempted step's workers get SIGTERM both from SLURM and from the agent
+forwarding its own, and they must still save. A peer on another node that died without
+recording an error leaves the agent's grace period as the bound. ``EMBER_SIGTERM_FAIL_FAST=0`` turns the watcher off
 (every SIGTERM is then only a preemption request). Outside torchrun nothing is installed.
 """
 from __future__ import annotations
@@ -44,6 +47,28 @@ def peer_failed() -> "str | None":
     return None
 
 
+def peer_gone() -> "str | None":
+    """Linux: how many other local ranks of this torchrun job are no longer running (the
+    agent, this process's parent, started ``LOCAL_WORLD_SIZE`` of them), as a sentence, or
+    None (all there, or no ``/proc`` to tell)."""
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if n < 2 or not os.path.isdir("/proc"):
+        return None
+    parent, me, alive = os.getppid(), os.getpid(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == parent and state not in ("Z", "X"):
+            alive += 1
+    gone = n - 1 - alive
+    return f"{gone} of the other {n - 1} local rank(s) ended without recording an error" if gone > 0 else None
+
+
 def _die(why: str) -> None:
     print(f"ember: rank {os.environ.get('RANK', '?')} stops now: {why}", file=sys.stderr, flush=True)
     try:   # the default action, set from this (non-main) thread through libc
@@ -67,6 +92,9 @@ def _watch(sock: socket.socket) -> None:
             failed = peer_failed()
             if failed:
                 _die(f"SIGTERM from the launcher after another rank failed (its error: {failed})")
+            gone = peer_gone()
+            if gone:
+                _die(f"SIGTERM from the launcher after another rank ended ({gone}: killed?)")
 
 
 class Watcher:

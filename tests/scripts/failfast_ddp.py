@@ -10,6 +10,8 @@ the ranks agree on stopping) under a 4 s process-group timeout: rank 0's error n
 MODE ``peer_fails`` (under ``ember launch``): rank 1 raises in training_step while rank 0
 is blocked in a call that does not return to Python (process-group timeout 20 s); rank 1
 writes ROOT/failed_at (the time) just before it raises.
+MODE ``peer_killed`` (under ``ember launch``): the same, but rank 1 is SIGKILLed (no error
+file): rank 0 must still stop at the agent's SIGTERM, not after its grace period.
 MODE ``no_sync_exception``: an exception inside a micro-batch that skips the gradient
 all-reduce (accumulation 2), in the Trainer's step and in ``Accelerator.accumulate``: DDP's
 sync flag is restored on both paths.
@@ -20,6 +22,7 @@ Every rank writes ROOT/<MODE>_<rank>.json.
 import errno
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -134,6 +137,23 @@ class FailsOnRank1WhileRank0Waits(Net):
         return super().training_step(batch, batch_idx)
 
 
+class KilledOnRank1WhileRank0Waits(FailsOnRank1WhileRank0Waits):
+    """As above, but rank 1 is killed (SIGKILL: no Python error, no torchrun error file)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            with open(os.path.join(ROOT, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return Net.training_step(self, batch, batch_idx)
+
+
+def peer_killed(root):
+    t = trainer(root, timeout=20)
+    t.fit(KilledOnRank1WhileRank0Waits(), loader())
+    return {"error": None, "rank": t.global_rank}
+
+
 def peer_fails(root):
     t = trainer(root, timeout=20)
     t.fit(FailsOnRank1WhileRank0Waits(), loader())
@@ -192,6 +212,6 @@ if __name__ == "__main__":
         ready(int(os.environ["RANK"]))
     out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last, "agree_timeout": agree_timeout,
            "no_sync_exception": no_sync_exception,
-           "peer_fails": peer_fails}[mode](root)
+           "peer_fails": peer_fails, "peer_killed": peer_killed}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
