@@ -171,9 +171,78 @@ def test_exception_in_training_drops_the_pending_save(tmp_path):
     assert not os.path.exists(tmp_path / "pending") and not os.path.exists(tmp_path / "pending.tmp")
 
 
-def test_async_save_is_the_fsdp_switch():
-    assert DDPStrategy(async_save=True).async_save and SingleDeviceStrategy(async_save=True).async_save
-    assert not DDPStrategy().async_save and not SingleDeviceStrategy().async_save
+class Gate:
+    """A trainer-state entry whose serialisation waits until ``opened`` is set: it holds
+    the background writer in the middle of a write, for as long as the test wants."""
+
+    def __init__(self):
+        self.opened = threading.Event()
+
+    def __deepcopy__(self, memo):      # the CPU snapshot keeps it as it is (nothing waits on this thread)
+        return self
+
+    def __reduce__(self):              # torch.save on the writer thread
+        assert self.opened.wait(20), "the test never opened the gate"
+        return (Gate, ())
+
+
+class HoldSave(Callback):
+    """Puts ``gate`` into the checkpoint saved at ``step``; at the first ``on_train_batch_end``
+    of each global step (before ModelCheckpoint's save of that step) records the committed
+    checkpoints, and opens the gate at ``step + 1``."""
+
+    def __init__(self, step):
+        self.step, self.gate, self.seen = step, Gate(), []
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        if trainer.global_step == self.step:
+            checkpoint["gate"] = self.gate
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if not self.seen or self.seen[-1][0] != trainer.global_step:
+            self.seen.append((trainer.global_step, sorted(_ckpts(trainer.default_root_dir))))
+        if trainer.global_step == self.step + 1:
+            self.gate.opened.set()
+
+
+def _strategy(kind: str, async_save: bool):
+    if kind == "ddp":        # one process
+        return DDPStrategy(devices=1, accelerator="cpu", timeout=60, async_save=async_save)
+    return SingleDeviceStrategy("cpu", async_save=async_save)
+
+
+@pytest.mark.parametrize("kind", ["single", "ddp"])
+def test_async_save_returns_before_the_write_and_commits_the_synchronous_checkpoint(tmp_path, kind):
+    with torch.serialization.safe_globals([Gate]):
+        hold = HoldSave(step=1)
+        _, t = fit(tmp_path / "async", callbacks=[hold], checkpoint=_every_step(), strategy=_strategy(kind, True))
+        # the step-1 save returned while its write waited: not committed at step 2 (before the
+        # step-2 save, which finishes it first); committed by step 3; every save committed at fit end
+        seen = dict(hold.seen)
+        assert seen[1] == [] and seen[2] == [] and "step=1" in seen[3], hold.seen
+        assert len(_ckpts(tmp_path / "async")) == EPOCHS * STEPS_PER_EPOCH
+        # a save after fit: the directory appears only at wait_for_checkpoint()
+        hold.step, hold.gate = t.global_step, Gate()
+        path = tmp_path / "after_fit"
+        t.save_checkpoint(path)
+        alive = [th.name for th in threading.enumerate() if th.name.startswith("ember-save:")]
+        assert alive == [f"ember-save:{path}"] and not path.exists()
+        hold.gate.opened.set()
+        t.strategy.wait_for_checkpoint()
+        assert path.is_dir() and not os.path.exists(cio.tmp_path(path))
+        # the same run saving synchronously wrote the same tensors
+        _, s = fit(tmp_path / "sync", checkpoint=_every_step(), strategy=_strategy(kind, False))
+        s.save_checkpoint(tmp_path / "sync_after_fit")
+        a, b = _ckpts(tmp_path / "sync"), _ckpts(tmp_path / "async")
+        a["after_fit"], b["after_fit"] = str(tmp_path / "sync_after_fit"), str(path)
+        assert sorted(a) == sorted(b)
+        for name in a:
+            wa, sa, _ = cio.read_checkpoint(a[name])
+            wb, sb, _ = cio.read_checkpoint(b[name])
+            assert differences(wa, wb, name) == []
+            for key in ("optimizers", "loop", "precision", "global_step", "epoch"):
+                assert differences(sa.get(key), sb.get(key), f"{name}/{key}") == []
+            assert isinstance(sb.get("gate"), Gate) == (name in ("step=1", "after_fit")) and "gate" not in sa
 
 
 @pytest.mark.multiproc

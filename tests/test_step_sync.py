@@ -79,3 +79,55 @@ def test_skip_decision_is_read_a_step_later_not_at_the_step(tmp_path, monkeypatc
     assert sched.last_epoch == STEPS and reads.n == STEPS
     # each optimizer step used the rate of its own schedule position
     assert probe.lr_before_step == pytest.approx([0.1 * 0.5 ** k for k in range(STEPS)])
+
+
+class Overflow(Callback):
+    """Records, per optimizer step, the weights before and after it, the learning rate it
+    used, the loss scale after it and the trainer's ``global_step``."""
+
+    def __init__(self):
+        self.before, self.after, self.lr_at_step, self.scale, self.global_step = [], [], [], [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before.append([p.detach().clone() for p in module.parameters()])
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.lr_at_step.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.after.append([p.detach().clone() for p in module.parameters()])
+        self.scale.append(trainer.strategy.precision.scaler.get_scale())
+        self.global_step.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("bad", [2, STEPS - 1])   # in the middle; the last (its decision is read at fit end)
+def test_overflow_step_is_skipped_and_the_scheduler_waits(tmp_path, bad):
+    torch.manual_seed(0)
+    x = torch.randn(STEPS * 2, 4)
+    x[2 * bad] = 1e5              # above float16's largest (65504): inf under autocast, inf/NaN gradients
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2)
+    probe = Overflow()
+    module = Net()
+    precision = Precision.from_string("16-mixed")
+    precision.scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    t = ember.Trainer(precision=precision, max_epochs=1, log_every_n_steps=100, callbacks=[probe], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      default_root_dir=str(tmp_path), num_sanity_val_steps=0)
+    t.fit(module, data)
+    # the overflowing step left the weights exactly as they were; every other step moved them
+    for k in range(STEPS):
+        same = [torch.equal(a, b) for a, b in zip(probe.before[k], probe.after[k])]
+        assert same == ([True, True] if k == bad else [False, False]), (k, same)
+    opt = t.optimizers[0]
+    assert all(int(s["step"]) == STEPS - 1 for s in opt.state.values())      # AdamW counted 5 steps
+    # the scale was halved by the overflow (GradScaler backoff 0.5) and not grown again (interval 2000)
+    assert probe.scale == [256.0] * bad + [128.0] * (STEPS - bad)
+    # global_step counts every optimizer step window, the skipped one included (as Lightning)
+    assert probe.global_step == list(range(1, STEPS + 1)) and t.global_step == STEPS
+    # the step-interval scheduler did not step for the skipped step: the next step uses the
+    # same rate, and it stepped STEPS - 1 times in all
+    sched = t.lr_scheduler_configs[0]["scheduler"]
+    lrs = [0.1 * 0.5 ** k for k in range(bad + 1)] + [0.1 * 0.5 ** (k - 1) for k in range(bad + 1, STEPS)]
+    assert probe.lr_at_step == lrs
+    assert sched.last_epoch == STEPS - 1
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5 ** (STEPS - 1)

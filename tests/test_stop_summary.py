@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import time
 
@@ -14,7 +15,7 @@ from rich.console import Console
 from torch.utils.data import DataLoader
 
 import ember
-from ember.callbacks import EarlyStopping, RichProgressBar
+from ember.callbacks import Callback, EarlyStopping, RichProgressBar
 from ember.loggers import CSVLogger
 from tests.conftest import LinearModule, regression_data
 
@@ -42,13 +43,19 @@ def _run(tmp_path, module=None, raises=None, **kw):
     return t, summary, record
 
 
+def _counts(line: str, epochs: str, steps: int) -> None:
+    """The summary's second line, exactly, up to the wall time (the one number that varies)."""
+    wall = r"(\d+\.\d s|\d+:\d\d(:\d\d)?)"
+    assert re.fullmatch(rf"  epochs: {re.escape(epochs)}, steps: {steps}, wall time: {wall}", line), line
+
+
 def test_limits(tmp_path):
     t, s, _ = _run(tmp_path / "e", max_epochs=2)
-    assert s[0] == "Fit stopped: reached max_epochs=2" and s[1].startswith("  epochs: 2, steps: 16, ")
+    assert t.stop_reason == "max_epochs" and s[0] == "Fit stopped: reached max_epochs=2"
+    _counts(s[1], "2", 16)
     t, s, _ = _run(tmp_path / "s", max_steps=5)
     assert t.stop_reason == "max_steps" and s[0] == "Fit stopped: reached max_steps=5"
-    # whether or not the epoch counter moved at the stop, the count is what ran
-    assert s[1].startswith(("  epochs: 1, steps: 5, ", "  epochs: 0 complete + 5/8 batches of epoch 0, steps: 5, ")), s[1]
+    _counts(s[1], "0 complete + 5/8 batches of epoch 0", 5)   # what ran: 5 of epoch 0's 8 batches
 
     class Slow(LinearModule):
         def training_step(self, batch, batch_idx):
@@ -57,16 +64,30 @@ def test_limits(tmp_path):
 
     t, s, _ = _run(tmp_path / "t", Slow(), max_epochs=100, max_time=0.3)
     assert t.stop_reason == "max_time" and s[0] == "Fit stopped: reached max_time (0.3 s)"
-    assert t.global_step < 100 * 8
+    assert 0 < t.global_step < 100 * 8
+    _counts(s[1], f"{t.current_epoch} complete + {t.batches_done}/8 batches of epoch {t.current_epoch}"
+            if 0 < t.batches_done < 8 else str(t.current_epoch), t.global_step)
+
+
+class ValLosses(Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_validation_end(self, trainer, module):
+        self.values.append(float(trainer.callback_metrics["val/loss"]))
 
 
 def test_early_stopping_names_metric_value_and_patience(tmp_path):
     es = EarlyStopping(monitor="val/loss", mode="max", patience=2)   # a falling loss never "improves"
-    t, s, record = _run(tmp_path, max_epochs=10, callbacks=[es])
-    value = float(t.callback_metrics["val/loss"])
+    seen = ValLosses()
+    t, s, record = _run(tmp_path, max_epochs=10, callbacks=[es, seen])
+    assert len(seen.values) == 3 and seen.values[0] > seen.values[1] > seen.values[2], seen.values
+    best, value = seen.values[0], seen.values[2]   # the first epoch's is the best; the stop is at the third
+    assert value == float(t.callback_metrics["val/loss"])
     assert t.stop_reason == "early_stopping" and record["stop_reason"] == "early_stopping"
-    assert s[0] == f"Fit stopped: early stopping on val/loss={value:.4g} (patience=2): {es.stopping_reason}"
-    assert s[1].startswith("  epochs: 3, steps: 24, ")
+    assert s[0] == (f"Fit stopped: early stopping on val/loss={value:.4g} (patience=2): Monitored metric val/loss "
+                    f"did not improve in the last 2 records. Best score: {best:.3f}. Signaling Trainer to stop.")
+    _counts(s[1], "3", 24)
 
 
 def test_should_stop_mid_epoch(tmp_path):
@@ -79,7 +100,7 @@ def test_should_stop_mid_epoch(tmp_path):
     t, s, _ = _run(tmp_path, StopAt())
     assert t.stop_reason == "should_stop"
     assert s[0] == "Fit stopped: trainer.should_stop was set"
-    assert s[1].startswith("  epochs: 1 complete + 3/8 batches of epoch 1, steps: 11, "), s[1]
+    _counts(s[1], "1 complete + 3/8 batches of epoch 1", 11)
 
 
 def test_preemption_signal(tmp_path, monkeypatch):
@@ -94,6 +115,7 @@ def test_preemption_signal(tmp_path, monkeypatch):
     t, s, record = _run(tmp_path, Term())
     assert t.stop_reason == "preempted" and record["stop_reason"] == "preempted"
     assert s[0] == "Fit stopped: preemption signal SIGTERM (the last checkpoint was saved)"
+    _counts(s[1], "0 complete + 4/8 batches of epoch 0", 4)   # the step that got the signal ran to its end
 
 
 def test_exception_and_ctrl_c(tmp_path):
@@ -106,7 +128,7 @@ def test_exception_and_ctrl_c(tmp_path):
     t, s, record = _run(tmp_path / "x", Boom(), raises=ValueError)
     assert t.stop_reason == "exception" and record["status"] == "failed"
     assert s[0] == "Fit stopped: an exception: ValueError: bad batch"
-    assert s[1].startswith("  epochs: 1, steps: 10, ")
+    _counts(s[1], "1", 10)
 
     class CtrlC(LinearModule):
         def training_step(self, batch, batch_idx):
@@ -117,4 +139,4 @@ def test_exception_and_ctrl_c(tmp_path):
     t, s, record = _run(tmp_path / "c", CtrlC(), raises=SystemExit)   # exit status 130 outside a REPL
     assert t.stop_reason == "interrupted" and record["status"] == "interrupted"
     assert s[0] == "Fit stopped: interrupted (Ctrl-C)"
-    assert s[1].startswith("  epochs: 0, steps: 4, ")   # the broken epoch restarts on the next fit
+    _counts(s[1], "0", 4)   # the broken epoch restarts on the next fit

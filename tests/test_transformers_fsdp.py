@@ -39,15 +39,19 @@ def saved(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(saved, tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_fsdp")
+def _torchrun(saved, out, *args) -> None:
     env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(find_free_port()), str(SCRIPTS / "hf_fsdp_load.py"), str(saved), str(out)]
+           "--master_port", str(find_free_port()), str(SCRIPTS / "hf_fsdp_load.py"), str(saved), str(out), *args]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(saved, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_fsdp")
+    _torchrun(saved, out)
     res = {(mode, r): torch.load(out / f"{mode}.rank{r}.pt", weights_only=True)
            for mode in ("once", "every") for r in range(2)}
     res.update({("broken", r): (out / f"broken.rank{r}.txt").read_text() for r in range(2)})
@@ -88,6 +92,26 @@ def test_fsdp_training_equals_every_rank_loading(fsdp_run):
     assert any(not torch.equal(once[k], fsdp_run[("once", 0)]["start"][k]) for k in once)   # it trained
     for k in once:
         assert torch.equal(once[k], fsdp_run[("once", 1)]["final"][k])
+
+
+@pytest.mark.multiproc
+def test_fsdp_other_ranks_build_in_the_users_dtype(saved, tmp_path):
+    # model_kwargs={"dtype": torch.bfloat16}: rank 0's from_pretrained gives bf16; rank 1
+    # builds from the config on the meta device in the same dtype, so its shards are bf16
+    from transformers import GPT2LMHeadModel
+    from ember.integrations.hf_load import _dtype_kwarg
+    ref = GPT2LMHeadModel.from_pretrained(saved, **{_dtype_kwarg(): torch.bfloat16}).state_dict()
+    assert all(v.dtype == torch.bfloat16 for v in ref.values())
+    _torchrun(saved, tmp_path, "bf16")
+    for r in range(2):
+        rec = torch.load(tmp_path / f"bf16.rank{r}.pt", weights_only=True)
+        assert rec["meta_after_configure"] == (r == 1)          # rank 1: built from the config
+        dtypes = rec["local_dtypes"]
+        assert len(dtypes) >= len(ref) - 1 and set(dtypes.values()) == {torch.bfloat16}, (r, dtypes)
+        start = rec["start"]
+        assert sorted(start) == sorted(k for k in ref if k in start) and len(start) >= len(ref) - 1
+        for k, v in start.items():
+            assert v.dtype == torch.bfloat16 and torch.equal(v, ref[k]), (r, k, v.dtype)
 
 
 @pytest.mark.multiproc

@@ -1,7 +1,7 @@
 """TransformersModule under FSDP (2 processes, gloo, CPU) reading its pretrained weights
 on rank 0 only, run by tests/test_transformers_fsdp.py:
 
-    python -m torch.distributed.run --nproc_per_node 2 hf_fsdp_load.py MODEL_DIR OUT_DIR
+    python -m torch.distributed.run --nproc_per_node 2 hf_fsdp_load.py MODEL_DIR OUT_DIR [bf16]
 
 MODEL_DIR holds a GPT-2 of ~75 MB saved with ``save_pretrained``. Two fits of 3 steps,
 each rank writing OUT_DIR/<mode>.rank<R>.pt:
@@ -9,6 +9,10 @@ each rank writing OUT_DIR/<mode>.rank<R>.pt:
   rank reads the weights (the control);
 - "once": ``TransformersModule(MODEL_DIR, ...)``: the weights are read when the Trainer
   sets the module up;
+- with the argument ``bf16``, instead of the above, one fit "bf16" only: as "once" with
+  ``model_kwargs={dtype: torch.bfloat16}`` (``torch_dtype`` on older transformers), one
+  step: rank 1 builds its meta model in rank 0's dtype, so every rank's local shards are
+  bf16 (recorded as "local_dtypes"; a separate run, as a mismatch aborts the job);
 - then a copy of MODEL_DIR (../broken) whose weights file is cut short: each rank
   writes the error it raised to OUT_DIR/broken.rank<R>.txt.
 Each records the rise of its peak resident memory (VmHWM, reset through
@@ -59,21 +63,23 @@ class AtStart(Callback):
     def on_train_start(self, trainer, module):
         module.record["rise"] = status("VmHWM") - module.record["rss_before"]
         module.record["start"] = full_weights(trainer)     # every rank gathers the full weights
+        module.record["local_dtypes"] = {n: p.to_local().dtype for n, p in trainer.model.named_parameters()}
 
 
-def fit(mode: str, out: str) -> None:
+def fit(mode: str, out: str, model_kwargs: "dict | None" = None, max_steps: int = 3) -> None:
     from transformers import GPT2LMHeadModel
     import gc
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                                        # VmHWM := VmRSS
     before = status("VmRSS")
-    model = MODEL_DIR if mode == "once" else GPT2LMHeadModel.from_pretrained(MODEL_DIR)
-    module = Recorder(model, task="causal-lm", lr=1e-3, warmup_steps=0, scheduler="constant")
+    model = GPT2LMHeadModel.from_pretrained(MODEL_DIR) if mode == "every" else MODEL_DIR
+    module = Recorder(model, task="causal-lm", lr=1e-3, warmup_steps=0, scheduler="constant",
+                      model_kwargs=model_kwargs)
     module.record = {"rss_before": before}
     del model
     loader = DataLoader(hf_tiny.token_items("causal-lm", 12), batch_size=2, collate_fn=PadCollator(0, lm_labels=True))
-    trainer = Trainer(strategy=FSDPStrategy(timeout=60), max_steps=3, logger=False, enable_checkpointing=False,
+    trainer = Trainer(strategy=FSDPStrategy(timeout=60), max_steps=max_steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, seed=0,
                       callbacks=[AtStart()])
     trainer.fit(module, loader)
@@ -98,5 +104,11 @@ def main(out: str) -> None:
         f.write(str(error))
 
 
+def main_bf16(out: str) -> None:
+    from ember.integrations.hf_load import _dtype_kwarg
+    torch.set_num_threads(1)
+    fit("bf16", out, model_kwargs={_dtype_kwarg(): torch.bfloat16}, max_steps=1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[2])
+    main_bf16(sys.argv[2]) if sys.argv[3:] == ["bf16"] else main(sys.argv[2])
