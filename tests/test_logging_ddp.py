@@ -33,3 +33,12 @@ def test_sync_dist_metric_on_one_rank_raises_on_every_rank_naming_metric_and_ran
         assert r["late"] is None and r["late_seconds"] < 9
         # callback_metrics holds a sync_dist step metric's reduced value, on every rank
         assert r["late_seen_v"] == 5.0
+        # eval step values with sync_dist: rank-local per batch (said once, on rank 0), reduced per epoch
+        assert r["eval_step"] is None
+        assert r["eval_step_logged"]["val_v_epoch"] == 5.0
+        assert r["eval_step_logged"]["val_v_step"] == 10.0 * results.index(r)
+    assert len(results[0]["eval_step_warned"]) == 1 and results[1]["eval_step_warned"] == []
+    assert "self.log('val_v', ..., on_step=True, sync_dist=True) in validation_step" in results[0]["eval_step_warned"][0]
+    assert "val_v_step" in results[0]["eval_step_warned"][0]
+    for where in ("step", "epoch", "late"):      # no such value logged there: no warning
+        assert results[0][where + "_warned"] == []

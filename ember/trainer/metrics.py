@@ -60,6 +60,8 @@ class MetricsMixin:
         vals = results.step_values()
         host = to_host(vals)
         n = self._eval_log_steps[stage] = self._eval_log_steps.get(stage, -1) + 1
+        if n == 0 and self.world_size > 1:
+            _warn_eval_step_sync(self, stage, {k: e.name for k, (e, _) in vals.items() if e.sync_dist and e.logger})
         to_log = {k: v for k, v in host.items() if vals[k][0].logger}
         self.logged_metrics.update(to_log)
         if to_log and self.is_global_zero:
@@ -108,3 +110,20 @@ class MetricsMixin:
             if self.is_global_zero:
                 for lg in self.loggers:
                     lg.log_metrics({name: v}, step=self.global_step)
+
+
+def _warn_eval_step_sync(t, stage: str, names: dict) -> None:
+    """Once per run and stage: an ``on_step`` value logged with ``sync_dist=True`` in an
+    evaluation step goes to the loggers as rank 0's own value at each batch (a per-batch
+    collective would hang when the ranks' batch counts differ); say so instead of
+    letting ``sync_dist`` look applied."""
+    if not names or not t.is_global_zero:
+        return
+    import warnings
+    hook = {"validate": "validation_step", "sanity": "validation_step"}.get(stage, f"{stage}_step")
+    warnings.warn(
+        f"self.log({next(iter(names.values()))!r}, ..., on_step=True, sync_dist=True) in {hook}: under several "
+        f"processes the per-batch values sent to the loggers ({', '.join(list(names)[:5])}) are rank 0's own, not "
+        "reduced over the ranks (a collective per evaluation batch would hang when the ranks' batch counts "
+        "differ); the epoch value (on_epoch=True) is the reduced one. Log with on_step=False for the reduced "
+        "value only", UserWarning, stacklevel=2)

@@ -11,11 +11,15 @@ process-group timeout so a hang fails fast), run by tests/test_logging_ddp.py.
    common pattern that must not hang; each rank logs ``v`` = 10 * rank per step with
    sync_dist=True, and records ``callback_metrics["v"]`` in on_train_epoch_end: the
    reduced value of the last log point (5.0), not its own.
+4. ``eval_step``: validation_step logs ``val_v`` = 10 * rank with on_step=True,
+   on_epoch=True, sync_dist=True: the per-batch values are each rank's own (warned once,
+   on rank 0), the epoch value is the reduced one (5.0).
 Every rank records the error it raised (or None) in ROOT/result_<rank>.json.
 """
 import json
 import sys
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -49,6 +53,8 @@ class Net(ember.TrainModule):
     def validation_step(self, batch, batch_idx):
         if self.where == "epoch" and self.global_rank == 1:
             self.log("only_rank1", 1.0, sync_dist=True)
+        if self.where == "eval_step":
+            self.log("val_v", 10.0 * self.global_rank, on_step=True, on_epoch=True, sync_dist=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -58,17 +64,21 @@ def main(root):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
     out = {}
-    for where in ("step", "epoch", "late"):
+    for where in ("step", "epoch", "late", "eval_step"):
         trainer = ember.Trainer(devices=2, strategy=DDPStrategy(timeout=10), max_epochs=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 num_sanity_val_steps=0, log_every_n_steps=2, default_root_dir=root)
         start = time.monotonic()
         net = Net(where)
         try:
-            trainer.fit(net, DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.fit(net, DataLoader(data, batch_size=4), DataLoader(data, batch_size=8))
             out[where] = None
         except Exception as err:   # noqa: BLE001 - recorded for the test
             out[where] = f"{type(err).__name__}: {err}"
+        out[where + "_warned"] = [str(w.message) for w in caught if "rank 0's own" in str(w.message)]
+        out[where + "_logged"] = {k: v for k, v in trainer.logged_metrics.items() if k.startswith("val_v")}
         out[where + "_seconds"] = time.monotonic() - start
         out[where + "_seen_v"] = getattr(net, "seen_v", None)
         out["rank"] = trainer.global_rank
