@@ -95,3 +95,26 @@ def test_forwarded_stdout_still_acts_as_the_real_stream(tmp_path):
     assert b.recv(4096) == b"[rank 1] forwarded\n"
     b.close()
     assert (tmp_path / "out.txt").read_text() == "from a child\n"
+
+
+def test_ranks_forward_only_to_a_rank0_on_the_same_machine():
+    # the same host name on another machine (containers on two hosts) is not the same machine
+    import socket
+    import sys as _sys
+    from ember.callbacks import rank_output
+    lines = []
+    recv = rank_output.LineReceiver(lines.append)
+    try:
+        same_name_other_boot = (f"{socket.gethostname()}/another-boot-id", recv.address[1])
+        before = _sys.stdout
+        assert rank_output.connect(same_name_other_boot, 1) is None and _sys.stdout is before
+        fwd = rank_output.connect(recv.address, 1)
+        assert fwd is not None and _sys.stdout is fwd
+        try:
+            print("hello from rank 1")
+        finally:
+            rank_output.disconnect(fwd)
+        assert _sys.stdout is before
+    finally:
+        recv.close(wait=5)
+    assert lines == ["[rank 1] hello from rank 1"], lines

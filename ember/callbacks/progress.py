@@ -161,18 +161,21 @@ class RichProgressBar(ProgressBar):
         """Under several processes, while rank 0's bar is live, the other ranks of its host
         print above it (see :mod:`ember.callbacks.rank_output`): one broadcast, here."""
         self._failed = False
-        if trainer.world_size <= 1 or self._receiver is not None or self._forwarder is not None:
+        if trainer.world_size <= 1:
             return
         from ember.callbacks import rank_output
+        # every rank takes part in the broadcast whatever it holds already (a rank-local
+        # early return here would leave the others waiting in it)
         address = None
-        if trainer.is_global_zero and self._live():
+        if trainer.is_global_zero and self._receiver is None and self._live():
             try:
                 self._receiver = rank_output.LineReceiver(self.print)
-                address = self._receiver.address
             except OSError:   # no loopback socket: the other ranks print as before
                 self._receiver = None
+        if trainer.is_global_zero and self._receiver is not None:
+            address = self._receiver.address
         address = trainer.strategy.broadcast(address)
-        if address is not None and not trainer.is_global_zero:
+        if address is not None and not trainer.is_global_zero and self._forwarder is None:
             self._forwarder = rank_output.connect(tuple(address), trainer.global_rank)
 
     def _stop_forwarding(self) -> None:

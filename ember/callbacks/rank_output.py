@@ -25,6 +25,18 @@ import warnings
 from typing import Callable, TextIO
 
 
+def machine() -> str:
+    """This machine, as the ranks compare it: the host name and, on Linux, the kernel's
+    boot id (two machines given the same host name, e.g. containers on different
+    hosts, still differ)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 class LineForwarder(io.TextIOBase):
     """A ``sys.stdout`` replacement that sends each complete line to rank 0, prefixed
     with ``prefix``; writes go to ``fallback`` once the socket failed or closed."""
@@ -127,8 +139,9 @@ class LineReceiver:
 
     @property
     def address(self) -> tuple[str, int]:
-        """``(host name, port)``: the other ranks connect when their host name is the same."""
-        return socket.gethostname(), self._srv.getsockname()[1]
+        """``(machine, port)``: the other ranks connect when they run on the same
+        :func:`machine` (host name and boot id)."""
+        return machine(), self._srv.getsockname()[1]
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -174,7 +187,7 @@ def connect(address: tuple[str, int], rank: int) -> LineForwarder | None:
     :class:`LineForwarder` to rank 0's ``address``. None (nothing changed) when rank 0 is
     on another host or the connection fails."""
     host, port = address
-    if host != socket.gethostname():
+    if host != machine():
         return None
     try:
         sock = socket.create_connection(("127.0.0.1", int(port)), timeout=5)
