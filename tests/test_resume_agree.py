@@ -1,0 +1,71 @@
+"""Resume checks are agreed across ranks (issue 12, "fail fast on every error path"): a
+checkpoint that one rank refuses is refused by every rank within seconds, with the
+same error naming that rank, instead of the others waiting in the next collective
+until the process-group timeout. Two real gloo processes (tests/scripts/resume_agree_ddp.py)
+resume under a 20 s process-group timeout, so waiting for it shows as a failure."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPTS = Path(__file__).parent / "scripts"
+_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES",
+          "EMBER_ALLOW_DATA_CHANGE")
+
+
+def _run(mode, tmp_path, timeout=150, launch=False):
+    """The script's MODE in 2 processes, started by the Trainer itself or by `ember launch`."""
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    cmd = [str(SCRIPTS / "resume_agree_ddp.py"), mode, str(tmp_path)]
+    cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", *cmd] if launch else [sys.executable, *cmd]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)], p.stderr
+
+
+def _same_refusal(r0, r1, rank, *needles):
+    for r in (r0, r1):
+        assert r["error"] is not None and r["error"].startswith(f"CheckpointError: rank {rank}: "), r
+        for needle in needles:
+            assert needle in r["error"], r
+        assert r["seconds"] < 12, r          # not the 20 s process-group timeout
+    assert r0["error"] == r1["error"]
+
+
+@pytest.mark.timeout(200)
+def test_dataset_changed_on_rank1_only_is_refused_by_every_rank(tmp_path):
+    (r0, r1), _ = _run("data_len", tmp_path)
+    _same_refusal(r0, r1, 1, "was saved mid-epoch", "dataset len 32 -> 48", "EMBER_ALLOW_DATA_CHANGE=1")
+
+
+@pytest.mark.timeout(200)
+def test_rank0s_allow_data_change_decides_for_every_rank(tmp_path):
+    (r0, r1), err = _run("allow_rank0", tmp_path)
+    assert r0["error"] is None and r1["error"] is None, (r0, r1)
+    assert r0["global_step"] == r1["global_step"] == 2 + 4 + 6   # epoch 0 goes on after 2 batches of the 6 new ones; epoch 1
+    assert "accepted because EMBER_ALLOW_DATA_CHANGE=1" in err
+
+
+@pytest.mark.timeout(200)
+def test_allow_data_change_on_rank1_only_does_not_accept(tmp_path):
+    (r0, r1), _ = _run("allow_rank1", tmp_path)
+    _same_refusal(r0, r1, 0, "dataset len 32 -> 48")
+
+
+@pytest.mark.timeout(200)
+def test_trainer_state_corrupted_on_rank1_only_is_refused_by_every_rank(tmp_path):
+    (r0, r1), _ = _run("swapped_state", tmp_path)
+    _same_refusal(r0, r1, 1, os.path.join("ckpt_rank1", "trainer_state.pt"), "does not hold the content")
+
+
+@pytest.mark.timeout(200)
+def test_accelerator_load_state_corrupted_on_rank1_only_is_refused_by_every_rank(tmp_path):
+    (r0, r1), _ = _run("acc_swapped", tmp_path, launch=True)
+    _same_refusal(r0, r1, 1, os.path.join("state_rank1", "model.safetensors"), "does not hold the content")
