@@ -69,3 +69,11 @@ def test_trainer_state_corrupted_on_rank1_only_is_refused_by_every_rank(tmp_path
 def test_accelerator_load_state_corrupted_on_rank1_only_is_refused_by_every_rank(tmp_path):
     (r0, r1), _ = _run("acc_swapped", tmp_path, launch=True)
     _same_refusal(r0, r1, 1, os.path.join("state_rank1", "model.safetensors"), "does not hold the content")
+
+
+@pytest.mark.timeout(200)
+def test_accelerator_load_state_without_dir_takes_rank0s_newest_checkpoint(tmp_path):
+    (r0, r1), _ = _run("acc_auto", tmp_path, launch=True)
+    assert r0["error"] is None and r1["error"] is None, (r0, r1)
+    assert r0["global_step"] == r1["global_step"] == 1     # save_iteration after checkpoint_0
+    assert r0["seconds"] < 12 and r1["seconds"] < 12

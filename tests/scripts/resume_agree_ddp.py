@@ -14,6 +14,8 @@ whose ``trainer_state.pt`` has one byte changed (same size), as a node whose cop
 the files is corrupted; rank 0 from the original.
 MODE ``acc_swapped`` (under ``ember launch``): the same with ``Accelerator.save_state`` /
 ``load_state`` of ``model.safetensors``, then one training step.
+MODE ``acc_auto`` (under ``ember launch``): ``load_state()`` without a directory where
+rank 1's view of the project folder holds no ``checkpoint_N``: both load rank 0's pick.
 Every rank writes ROOT/<MODE>_<rank>.json: its error, the seconds from the resume
 call to it, its global step.
 """
@@ -37,9 +39,12 @@ class Net(ember.TrainModule):
         super().__init__()
         self.net = nn.Linear(4, 1)
 
+    def forward(self, x):
+        return self.net(x)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.mse_loss(self.net(x), y)
+        return F.mse_loss(self(x), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -133,8 +138,30 @@ def acc_swapped(root):
     return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": None}
 
 
+def acc_auto(root):
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20), project_dir=root)
+    net = Net()
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    acc.save_state()                      # root/checkpoints/checkpoint_0
+    rank = acc.process_index
+    if rank == 1:   # a node whose view of the project folder has no checkpoint yet
+        acc.project_dir = os.path.join(root, "rank1_view")
+        os.makedirs(acc.project_dir)
+    acc.wait_for_everyone()
+    start = time.monotonic()
+    try:
+        acc.load_state()
+        x = torch.randn(4, 4)
+        acc.backward(F.mse_loss(model(x), x.sum(1, keepdim=True)))   # DDP's all-reduce
+        opt.step()
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": acc.save_iteration}
+
+
 if __name__ == "__main__":
     mode, root = sys.argv[1], sys.argv[2]
-    out = acc_swapped(root) if mode == "acc_swapped" else resume(mode, root)
+    out = {"acc_swapped": acc_swapped, "acc_auto": acc_auto}.get(mode, lambda r: resume(mode, r))(root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
