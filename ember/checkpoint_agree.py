@@ -50,9 +50,16 @@ def agree_outcome(strategy: Any, error: BaseException | None, rank0_value: Any =
 
 
 def collective_failed(error: BaseException) -> bool:
-    """True for an error out of a collective (a peer that did not arrive): the ranks
-    cannot agree on it with another collective, so it is raised as it is."""
-    return isinstance(error, DistributedOperationError) or type(error).__name__ == "DistBackendError"
+    """True for an error out of a collective (a peer that did not arrive, a timeout),
+    itself or as the cause of a wrapping error: the ranks cannot agree on it with
+    another collective, so it is raised as it is."""
+    from ember.strategies.launchers import is_comm_error
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, DistributedOperationError) or is_comm_error(error):
+            return True
+        error, seen = error.__cause__, seen + 1
+    return False
 
 
 def check_files(path: str | os.PathLike) -> None:
