@@ -273,14 +273,14 @@ def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = Tru
         path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
         return _load_state(acc, path, strict)
     from ember.checkpoint_agree import agree_outcome, check_files, collective_failed
-    path, error = None, None
+    path, error = "", None
     try:
         path = os.fspath(input_dir) if input_dir is not None else _rank0_auto_dir(acc)
         check_files(path)
     except Exception as err:   # agreed below, so no rank goes on alone
         error = err
     agree_outcome(strategy, error)
-    error = meta = None
+    error, meta = None, {}
     try:
         meta = _load_state(acc, path, strict)
     except Exception as err:
@@ -293,16 +293,16 @@ def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = Tru
 
 def _rank0_auto_dir(acc: Any) -> str:
     """The newest ``checkpoint_N`` as rank 0 lists it, on every rank (one broadcast)."""
-    picked = None
+    picked: tuple[str, int, str | None] | None = None
     if acc.strategy.is_global_zero:
         try:
-            picked = (_auto_dir(acc, new=False), None)
+            picked = (_auto_dir(acc, new=False), acc.save_iteration, None)
         except CheckpointError as err:
-            picked = (None, str(err))
-    path, message = acc.strategy.broadcast(picked)
+            picked = ("", 0, str(err))
+    path, iteration, message = acc.strategy.broadcast(picked)
     if message is not None:
         raise CheckpointError(message)
-    acc.save_iteration = int(_AUTO_RE.match(os.path.basename(path)).group(1)) + 1
+    acc.save_iteration = iteration   # the next automatic save name, as _auto_dir sets it
     return path
 
 

@@ -54,11 +54,13 @@ def collective_failed(error: BaseException) -> bool:
     itself or as the cause of a wrapping error: the ranks cannot agree on it with
     another collective, so it is raised as it is."""
     from ember.strategies.launchers import is_comm_error
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, DistributedOperationError) or is_comm_error(error):
+    cause: BaseException | None = error
+    for _ in range(8):
+        if cause is None:
+            return False
+        if isinstance(cause, DistributedOperationError) or is_comm_error(cause):
             return True
-        error, seen = error.__cause__, seen + 1
+        cause = cause.__cause__
     return False
 
 
