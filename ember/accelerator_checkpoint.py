@@ -261,9 +261,53 @@ def _load_extra_model(strategy, model, path: str, name: str, size, strict: bool)
 
 
 def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = True) -> dict:
-    """``Accelerator.load_state``: restore what :func:`save_state` wrote."""
+    """``Accelerator.load_state``: restore what :func:`save_state` wrote.
+
+    Under several processes the newest ``checkpoint_N`` (no ``input_dir``) is rank 0's
+    pick, and the ranks agree on the outcome twice (``ember.checkpoint_agree``, one
+    ``all_gather_object`` each): on the files as each node sees them before anything is
+    loaded, and on the load. A checkpoint one rank refuses is refused by every rank, with
+    the first failing rank's message."""
     strategy = acc.strategy
-    path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
+    if strategy.world_size == 1:
+        path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
+        return _load_state(acc, path, strict)
+    from ember.checkpoint_agree import agree_outcome, check_files, collective_failed
+    path, error = "", None
+    try:
+        path = os.fspath(input_dir) if input_dir is not None else _rank0_auto_dir(acc)
+        check_files(path)
+    except Exception as err:   # agreed below, so no rank goes on alone
+        error = err
+    agree_outcome(strategy, error)
+    error, meta = None, {}
+    try:
+        meta = _load_state(acc, path, strict)
+    except Exception as err:
+        if collective_failed(err):
+            raise
+        error = err
+    agree_outcome(strategy, error)
+    return meta
+
+
+def _rank0_auto_dir(acc: Any) -> str:
+    """The newest ``checkpoint_N`` as rank 0 lists it, on every rank (one broadcast)."""
+    picked: tuple[str, int, str | None] | None = None
+    if acc.strategy.is_global_zero:
+        try:
+            picked = (_auto_dir(acc, new=False), acc.save_iteration, None)
+        except CheckpointError as err:
+            picked = ("", 0, str(err))
+    path, iteration, message = acc.strategy.broadcast(picked)
+    if message is not None:
+        raise CheckpointError(message)
+    acc.save_iteration = iteration   # the next automatic save name, as _auto_dir sets it
+    return path
+
+
+def _load_state(acc: Any, path: str, strict: bool) -> dict:
+    strategy = acc.strategy
     for hook in getattr(acc, "_load_hooks", ()):
         hook(acc._models, path)
     from ember.accelerate_import import is_accelerate_checkpoint, load_accelerate_state

@@ -61,6 +61,12 @@ Where the ranks agree (each decision made once; never a collective per step)::
                           a train loader kept with the user's sampler generator gets rank 0's
                           generator state (ember.data.agree_generator: one all_gather_object
                           of a digest, a broadcast only when the states differ)
+    resume (ckpt_path)    the checks of the checkpoint are agreed: one all_gather_object of
+                          each rank's outcome before the strategy's load (the files as each
+                          node sees them; rank 0's EMBER_ALLOW_DATA_CHANGE sent along) and one
+                          after it (the load, optimizer/scheduler counts, loop state, the train
+                          data's shape): one rank's refusal raises the same CheckpointError,
+                          naming that rank, on every rank (state.restore, ember.checkpoint_agree)
     each checkpoint save  rank 0's outcome (its write, or its check of every rank's shard
                           files) is broadcast in place of a closing barrier: a failure
                           raises on every rank, no rank waits for the timeout

@@ -6,7 +6,10 @@ same dataset length (otherwise samples are skipped or trained twice), and the sa
 order (a user's sampler with its own generator gets its epoch-start state back; a
 sampler drawing from the global RNG cannot, and is warned about). A changed batch
 size or dataset length is refused unless ``EMBER_ALLOW_DATA_CHANGE=1`` is set (then
-warned). At an epoch end nothing is skipped or repeated: any change is accepted.
+warned); under several processes rank 0's environment decides for every rank, and a
+rank whose loader changed refuses for all (``Trainer`` agrees the resume checks once,
+``ember.checkpoint_agree``). At an epoch end nothing is skipped or repeated: any change
+is accepted.
 """
 from __future__ import annotations
 
@@ -20,6 +23,12 @@ from ember.errors import CheckpointError
 
 #: set to 1 to resume mid-epoch although the batch size or dataset length changed
 ALLOW_DATA_CHANGE_ENV = "EMBER_ALLOW_DATA_CHANGE"
+
+
+def allow_data_change() -> bool:
+    """Whether this process's environment sets ``EMBER_ALLOW_DATA_CHANGE=1`` (under
+    several processes the Trainer uses rank 0's answer on every rank)."""
+    return os.environ.get(ALLOW_DATA_CHANGE_ENV, "0") == "1"
 
 
 def batch_size_of(dl) -> int | None:
@@ -41,15 +50,17 @@ def data_state(t, mid_epoch: bool) -> dict:
             "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": state}
 
 
-def restore_data(t, saved: dict | None, path: str) -> None:
+def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -> None:
     """Check the train data against what ``path`` recorded, and give a user sampler's
-    generator its saved state. Checkpoints written before ``data`` was recorded pass."""
+    generator its saved state. Checkpoints written before ``data`` was recorded pass.
+    ``allow_change``: accept a changed batch size / dataset length mid-epoch with a
+    warning (``EMBER_ALLOW_DATA_CHANGE=1``, as rank 0 read it)."""
     if not saved:
         return
     dl, ls = t._train_loader, t.loop_state
     mid = ls.batches_done > 0
     if mid:
-        _check_shape(dl, saved, path, ls)
+        _check_shape(dl, saved, path, ls, allow_change)
         sampler = edata.index_sampler(dl)
         if edata.draws_global_rng(sampler):
             warnings.warn(
@@ -57,7 +68,7 @@ def restore_data(t, saved: dict | None, path: str) -> None:
                 "the global random generator, so the rest of this epoch is drawn anew (some samples of the epoch "
                 f"may repeat or be left out). Pass {type(sampler).__name__}(..., generator=torch.Generator()"
                 ".manual_seed(seed)) for an exact mid-epoch resume, or save checkpoints at epoch ends",
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=5)
     gen = edata.own_generator(edata.index_sampler(dl))
     state = saved.get("generator_state")
     if mid and gen is not None and dl.num_workers:
@@ -67,7 +78,7 @@ def restore_data(t, saved: dict | None, path: str) -> None:
             "uninterrupted run and a resumed one, so the order of the epochs after this one may differ (samples "
             "repeat or are left out). For an exact mid-epoch resume use num_workers=0, or leave shuffling to "
             "ember's sampler (no generator; Trainer(seed=)), or save checkpoints at epoch ends",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=5)
     if gen is not None and isinstance(state, torch.Tensor):
         try:
             gen.set_state(state)
@@ -91,7 +102,7 @@ def _replay_epoch(dl, limit: int) -> None:
             return
 
 
-def _check_shape(dl, saved: dict, path: str, ls) -> None:
+def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:
     now = {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl)}
     changed = [(k, saved.get(k), now[k]) for k in now
                if saved.get(k) is not None and now[k] is not None and saved.get(k) != now[k]]
@@ -102,10 +113,10 @@ def _check_shape(dl, saved: dict, path: str, ls) -> None:
     effect = (f"the resumed epoch skips the first {ls.batches_done} batches of the new setup "
               f"({ls.batches_done * bs} samples, where the run trained {ls.batches_done * (saved.get('batch_size') or bs)}"
               " samples of another order), so samples are skipped or trained twice")
-    if os.environ.get(ALLOW_DATA_CHANGE_ENV, "0") == "1":
+    if allow_change:
         warnings.warn(f"resuming {path} mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) with a changed "
                       f"train dataloader ({what}), accepted because {ALLOW_DATA_CHANGE_ENV}=1: {effect}",
-                      UserWarning, stacklevel=5)
+                      UserWarning, stacklevel=6)
         return
     raise CheckpointError(
         f"{path} was saved mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) and the train dataloader "

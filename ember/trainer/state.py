@@ -365,7 +365,7 @@ def _warn_setup_changes(t, meta: dict, path: str) -> None:
             changes.append(f"{key} {meta[key]!r} -> {now!r}")
     if changes:
         warnings.warn(f"resuming from {path} with a different setup ({', '.join(changes)}): training continues, "
-                      "but not bit-exactly as an uninterrupted run would", stacklevel=4)
+                      "but not bit-exactly as an uninterrupted run would", stacklevel=5)
 
 
 def _restore_results(t, saved: list) -> None:
@@ -408,7 +408,43 @@ def _restore_callbacks_first(t, path: str) -> None:
             cb.load_state_dict(cb_states[cb.state_key])
 
 
-def restore(t, path: str, full: bool) -> None:
+def restore(t, path: str, full: bool, early: CheckpointError | None = None) -> None:
+    """Load ``path`` into the fit (``full``: weights, optimizers, loop and trainer state)
+    or the module (validate/test/predict).
+
+    Under several processes the ranks agree on the outcome twice, each time with one
+    ``all_gather_object`` (``ember.checkpoint_agree``): before the strategy's load (its
+    own collectives and broadcasts follow) on the checks of the files as each node sees
+    them (``early``: this rank's error from the checks made before setup), with rank 0's
+    ``EMBER_ALLOW_DATA_CHANGE`` sent along; and after it, on everything the load and the
+    trainer-state checks raised. A checkpoint one rank refuses is refused by every rank
+    with the first failing rank's message."""
+    from ember.trainer.resume_data import allow_data_change
+    if t.world_size == 1:
+        _restore(t, path, full, allow_data_change())
+        return
+    from ember.checkpoint_agree import agree_outcome, collective_failed
+    error = early
+    # a rank that does not see the path at all leaves it to the strategy's load, which
+    # reads on rank 0 only where it can (FSDP's full-weights load) and fails on that rank
+    # otherwise (then agreed after the load)
+    if error is None and (t.is_global_zero or os.path.exists(path)):
+        try:
+            precheck(path, need_state=full)
+        except Exception as err:   # agreed below, so no rank goes on alone
+            error = err
+    allow = agree_outcome(t.strategy, error, rank0_value=allow_data_change())
+    error = None
+    try:
+        _restore(t, path, full, allow)
+    except Exception as err:
+        if collective_failed(err):
+            raise
+        error = err
+    agree_outcome(t.strategy, error)
+
+
+def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
     from ember import checkpoint_io as cio
     if full:
         _restore_callbacks_first(t, path)
@@ -443,7 +479,7 @@ def restore(t, path: str, full: bool) -> None:
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: the loop position in {cio.STATE_NAME} is unreadable ({err!r})") from err
     from ember.trainer.resume_data import restore_data
-    restore_data(t, state.get("data"), path)   # refuses a changed batch size / dataset mid-epoch
+    restore_data(t, state.get("data"), path, allow_data_change)   # refuses a changed batch size / dataset mid-epoch
     for cfg, s in zip(t.lr_scheduler_configs, scheds):
         cfg["scheduler"].load_state_dict(s)
     t.strategy.precision.load_state_dict(state.get("precision", {}))
@@ -471,7 +507,7 @@ def restore(t, path: str, full: bool) -> None:
     if grads and t.loop_state.batches_done:
         if not same_world or loop.get("accumulate_grad_batches") != t.accumulate_grad_batches:
             warnings.warn(f"{path} was saved inside a gradient accumulation window with another world size or "
-                          "accumulate_grad_batches; the partly accumulated gradients are dropped", stacklevel=3)
+                          "accumulate_grad_batches; the partly accumulated gradients are dropped", stacklevel=4)
         elif grads[rank] is not None:
             _restore_grads(t, grads[rank], path)
     rng = state.get("rng") or []

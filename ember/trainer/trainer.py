@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ember.callbacks.base import Callback, hook_table
-from ember.errors import MisconfigurationError, invalid_choice
+from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.module import DataModule, TrainModule, overrides
 from ember.trainer import checks as _checks
 from ember.trainer import arguments as _args
@@ -322,10 +322,16 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
         if ckpt_path is None and stage == "fit":
             ckpt_path = _state.elastic_resume_path(self)   # "last" after an elastic restart
         by_name = ckpt_path in ("last", "best")
+        early = None   # under several processes a refusal waits for the agreement in restore
         if ckpt_path is not None and not (by_name and self.world_size > 1 and self.global_rank != 0):
             # errors before any work; "last"/"best" only on rank 0 (the rank is known from the
             # environment before setup): the other ranks take rank 0's path, broadcast below
-            ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)
+            try:
+                ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)
+            except CheckpointError as err:
+                if self.world_size == 1:
+                    raise
+                early = err   # the files as this node sees them: every rank refuses, or none
         self.stage = stage
         self.state.status, self.state.fn, self.state.stage = TrainerStatus.RUNNING, TrainerFn(stage), FN_STAGE[stage]
         if not self._ckpt_path_user:
@@ -345,7 +351,7 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
                 # (file listings and modification times may differ between nodes)
                 ckpt_path = self.strategy.broadcast(ckpt_path)
             if ckpt_path is not None:
-                _state.restore(self, ckpt_path, full=(stage == "fit"))
+                _state.restore(self, ckpt_path, full=(stage == "fit"), early=early)
                 _summary.restored(self, ckpt_path)
             if stage == "fit":
                 return self._fit()

@@ -1,0 +1,171 @@
+"""Resume checks that see different inputs on different ranks (2 CPU processes, gloo,
+the Trainer's own launcher), run by tests/test_resume_agree.py.
+
+    python resume_agree_ddp.py MODE ROOT
+
+Each mode first trains 2 steps of a 4-batch epoch and saves a mid-epoch checkpoint
+ROOT/ckpt, then resumes under a 20 s process-group timeout:
+
+MODE ``data_len``: rank 1's train dataset has 48 samples, rank 0's the saved 32.
+MODE ``allow_rank0`` / ``allow_rank1``: both ranks' datasets have 48 samples and only
+rank 0 (rank 1) has ``EMBER_ALLOW_DATA_CHANGE=1`` in its environment.
+MODE ``swapped_state``: rank 1 resumes from ROOT/ckpt_rank1, a copy of the checkpoint
+whose ``trainer_state.pt`` has one byte changed (same size), as a node whose copy of
+the files is corrupted; rank 0 from the original.
+MODE ``missing_rank1``: rank 1 does not see the checkpoint at all (a path that does
+not exist there); DDP reads it on every rank, so its load fails and every rank refuses.
+MODE ``acc_swapped`` (under ``ember launch``): the same with ``Accelerator.save_state`` /
+``load_state`` of ``model.safetensors``, then one training step.
+MODE ``acc_auto`` (under ``ember launch``): ``load_state()`` without a directory where
+rank 1's view of the project folder holds no ``checkpoint_N``: both load rank 0's pick.
+Every rank writes ROOT/<MODE>_<rank>.json: its error, the seconds from the resume
+call to it, its global step.
+"""
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.strategies import DDPStrategy
+
+
+class Net(ember.TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def dataset(n=32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+def loader(n=32):
+    return DataLoader(dataset(n), batch_size=4)
+
+
+def trainer(root, timeout=20, **kw):
+    args = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                default_root_dir=root, logger=False, enable_checkpointing=False)
+    args.update(kw)
+    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=timeout), **args)
+
+
+def flip_one_byte(fp):
+    """Change one byte in the middle of ``fp`` (its size stays)."""
+    with open(fp, "r+b") as f:
+        f.seek(os.path.getsize(fp) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def rank1_copy(strategy, root, src, name):
+    """ROOT/<src>_rank1: a copy of checkpoint ``src`` with one file corrupted, made by rank 0."""
+    dst = os.path.join(root, os.path.basename(src) + "_rank1")
+    if strategy.global_rank == 0:
+        shutil.copytree(src, dst)
+        flip_one_byte(os.path.join(dst, name))
+    strategy.barrier("copy")
+    return dst
+
+
+def saved_mid_epoch(root):
+    t = trainer(root, timeout=20, max_steps=2)   # the process group (and its timeout) stays for the resume
+    t.fit(Net(), loader())
+    path = os.path.join(root, "ckpt")
+    t.save_checkpoint(path)
+    return t, path
+
+
+def resume(mode, root):
+    t, path = saved_mid_epoch(root)
+    rank = t.global_rank
+    n = 32
+    if mode == "data_len":
+        n = 48 if rank == 1 else 32
+    elif mode in ("allow_rank0", "allow_rank1"):
+        n = 48
+        if rank == int(mode[-1]):
+            os.environ["EMBER_ALLOW_DATA_CHANGE"] = "1"
+    elif mode == "swapped_state":
+        copy = rank1_copy(t.strategy, root, path, "trainer_state.pt")
+        path = copy if rank == 1 else path
+    elif mode == "missing_rank1":     # rank 1's node does not have the folder; DDP reads on every rank
+        path = os.path.join(root, "not_on_rank1") if rank == 1 else path
+    t2 = trainer(root, timeout=20)
+    start = time.monotonic()
+    try:
+        t2.fit(Net(), loader(n), ckpt_path=path)
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": t2.global_step}
+
+
+def acc_swapped(root):
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
+    net = Net()
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    path = os.path.join(root, "state")
+    acc.save_state(path)
+    from ember import checkpoint_io as cio
+    copy = rank1_copy(acc.strategy, root, path, cio.WEIGHTS_NAME)
+    rank = acc.process_index
+    start = time.monotonic()
+    try:
+        acc.load_state(copy if rank == 1 else path)
+        x = torch.randn(4, 4)
+        acc.backward(F.mse_loss(model(x), x.sum(1, keepdim=True)))   # DDP's all-reduce
+        opt.step()
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": None}
+
+
+def acc_auto(root):
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20), project_dir=root)
+    net = Net()
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    acc.save_state()                      # root/checkpoints/checkpoint_0
+    rank = acc.process_index
+    if rank == 1:   # a node whose view of the project folder has no checkpoint yet
+        acc.project_dir = os.path.join(root, "rank1_view")
+        os.makedirs(acc.project_dir)
+    acc.wait_for_everyone()
+    start = time.monotonic()
+    try:
+        acc.load_state()
+        x = torch.randn(4, 4)
+        acc.backward(F.mse_loss(model(x), x.sum(1, keepdim=True)))   # DDP's all-reduce
+        opt.step()
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": acc.save_iteration}
+
+
+if __name__ == "__main__":
+    mode, root = sys.argv[1], sys.argv[2]
+    out = {"acc_swapped": acc_swapped, "acc_auto": acc_auto}.get(mode, lambda r: resume(mode, r))(root)
+    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
+        json.dump(out, f)
