@@ -76,9 +76,16 @@ class ResumableSampler(Sampler[int]):
         return idx[: self.total_size]
 
     def __iter__(self) -> Iterator[int]:
-        idx = self.global_indices()[self.rank: self.total_size: self.num_replicas]
+        if self.start:
+            return self._resumed()
+        return iter(self.global_indices()[self.rank: self.total_size: self.num_replicas])
+
+    def _resumed(self) -> Iterator[int]:
+        # a generator: ``start`` is taken by the iteration that runs, at its first index (a
+        # DataLoader with workers and no automatic batching calls iter() twice, drops the first)
         start, self.start = self.start, 0
-        return iter(idx[start:] if start else idx)
+        yield from self.global_indices()[self.rank: self.total_size: self.num_replicas][start:]
+
 
     def __len__(self) -> int:
         return self.num_samples
@@ -101,12 +108,11 @@ class _SkipBatchSampler(Sampler[list]):
         self.start = start
 
     def __iter__(self):
+        # a generator, like a plain batch sampler: nothing runs before the first batch. So
+        # nothing is drawn before the DataLoader's iterator drew its base seed (from the
+        # user's generator, when it is the sampler's), and ``start`` is taken by the
+        # iteration that runs: a DataLoader with workers calls iter() twice and drops the first
         start, self.start = self.start, 0
-        return self._batches(start)
-
-    def _batches(self, start: int):
-        # lazy, like a plain batch sampler: nothing is drawn before the DataLoader's
-        # iterator drew its base seed (from the user's generator, when it is the sampler's)
         it = iter(self.batch_sampler)
         for _ in range(start):  # indices only; no data is read
             next(it, None)
@@ -300,11 +306,9 @@ class _ShardedSampler(Sampler[int]):
         self.start = start
 
     def __iter__(self):
+        # a generator: runs at the first index (see _SkipBatchSampler.__iter__)
         start, self.start = self.start, 0
-        return self._indices(start)
-
-    def _indices(self, start: int):
-        idx = list(self.sampler)   # drawn lazily, at the first index (see _SkipBatchSampler)
+        idx = list(self.sampler)
         n = math.ceil(len(idx) / self.num_replicas) * self.num_replicas
         idx += idx[: n - len(idx)]
         yield from idx[self.rank::self.num_replicas][start:]

@@ -246,3 +246,33 @@ def test_trainer_resume_mid_epoch_repeats_worker_draws(tmp_path, make_trainer):
     torch.manual_seed(99)          # another random data seed would be drawn: the checkpoint's must win
     tail = fit(tmp_path / "part", ckpt_path="last")
     assert head == full[:5] and tail == full[5:]
+
+
+@pytest.mark.parametrize("kind", ["user_generator", "no_batching", "sharded"])
+def test_skip_survives_the_worker_iterator_calling_iter_twice(kind):
+    """A DataLoader with workers calls iter() on its (batch) sampler twice and drops the first:
+    the skip of a resumed pass was taken by the dropped one, and the pass started at batch 0
+    (a user's sampler with its own generator, no automatic batching, a user's sampler
+    sharded over ranks). It is now taken by the iteration that runs."""
+    from torch.utils.data import RandomSampler, TensorDataset
+    ds = TensorDataset(torch.arange(24))
+
+    def loader():
+        g = torch.Generator().manual_seed(4)
+        reps = 2 if kind == "sharded" else 1
+        if kind == "no_batching":
+            dl = DataLoader(ds, batch_size=None, shuffle=True, num_workers=2)
+        else:   # sharded: without automatic batching, the sharding sampler is the DataLoader's
+            dl = DataLoader(ds, batch_size=2 if kind == "user_generator" else None,
+                            sampler=RandomSampler(ds, generator=g), num_workers=2)
+        return edata.prepare_dataloader(dl, seed=0, num_replicas=reps, rank=reps - 1)
+
+    def ids(dl):
+        return [b[0].reshape(-1).tolist() for b in dl]
+    dl = loader()
+    edata.set_epoch(dl, 0)
+    full = ids(dl)
+    dl = loader()
+    edata.set_epoch(dl, 0)
+    assert edata.skip_batches(dl, 3)
+    assert ids(dl) == full[3:]
