@@ -228,12 +228,7 @@ class DataLoaderShard:
         s = edata.sampler_of(self.base)
         out = {"epoch": self.epoch, "batches_done": self.batches_done,
                "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
-        gen = edata.own_generator(edata.index_sampler(self.base))
-        if gen is not None:   # a user's sampler with its own generator: the state its pass is drawn from
-            n = self.num_batches
-            mid = self.batches_done > 0 and (n is None or self.batches_done < n)
-            snap = getattr(self.base, "ember_epoch_generator_state", None)
-            out["generator_state"] = snap if mid and snap is not None else gen.get_state()
+        out.update(edata.generator_checkpoint_state(self.base))   # a user sampler's own generator
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -241,16 +236,13 @@ class DataLoaderShard:
         s = edata.sampler_of(self.base)
         if state.get("sampler") and isinstance(s, edata.ResumableSampler):
             s.load_state_dict(state["sampler"])
-        gen = edata.own_generator(edata.index_sampler(self.base))
-        if gen is not None and isinstance(state.get("generator_state"), torch.Tensor):
-            gen.set_state(state["generator_state"])
         epoch, done = int(state["epoch"]), int(state["batches_done"])
-        try:
-            n = len(self.base)
-        except TypeError:
-            n = None
+        n = self.num_batches
         if n is not None and done >= n:  # saved on the last batch: resume at the next epoch
             epoch, done = epoch + 1, 0
+        # written before generator_epoch was recorded: the epoch start's state mid-pass, else
+        # the state the next pass starts from
+        edata.restore_generator(self.base, state, legacy_epoch=epoch, where="load_state (dataloader state)")
         self.epoch, self.batches_done, self._skip = epoch, done, done
         self._restored = done > 0
 

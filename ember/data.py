@@ -9,8 +9,11 @@ already seen, and leaves the global RNG streams untouched. An
 this worker's share of the stream). A user's sampler carrying its own
 ``torch.Generator`` (``RandomSampler(generator=g)``) is kept, generator and seed
 included; under several processes the ranks agree on its state once, at setup
-(:func:`agree_generator`), and its state at each epoch start is recorded so a
-mid-epoch resume draws the same order again (:func:`set_epoch`). DataLoader
+(:func:`agree_generator`); each epoch starts it from the previous epoch's start
+state advanced by one whole pass (:func:`set_epoch`), so the order of every epoch
+follows from that state and the epoch alone, however far DataLoader workers drew
+ahead, and checkpoints record it for an exact resume (:func:`generator_checkpoint_state`,
+:func:`restore_generator`, used by the Trainer and the Accelerator). DataLoader
 workers are seeded from (run seed, epoch, data-parallel rank, worker): see
 :mod:`ember.data_seed`.
 """
@@ -28,6 +31,7 @@ from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomS
                               Sampler, SequentialSampler, get_worker_info)
 
 from ember.data_seed import install_worker_init, loader_seed
+from ember.errors import CheckpointError
 
 
 class ResumableSampler(Sampler[int]):
@@ -85,7 +89,6 @@ class ResumableSampler(Sampler[int]):
         # DataLoader with workers and no automatic batching calls iter() twice, drops the first)
         start, self.start = self.start, 0
         yield from self.global_indices()[self.rank: self.total_size: self.num_replicas][start:]
-
 
     def __len__(self) -> int:
         return self.num_samples
@@ -414,19 +417,94 @@ def sampler_of(dl: Any):
 def set_epoch(dl: Any, epoch: int) -> None:
     """Use the data order of ``epoch``, and seed the loader's generator (the base of its
     worker seeds) from (run seed, ``epoch``, data-parallel rank)."""
+    own = own_generator(index_sampler(dl))
+    if own is not None:   # before the sampler's set_epoch: a replayed pass is the previous epoch's
+        _generator_to_epoch(dl, own, epoch)
     s = sampler_of(dl)
     if s is not None:
         if hasattr(s, "set_epoch"):
             s.set_epoch(epoch)
         elif hasattr(getattr(s, "batch_sampler", None), "sampler") and hasattr(s.batch_sampler.sampler, "set_epoch"):
             s.batch_sampler.sampler.set_epoch(epoch)
-    own = own_generator(index_sampler(dl))
-    if own is not None:   # its state when this epoch's order is drawn: a mid-epoch resume draws it again
-        dl.ember_epoch_generator_state = own.get_state()
     gen = getattr(dl, "generator", None)
     seed = loader_seed(dl, epoch)
     if isinstance(gen, torch.Generator) and seed is not None and gen is not own:   # never reseed the user's
         gen.manual_seed(seed)
+
+
+# -- a user sampler's own generator across epochs and checkpoints ----------------------------------
+# The loader records the generator's state at the start of an epoch, before anything of the
+# epoch is drawn (``ember_epoch_generator_state``), and that epoch (``ember_generator_epoch``).
+# A later epoch starts from that state advanced by exactly one whole pass per epoch, replayed
+# at the epoch start (_pass_draws). How far a pass really drew (DataLoader workers prefetching
+# sampler indices ahead, a pass cut short by limit_train_batches or a break, a reused
+# persistent-workers iterator) never reaches the next epoch: the order of every epoch depends
+# only on the recorded state and the epoch, in an uninterrupted run as in a resumed one.
+
+def _pass_draws(dl: Any, gen: torch.Generator) -> None:
+    """Draw from ``gen`` what one whole pass over ``dl`` draws: the iterator's base seed when
+    ``gen`` is the loader's generator, then the user's index sampler, iterated to its end
+    (indices only, no data is read; a ``RandomSampler`` draws its permutation(s) and, at its
+    end, one more)."""
+    if getattr(dl, "generator", None) is gen:
+        torch.empty((), dtype=torch.int64).random_(generator=gen)
+    collections.deque(iter(index_sampler(dl)), maxlen=0)
+
+
+def _generator_to_epoch(dl: Any, gen: torch.Generator, epoch: int) -> None:
+    """Give the user's sampler generator its state at the start of ``epoch`` (see above).
+    The first epoch of a loader (or an epoch before the recorded one) starts from the state
+    the generator is in; the recorded epoch again from its recorded state."""
+    snap, at = getattr(dl, "ember_epoch_generator_state", None), getattr(dl, "ember_generator_epoch", None)
+    if snap is None or at is None or epoch < at:
+        snap = gen.get_state()
+    else:
+        gen.set_state(snap)
+        if epoch > at:
+            for _ in range(epoch - at):
+                _pass_draws(dl, gen)
+            snap = gen.get_state()
+    dl.ember_epoch_generator_state, dl.ember_generator_epoch = snap, int(epoch)
+    if getattr(dl, "generator", None) is gen and getattr(dl, "persistent_workers", False) \
+            and getattr(dl, "_iterator", None) is not None:
+        # a persistent-workers iterator is reused and draws no base seed: draw it, so every
+        # pass draws what _pass_draws replays
+        torch.empty((), dtype=torch.int64).random_(generator=gen)
+
+
+def generator_checkpoint_state(dl: Any) -> dict:
+    """What a checkpoint records of a prepared loader's user sampler generator
+    (:func:`own_generator`): ``generator_state``, its state at the start of epoch
+    ``generator_epoch`` (None: no epoch started yet; the state it is in now). Empty for a
+    loader without one. The Trainer's and the Accelerator's checkpoints both record this;
+    :func:`restore_generator` reads it back."""
+    gen = own_generator(index_sampler(dl))
+    if gen is None:
+        return {}
+    snap = getattr(dl, "ember_epoch_generator_state", None)
+    if snap is None:
+        return {"generator_state": gen.get_state(), "generator_epoch": None}
+    return {"generator_state": snap, "generator_epoch": int(dl.ember_generator_epoch)}
+
+
+def restore_generator(dl: Any, saved: dict, legacy_epoch: int | None, where: str) -> None:
+    """Give the user sampler generator of a prepared loader the state of
+    :func:`generator_checkpoint_state`: the next :func:`set_epoch` starts its epoch from it
+    (the recorded epoch again, a later one advanced by one pass per epoch). A checkpoint
+    written before ``generator_epoch`` was recorded gives ``legacy_epoch``: the epoch its
+    writer meant the state for. ``where`` names the checkpoint in the error raised for a
+    state the generator refuses."""
+    gen = own_generator(index_sampler(dl))
+    state = saved.get("generator_state")
+    if gen is None or not isinstance(state, torch.Tensor):
+        return
+    try:
+        gen.set_state(state)
+    except (RuntimeError, TypeError) as err:
+        raise CheckpointError(f"{where}: the sampler generator state is corrupt ({err})") from err
+    epoch = saved["generator_epoch"] if "generator_epoch" in saved else legacy_epoch
+    dl.ember_epoch_generator_state = gen.get_state() if epoch is not None else None
+    dl.ember_generator_epoch = int(epoch) if epoch is not None else None
 
 
 def skip_batches(dl: Any, num_batches: int) -> bool:

@@ -247,3 +247,48 @@ def test_user_sampler_generator_is_kept_and_load_state_resumes_it_exactly(tmp_pa
     acc2.load_state(tmp_path / f"s{stop_at}")
     rest = [b[0].tolist() for b in dl2] + ([b[0].tolist() for b in dl2] if stop_at < 5 else [])
     assert rest == (full[1][stop_at:] + full[2] if stop_at < 5 else full[2])
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_user_generator_with_workers_load_state_resumes_mid_pass_exactly(tmp_path, persistent):
+    """num_workers=2, DataLoader(shuffle=True, generator=g) (g draws the workers' base seed;
+    with persistent workers only at the first pass): a run stopped mid-pass 1 (save_state) and
+    resumed in new objects (load_state) trains the rest of the uninterrupted 3-pass run in its
+    order, per pass, to bit-identical weights; also when saved on the last batch of pass 1."""
+    data = TensorDataset(torch.arange(40, dtype=torch.float32).unsqueeze(1))
+
+    def setup(seed):
+        acc = Accelerator(seed=seed)
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        dl = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7),
+                        num_workers=2, persistent_workers=persistent)
+        return (acc, *acc.prepare(model, opt, dl))
+
+    def train(acc, model, opt, dl, passes, stop=None):
+        seen = []
+        for _ in range(passes):
+            seen.append([])
+            for (x,) in dl:
+                seen[-1] += x.reshape(-1).int().tolist()
+                opt.zero_grad()
+                acc.backward(model(x).pow(2).mean())
+                opt.step()
+                if stop is not None and len(seen) == 2 and dl.batches_done == stop:
+                    acc.save_state(str(tmp_path / f"s{stop}"))
+                    return seen
+        return seen
+
+    acc, model, opt, dl = setup(3)
+    full = train(acc, model, opt, dl, 3)
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert all(sorted(p) == list(range(40)) for p in full) and full[0] != full[1] != full[2]
+    for stop in (4, 10):   # mid-pass, and on the last batch of the pass
+        acc, model, opt, dl = setup(3)
+        assert train(acc, model, opt, dl, 2, stop=stop) == [full[0], full[1][:4 * stop]]
+        acc, model2, opt, dl = setup(99)
+        acc.load_state(str(tmp_path / f"s{stop}"))
+        rest = train(acc, model2, opt, dl, 2 if stop < 10 else 1)
+        assert rest == ([full[1][4 * stop:]] if stop < 10 else []) + [full[2]], stop
+        assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), weights)), stop

@@ -107,15 +107,100 @@ def test_sampler_drawing_from_the_global_rng_warns_on_a_mid_epoch_resume(tmp_pat
         make(tmp_path / "w").fit(LinearModule(), kept, ckpt_path=str(ck2 / "epoch=0-step=3"))
 
 
-def test_user_generator_with_workers_warns_on_a_mid_epoch_resume(tmp_path):
-    """With num_workers > 0 the workers' prefetching decides how far a user sampler's own
-    generator is drawn, so a mid-epoch resume cannot promise the later epochs' order: warn."""
-    ds = regression_data(64)
+class EpochRecording(LinearModule):
+    """Records, per epoch, the first feature of every training sample (identifies it)."""
 
-    def loader():
-        g = torch.Generator().manual_seed(123)
-        return DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, generator=g), num_workers=1)
-    make(tmp_path / "a", [ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, save_top_k=-1)],
-         max_epochs=1).fit(Recording(), loader())
-    with pytest.warns(UserWarning, match="num_workers=1"):
-        make(tmp_path / "b", max_epochs=1).fit(Recording(), loader(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=4"))
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def training_step(self, batch, batch_idx):
+        self.seen.setdefault(self.current_epoch, []).extend(batch[0][:, 0].tolist())
+        return super().training_step(batch, batch_idx)
+
+
+def generator_loader(ds, given_to, **kw):
+    g = torch.Generator().manual_seed(123)
+    if given_to == "sampler":
+        return DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, generator=g), **kw)
+    return DataLoader(ds, batch_size=8, shuffle=True, generator=g, **kw)   # g also draws the workers' base seed
+
+
+def assert_resumed_like(full, resumed, step, n):
+    """``resumed`` (from the checkpoint at ``step``, in epoch 1 of ``n`` batches of 8) trained
+    the rest of epoch 1 and epoch 2 of the uninterrupted run, in its order, to its weights."""
+    rest = full.seen[1][8 * (step - n):]
+    assert resumed.seen == ({1: rest} if rest else {}) | {2: full.seen[2]}, step
+    assert torch.equal(resumed.net.weight, full.net.weight) and torch.equal(resumed.net.bias, full.net.bias), step
+
+
+@pytest.mark.parametrize("given_to,persistent,limit", [("sampler", False, 1.0), ("dataloader", True, 5)])
+def test_user_generator_with_workers_resumes_mid_epoch_exactly(tmp_path, given_to, persistent, limit):
+    """num_workers=2: the workers prefetch sampler indices ahead of the training loop, and a
+    loader given generator=g draws its workers' base seed from g (with persistent workers only
+    at its first pass). A run resumed mid-epoch 1, or after epoch 1's last batch (before its
+    end), trains the rest of the uninterrupted 3-epoch run in the same order per epoch, to
+    bit-identical weights; with limit_train_batches too (the pass stops before the sampler's end).
+    Before, the resumed epoch trained the skipped batches again (with workers, the DataLoader
+    iterator's first iter() of the batch sampler took the skip), and later epochs' order
+    depended on how far a pass had drawn from g."""
+    ds = regression_data(64)
+    kw = dict(num_workers=2, persistent_workers=persistent)
+    full = EpochRecording()
+    make(tmp_path / "a", [ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1)],
+         max_epochs=3, limit_train_batches=limit).fit(full, generator_loader(ds, given_to, **kw))
+    n = 8 if limit == 1.0 else limit
+    assert sorted(full.seen) == [0, 1, 2] and all(len(v) == 8 * n for v in full.seen.values())
+    assert full.seen[0] != full.seen[1] and full.seen[1] != full.seen[2]
+    if limit == 1.0:   # whole passes: each epoch is a permutation of the data set, the first as in plain torch
+        assert all(sorted(v) == sorted(ds.tensors[0][:, 0].tolist()) for v in full.seen.values())
+        plain = generator_loader(ds, given_to)
+        assert full.seen[0] == [x for b in plain for x in b[0][:, 0].tolist()]
+    for step in (n + 3, 2 * n):
+        resumed = EpochRecording()
+        make(tmp_path / "b", max_epochs=3, limit_train_batches=limit).fit(
+            resumed, generator_loader(ds, given_to, **kw), ckpt_path=str(tmp_path / "ck" / f"epoch=1-step={step}"))
+        assert_resumed_like(full, resumed, step, n)
+
+
+def test_checkpoints_without_generator_epoch_still_resume_exactly(tmp_path):
+    """Checkpoints written before ``generator_epoch`` was recorded hold the generator's state
+    at the start of the loop's epoch (mid-epoch, and after the epoch's last batch before its
+    end) or the state the next epoch starts from (at an epoch end): all resume exactly."""
+    from conftest import reseal
+    ds = regression_data(64)
+    full = EpochRecording()
+    make(tmp_path / "a", [ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1),
+                          ModelCheckpoint(dirpath=str(tmp_path / "ends"), save_top_k=-1)],
+         max_epochs=3).fit(full, generator_loader(ds, "dataloader"))
+
+    def state(ckpt):
+        return torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    epoch1_start = state(tmp_path / "ck" / "epoch=1-step=9")["data"]["generator_state"]
+    for ckpt, step in [(tmp_path / "ck" / "epoch=1-step=11", 11), (tmp_path / "ck" / "epoch=1-step=16", 16),
+                       (tmp_path / "ends" / "epoch=0-step=8", 8)]:
+        st = state(ckpt)
+        assert st["data"].pop("generator_epoch") == (1 if step > 8 else 0)
+        if step == 8:   # the old form at an epoch end: the state epoch 1 starts from
+            st["data"]["generator_state"] = epoch1_start
+        torch.save(st, ckpt / "trainer_state.pt")
+        reseal(ckpt)
+        resumed = EpochRecording()
+        make(tmp_path / "b", max_epochs=3).fit(resumed, generator_loader(ds, "dataloader"), ckpt_path=str(ckpt))
+        if step == 8:
+            assert resumed.seen == {1: full.seen[1], 2: full.seen[2]}
+            assert torch.equal(resumed.net.weight, full.net.weight)
+        else:
+            assert_resumed_like(full, resumed, step, 8)
+
+
+def test_another_sampler_class_warns_on_a_mid_epoch_resume(tmp_path):
+    """The checkpoint records the class of the train loader's sampler: resumed mid-epoch with
+    another, the skipped batches are not the ones trained, and the warning names both."""
+    ds = regression_data(64)
+    ck = mid_epoch_checkpoint(tmp_path, generator_loader(ds, "sampler"), every=3)
+    other = DataLoader(ds, batch_size=8, sampler=WeightedRandomSampler(torch.ones(64), 64,
+                                                                       generator=torch.Generator().manual_seed(5)))
+    with pytest.warns(UserWarning, match=r"3 batches done\): the train dataloader's sampler was a RandomSampler "
+                                         r"and is now a WeightedRandomSampler"):
+        make(tmp_path).fit(LinearModule(), other, ckpt_path=str(ck / "epoch=0-step=3"))

@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import warnings
 
-import torch
-
 from ember import data as edata
 from ember.errors import CheckpointError
 
@@ -39,15 +37,14 @@ def batch_size_of(dl) -> int | None:
     return int(bs) if isinstance(bs, int) else None
 
 
-def data_state(t, mid_epoch: bool) -> dict:
-    """The train data's shape and order state, saved in ``trainer_state.pt["data"]``."""
+def data_state(t) -> dict:
+    """The train data's shape and order state, saved in ``trainer_state.pt["data"]``: batch
+    size, dataset length, the class of the index sampler and a user sampler's generator
+    (its state at the start of the current epoch, :func:`ember.data.generator_checkpoint_state`)."""
     dl = t._train_loader
-    gen = edata.own_generator(edata.index_sampler(dl))
-    state = None
-    if gen is not None:   # mid-epoch: the state this epoch's order was drawn from; else the next epoch's
-        state = getattr(dl, "ember_epoch_generator_state", None) if mid_epoch else gen.get_state()
     return {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl),
-            "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": state}
+            "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
+            **edata.generator_checkpoint_state(dl)}
 
 
 def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -> None:
@@ -58,48 +55,26 @@ def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -
     if not saved:
         return
     dl, ls = t._train_loader, t.loop_state
-    mid = ls.batches_done > 0
-    if mid:
+    if ls.batches_done > 0:
         _check_shape(dl, saved, path, ls, allow_change)
         sampler = edata.index_sampler(dl)
-        if edata.draws_global_rng(sampler):
+        name = type(sampler).__name__
+        if saved.get("sampler") and sampler is not None and saved["sampler"] != name:
             warnings.warn(
-                f"resuming {path} mid-epoch: the train dataloader's {type(sampler).__name__} draws its order from "
+                f"resuming {path} mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done): the train dataloader's "
+                f"sampler was a {saved['sampler']} and is now a {name}, so the batches skipped are not the ones "
+                "trained (samples of this epoch may repeat or be left out). Resume with the sampler the checkpoint "
+                "was saved with, or from a checkpoint saved at an epoch end", UserWarning, stacklevel=5)
+        elif edata.draws_global_rng(sampler):
+            warnings.warn(
+                f"resuming {path} mid-epoch: the train dataloader's {name} draws its order from "
                 "the global random generator, so the rest of this epoch is drawn anew (some samples of the epoch "
-                f"may repeat or be left out). Pass {type(sampler).__name__}(..., generator=torch.Generator()"
+                f"may repeat or be left out). Pass {name}(..., generator=torch.Generator()"
                 ".manual_seed(seed)) for an exact mid-epoch resume, or save checkpoints at epoch ends",
                 UserWarning, stacklevel=5)
-    gen = edata.own_generator(edata.index_sampler(dl))
-    state = saved.get("generator_state")
-    if mid and gen is not None and dl.num_workers:
-        warnings.warn(
-            f"resuming {path} mid-epoch with a sampler that draws from its own generator and num_workers="
-            f"{dl.num_workers}: how far the workers' prefetching drew from that generator differs between an "
-            "uninterrupted run and a resumed one, so the order of the epochs after this one may differ (samples "
-            "repeat or are left out). For an exact mid-epoch resume use num_workers=0, or leave shuffling to "
-            "ember's sampler (no generator; Trainer(seed=)), or save checkpoints at epoch ends",
-            UserWarning, stacklevel=5)
-    if gen is not None and isinstance(state, torch.Tensor):
-        try:
-            gen.set_state(state)
-        except (RuntimeError, TypeError) as err:
-            raise CheckpointError(f"{path}: the sampler generator state in trainer_state.pt is corrupt ({err})") from err
-        if mid and ls.batches_done >= t.num_training_batches:
-            _replay_epoch(dl, int(t.num_training_batches))
-
-
-def _replay_epoch(dl, limit: int) -> None:
-    """A checkpoint saved after the epoch's last batch, before its end: the resumed
-    epoch trains nothing, so draw its indices (no data is read) as far as the training
-    loop's iterator went, which leaves the generator where the next epoch starts."""
-    gen = edata.own_generator(edata.index_sampler(dl))
-    if gen is not None and dl.generator is gen:   # the DataLoader's iterator draws its base seed first
-        torch.empty((), dtype=torch.int64).random_(generator=gen)
-    it = iter(dl.batch_sampler if dl.batch_sampler is not None else dl.sampler)
-    ahead = 0 if not dl.num_workers else (dl.prefetch_factor or 2) * dl.num_workers
-    for _ in range(limit + 1 + ahead):   # the loop asks for one batch past its last
-        if next(it, None) is None:
-            return
+    # checkpoints written before generator_epoch was recorded hold the state of the loop's
+    # epoch: its start when saved mid-epoch or after its last batch, else the state it starts from
+    edata.restore_generator(dl, saved, legacy_epoch=ls.epoch, where=f"{path} (trainer_state.pt)")
 
 
 def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:

@@ -151,7 +151,7 @@ def trainer_state(t) -> dict:
         "grads": [g["grads"] for g in gathered] if any(g["grads"] is not None for g in gathered) else None,
         "callback_metrics": metrics,
         "data_seed": t._data_seed,
-        "data": data_state(t, mid_epoch),   # batch size, dataset length, a user sampler's generator
+        "data": data_state(t),   # batch size, dataset length, a user sampler's generator
         "datamodule": t.datamodule.state_dict() if t.datamodule is not None else {},
     }
 
