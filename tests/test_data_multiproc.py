@@ -114,3 +114,24 @@ def test_user_generator_seeded_per_rank_is_agreed_from_rank_0(tmp_path, script):
         assert d["resume"]["first"] == full[:half]
         assert d["resume"]["resumed"] == full[half:], d["rank"]
     assert sorted(r0["resume"]["full"][half:] + r1["resume"]["full"][half:]) == list(range(n))
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_user_generator_with_workers_resumes_mid_epoch_exactly_on_two_ranks(tmp_path):
+    """DataLoader(shuffle=True, generator=g, num_workers=2, persistent_workers=True) under
+    DDP (g draws the workers' base seed, only at the first pass of a persistent loader):
+    resumed in the middle of epoch 1 (after step 7: 2 of its 5 steps) and after its last
+    batch (step 10), each rank trains the rest of the uninterrupted 3-epoch run in its order,
+    to the same weights; the ranks' shards are the data set once per epoch. Before, the
+    resumed run's new iterator drew a base seed from g that the uninterrupted run's reused
+    one did not draw, and the resumed epochs came in another order."""
+    r0, r1 = torchrun("generator_workers", tmp_path)
+    for d in (r0, r1):
+        full = d["full"]
+        assert len(full["seen"]) == 3 * 10   # 5 steps of 2 ids per rank and epoch
+        for name, step in (("mid", 7), ("last_batch", 10)):
+            assert d[name]["seen"] == full["seen"][2 * step:], (d["rank"], name)
+            assert d[name]["weights"] == full["weights"], (d["rank"], name)
+    for e in range(3):
+        ids = r0["full"]["seen"][10 * e: 10 * e + 10] + r1["full"]["seen"][10 * e: 10 * e + 10]
+        assert sorted(ids) == list(range(20)), e

@@ -283,6 +283,32 @@ def run_generator(devices, root):
     return trainer, res
 
 
+def run_generator_workers(devices, root):
+    """A user's generator= (alike on both ranks) with two persistent DataLoader workers,
+    under the Trainer: three epochs uninterrupted (a checkpoint at every step), then resumed
+    from the checkpoints in the middle of epoch 1 and after its last batch: the ids each
+    rank trained and its final weights."""
+    import warnings
+
+    from ember.callbacks import ModelCheckpoint
+    res = {}
+    for name, ckpt in (("full", None), ("mid", "epoch=1-step=7"), ("last_batch", "epoch=1-step=10")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quiet = {**QUIET, "enable_checkpointing": ckpt is None}
+            cbs = [ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=1, save_top_k=-1)] \
+                if ckpt is None else []
+            trainer = Trainer(devices=devices, strategy=strategy(devices), max_epochs=3, default_root_dir=root,
+                              callbacks=cbs, **quiet)
+            module = IdRecorder()
+            g = torch.Generator().manual_seed(100)
+            trainer.fit(module, DataLoader(eval_set(GEN_SIZE), batch_size=GEN_BATCH, shuffle=True, generator=g,
+                                           num_workers=2, persistent_workers=True),
+                        ckpt_path=os.path.join(root, "ck", ckpt) if ckpt else None)
+        res[name] = {"seen": module.seen, "weights": [p.detach().tolist() for p in module.parameters()]}
+    return trainer, res
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     devices = int(os.environ.get("EMBER_TEST_DEVICES", "2"))
@@ -292,6 +318,8 @@ def main():
         trainer, res = run_iterable(devices, out)
     elif scenario == "generator":
         trainer, res = run_generator(devices, out)
+    elif scenario == "generator_workers":
+        trainer, res = run_generator_workers(devices, out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     res["rank"], res["world"] = trainer.global_rank, trainer.world_size
