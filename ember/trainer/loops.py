@@ -77,10 +77,16 @@ Where the ranks agree (each decision made once; never a collective per step)::
                           SIGTERM/SIGUSR1 on any rank; the highest request wins, a signal first
     after a validation    the same stop agreement at the next optimizer step (mid-epoch
                           EarlyStopping); EarlyStopping itself agrees on its decision (max)
-    ModelCheckpoint save  whether to save, the name and the monitored score are rank 0's,
+    ModelCheckpoint save  whether to save, the name, the monitored score and the top-k list
+                          (as rank 0 restored it from the files its node sees) are rank 0's,
                           broadcast in one collective per save point, so save/keep/delete and
                           the top-k bookkeeping are the same on every rank; train_time_interval
-                          is rank 0's clock, checked at log points
+                          is rank 0's clock, checked at log points. A weights-only write (and
+                          Accelerator.save_model, export_full, ExportBestPretrained) broadcasts
+                          rank 0's outcome in place of a closing barrier
+    EarlyStopping check   one all-reduce of [metric missing on each rank, stop]: a monitor logged
+                          on some ranks only is missing on every rank (strict: all raise the
+                          same error; else all skip the check), never a rank returning alone
     validation points     by batch count and epoch: the same on every rank by construction
     max_steps / epochs    counters: the same on every rank by construction
 

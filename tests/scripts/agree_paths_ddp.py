@@ -1,0 +1,164 @@
+"""Decisions that read per-rank inputs, and writes rank 0 alone makes, agreed across 2 CPU
+processes (gloo, ember's own launcher or ``ember launch``), run by tests/test_agree_paths.py.
+
+    python agree_paths_ddp.py MODE ROOT
+
+MODE ``es_strict`` / ``es_lenient``: the metric EarlyStopping monitors is logged on rank 0
+only (``self.log`` without sync_dist, under ``if self.global_rank == 0``): with strict=True
+every rank raises the same error naming rank 1, with strict=False every rank skips the
+check; neither waits for the process-group timeout (20 s).
+MODE ``topk_view``: ModelCheckpoint(save_top_k=1, mode="max") resumed where rank 1's
+checkpoint folder holds none of the earlier checkpoints (a node-local folder): rank 1
+restores an empty top-k, rank 0 the real one; the save / keep decisions must still be rank
+0's on both ranks (a rank saving alone would wait in the save's collective).
+MODE ``weights_enospc``: ModelCheckpoint(save_weights_only=True) whose write fails on rank 0
+(ENOSPC after the bytes): every rank raises within seconds, naming the disk error.
+MODE ``save_model_enospc`` (under ``ember launch``): Accelerator.save_model whose write fails
+on the main process: the same.
+Every rank writes ROOT/<MODE>_<rank>.json.
+"""
+import errno
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import EarlyStopping, ModelCheckpoint
+from ember.strategies import DDPStrategy
+
+
+class Net(ember.TrainModule):
+    def __init__(self, val_on_rank0_only=False):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.val_on_rank0_only = val_on_rank0_only
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        if self.val_on_rank0_only:
+            if self.global_rank == 0:
+                self.log("val_loss", loss)
+        else:
+            self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def loader(n=32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def trainer(root, timeout=20, **kw):
+    args = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                default_root_dir=root, logger=False, enable_checkpointing=False)
+    args.update(kw)
+    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=timeout), **args)
+
+
+def _fit(t, module, *loaders, **kw):
+    start = time.monotonic()
+    try:
+        t.fit(module, *loaders, **kw)
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return err, time.monotonic() - start
+
+
+def early_stopping(root, strict):
+    es = EarlyStopping(monitor="val_loss", patience=100, strict=strict)
+    t = trainer(root, callbacks=[es])
+    err, seconds = _fit(t, Net(val_on_rank0_only=True), loader(), loader(8))
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "stop_reason": t.stop_reason,
+            "epoch": t.current_epoch, "wait_count": es.wait_count}
+
+
+def topk_view(root):
+    # 1. one epoch, one checkpoint, in the shared folder
+    ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"), monitor="val_loss", mode="max", save_top_k=1)
+    t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
+    err, _ = _fit(t, Net(), loader(), loader(8))
+    assert err is None, err
+    first = ck.best_model_path
+    # 2. resumed: rank 1's folder (node-local) holds no checkpoint, so it restores an empty
+    # top-k; the validation loss falls, so in mode "max" no later epoch beats the first
+    rank = t.global_rank
+    mine = os.path.join(root, "ck" if rank == 0 else "rank1_view")
+    ck2 = ModelCheckpoint(dirpath=mine, monitor="val_loss", mode="max", save_top_k=1)
+    t2 = trainer(root, enable_checkpointing=True, callbacks=[ck2], max_epochs=3)
+    err, seconds = _fit(t2, Net(), loader(), loader(8), ckpt_path=first)
+    return {"error": err, "seconds": seconds, "rank": rank, "first": first, "epoch": t2.current_epoch,
+            "topk": sorted(ck2.best_k_models), "best": ck2.best_model_path,
+            "files": sorted(os.listdir(os.path.join(root, "ck"))),
+            "rank1_files": sorted(os.listdir(os.path.join(root, "rank1_view")))
+            if os.path.isdir(os.path.join(root, "rank1_view")) else []}
+
+
+def _full_disk(real):
+    def write(*a, **kw):   # what the kernel answers when the disk fills mid-write
+        real(*a, **kw)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return write
+
+
+def weights_enospc(root):
+    from ember import checkpoint_io as cio
+    ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"), save_weights_only=True)
+    t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        cio.save_weights_file = _full_disk(cio.save_weights_file)
+    err, seconds = _fit(t, Net(), loader())
+    return {"error": err, "seconds": seconds, "rank": t.global_rank}
+
+
+def save_model_enospc(root):
+    from ember import checkpoint_io as cio
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
+    model = acc.prepare(Net())
+    if acc.is_main_process:
+        cio.save_model_sharded = _full_disk(cio.save_model_sharded)
+    start = time.monotonic()
+    try:
+        acc.save_model(model, os.path.join(root, "export"))
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": acc.process_index}
+
+
+def ready():
+    """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
+    process-group timeout is not spent on one process importing slower than the other."""
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))
+    store.add("agree_paths/ready", 1)
+    deadline = time.monotonic() + 60
+    while int(store.add("agree_paths/ready", 0)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    mode, root = sys.argv[1], sys.argv[2]
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        ready()
+    out = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
+           "topk_view": topk_view, "weights_enospc": weights_enospc,
+           "save_model_enospc": save_model_enospc}[mode](root)
+    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
+        json.dump(out, f)

@@ -1,0 +1,79 @@
+"""Decisions that read per-rank inputs (a metric logged on some ranks only, a checkpoint
+folder as one node sees it) and writes only rank 0 makes are agreed, so no rank waits for
+the process-group timeout (issue 12): two real gloo processes (tests/scripts/agree_paths_ddp.py)
+with a 20 s process-group timeout."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPTS = Path(__file__).parent / "scripts"
+_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+
+
+def _run(mode, tmp_path, launch=False):
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    cmd = [str(SCRIPTS / "agree_paths_ddp.py"), mode, str(tmp_path)]
+    cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", *cmd] if launch else [sys.executable, *cmd]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.timeout(200)
+def test_early_stopping_metric_logged_on_rank0_only_raises_on_every_rank(tmp_path):
+    r0, r1 = _run("es_strict", tmp_path)
+    for r in (r0, r1):
+        assert r["error"] is not None and r["error"].startswith("MisconfigurationError: EarlyStopping"), r
+        assert "missing on rank(s) [1]" in r["error"], r
+        assert r["seconds"] < 15, r          # not the 20 s process-group timeout
+    assert "it is missing on rank(s) [1]" in r0["error"]   # rank 0 has it: says where it is missing
+
+
+@pytest.mark.timeout(200)
+def test_early_stopping_metric_logged_on_rank0_only_is_skipped_on_every_rank(tmp_path):
+    r0, r1 = _run("es_lenient", tmp_path)
+    for r in (r0, r1):
+        assert r["error"] is None, r
+        assert r["stop_reason"] == "max_epochs" and r["epoch"] == 2, r
+        assert r["wait_count"] == 0, r       # a check skipped on one rank counts on none
+        assert r["seconds"] < 15, r
+
+
+@pytest.mark.timeout(200)
+def test_top_k_decisions_are_rank0s_when_rank1_restored_another_view(tmp_path):
+    r0, r1 = _run("topk_view", tmp_path)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    assert r0["epoch"] == r1["epoch"] == 3
+    # the first epoch's checkpoint stays the best (the loss falls; mode="max") on both ranks
+    assert r0["topk"] == r1["topk"] == [r0["first"]] and r0["best"] == r1["best"] == r0["first"]
+    assert r0["files"] == [os.path.basename(r0["first"])], r0["files"]
+    assert r1["rank1_files"] == []
+    assert r0["seconds"] < 15 and r1["seconds"] < 15
+
+
+@pytest.mark.timeout(200)
+def test_failed_weights_only_save_on_rank0_reaches_every_rank(tmp_path):
+    r0, r1 = _run("weights_enospc", tmp_path)
+    for r in (r0, r1):
+        assert r["error"] is not None and os.strerror(28) in r["error"], r
+        assert r["seconds"] < 15, r
+    assert r0["error"].startswith("OSError")
+    assert r1["error"].startswith("CheckpointError: checkpoint ") and "was not written on rank 0" in r1["error"]
+
+
+@pytest.mark.timeout(200)
+def test_failed_save_model_on_the_main_process_reaches_every_process(tmp_path):
+    r0, r1 = _run("save_model_enospc", tmp_path, launch=True)
+    for r in (r0, r1):
+        assert r["error"] is not None and os.strerror(28) in r["error"], r
+        assert r["seconds"] < 15, r
+    assert r0["error"].startswith("OSError")
+    assert r1["error"].startswith("CheckpointError: save_model(") and "failed on the main process" in r1["error"]
