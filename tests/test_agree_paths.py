@@ -77,3 +77,30 @@ def test_failed_save_model_on_the_main_process_reaches_every_process(tmp_path):
         assert r["seconds"] < 15, r
     assert r0["error"].startswith("OSError")
     assert r1["error"].startswith("CheckpointError: save_model(") and "failed on the main process" in r1["error"]
+
+
+@pytest.mark.timeout(200)
+def test_find_executable_batch_size_ranks_retry_together(tmp_path):
+    r0, r1 = _run("find_bs_sym", tmp_path, launch=True)
+    assert r0["batch_size"] == r1["batch_size"] == 8
+    assert r0["tried"] == r1["tried"] == [32, 16, 8]
+
+
+@pytest.mark.timeout(200)
+def test_find_executable_batch_size_oom_on_one_rank_ends_the_run(tmp_path):
+    """Rank 1 alone runs out of memory at 32: it must not retry at 16 while rank 0 trains
+    at 32 (their collectives would pair up across batch sizes); it raises, naming itself,
+    after the 20 s process-group timeout at most, and the launcher ends rank 0."""
+    import time
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", str(SCRIPTS / "agree_paths_ddp.py"),
+           "find_bs_asym", str(tmp_path)]
+    start = time.monotonic()
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode != 0, p.stderr[-4000:]
+    assert ("find_executable_batch_size: rank 1 ran out of memory at batch size 32, but only 1 of 2 ranks did "
+            "within 20 s") in p.stderr, p.stderr[-4000:]
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32 MiB (rank 1)" in p.stderr
+    assert not (tmp_path / "find_bs_asym_0.json").exists() and not (tmp_path / "find_bs_asym_1.json").exists()
+    assert time.monotonic() - start < 90

@@ -15,6 +15,10 @@ MODE ``weights_enospc``: ModelCheckpoint(save_weights_only=True) whose write fai
 (ENOSPC after the bytes): every rank raises within seconds, naming the disk error.
 MODE ``save_model_enospc`` (under ``ember launch``): Accelerator.save_model whose write fails
 on the main process: the same.
+MODE ``find_bs_sym`` / ``find_bs_asym`` (under ``ember launch``): ember.utils.find_executable_batch_size
+from 32 over a DDP model whose step runs out of memory (torch.OutOfMemoryError raised, as CUDA
+does) above batch size 8: on both ranks (both retry together and settle on 8), or on rank 1
+only (rank 1 must not retry alone: it raises, naming itself, and the run ends).
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
@@ -141,6 +145,33 @@ def save_model_enospc(root):
     return {"error": err, "seconds": time.monotonic() - start, "rank": acc.process_index}
 
 
+def find_bs(root, asym):
+    from ember.utils import find_executable_batch_size
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
+    rank = acc.process_index
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=32)
+    def train(batch_size):
+        tried.append(batch_size)
+        torch.manual_seed(0)
+        net = nn.Linear(4, 1)
+        model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        x = torch.randn(64, 4)
+        for i in range(0, 64, batch_size):
+            if batch_size > 8 and (rank == 1 or not asym):
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch_size} MiB (rank {rank})")
+            loss = model(x[i:i + batch_size]).pow(2).mean()
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        return batch_size
+
+    start = time.monotonic()
+    got = train()
+    return {"rank": rank, "batch_size": got, "tried": tried, "seconds": time.monotonic() - start}
+
+
 def ready():
     """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
     process-group timeout is not spent on one process importing slower than the other."""
@@ -159,6 +190,7 @@ if __name__ == "__main__":
         ready()
     out = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
            "topk_view": topk_view, "weights_enospc": weights_enospc,
-           "save_model_enospc": save_model_enospc}[mode](root)
+           "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
+           "find_bs_asym": lambda r: find_bs(r, True)}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
