@@ -104,3 +104,16 @@ def test_find_executable_batch_size_oom_on_one_rank_ends_the_run(tmp_path):
     assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 32 MiB (rank 1)" in p.stderr
     assert not (tmp_path / "find_bs_asym_0.json").exists() and not (tmp_path / "find_bs_asym_1.json").exists()
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.timeout(200)
+def test_elastic_restart_resumes_rank0s_checkpoint_on_every_rank(tmp_path):
+    """After an elastic restart each rank looked for the run's newest checkpoint itself:
+    a rank whose node does not see it started afresh while rank 0 resumed (and waited
+    for it in the broadcast of the resolved path). Now rank 0's answer is every rank's."""
+    r0, r1 = _run("elastic_view", tmp_path)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    assert r0["resumed"] == r1["resumed"] and r0["resumed"].endswith("last"), (r0["resumed"], r1["resumed"])
+    assert r0["global_step"] == r1["global_step"] == 5
+    assert r0["weights"] == r1["weights"]
+    assert r0["seconds"] < 15 and r1["seconds"] < 15

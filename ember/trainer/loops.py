@@ -56,8 +56,9 @@ a hook nobody overrides is never called)::
 Where the ranks agree (each decision made once; never a collective per step)::
 
     setup                 rank 0 picks the logger version folders (trainer.log_dir), broadcast
-                          (state.agree_log_versions); ckpt_path "last"/"best" is resolved on
-                          rank 0 only, broadcast, so every rank restores the same checkpoint;
+                          (state.agree_log_versions); ckpt_path "last"/"best" (and whether an
+                          elastic restart resumes) is resolved on rank 0 only, broadcast, so
+                          every rank restores the same checkpoint, or none;
                           a train loader kept with the user's sampler generator gets rank 0's
                           generator state (ember.data.agree_generator: one all_gather_object
                           of a digest, a broadcast only when the states differ)

@@ -283,20 +283,24 @@ def _best_from_last(t) -> str | None:
     return None
 
 
-def elastic_resume_path(t) -> str | None:
-    """``"last"`` in a worker group that torchrun's elastic agent restarted
-    (``TORCHELASTIC_RESTART_COUNT`` > 0) under ``ember launch --max-restarts N``
-    (which sets ``EMBER_ELASTIC_RESUME=1``), when this run has a complete checkpoint;
-    else None (a group that failed before its first checkpoint starts afresh). The
-    agent stops every worker before it restarts the group, so the files every rank
-    sees here are the same."""
+def elastic_restart() -> bool:
+    """True in a worker group that torchrun's elastic agent restarted
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) under ``ember launch --max-restarts N`` (which
+    sets ``EMBER_ELASTIC_RESUME=1``): the environment, the same on every rank."""
     if os.environ.get("EMBER_ELASTIC_RESUME", "") not in ("1", "true"):
-        return None
+        return False
     try:
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     except ValueError:
-        restarts = 0
-    if restarts <= 0 or find_last(t) is None:
+        return False
+
+
+def elastic_resume_path(t) -> str | None:
+    """``"last"`` after an elastic restart (:func:`elastic_restart`) when this run has a
+    complete checkpoint; else None (a group that failed before its first checkpoint
+    starts afresh). Under several processes only rank 0 looks (the Trainer broadcasts
+    its answer after setup): another node may see the run folder otherwise."""
+    if not elastic_restart() or find_last(t) is None:
         return None
     return "last"
 

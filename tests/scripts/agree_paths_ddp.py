@@ -19,6 +19,9 @@ MODE ``find_bs_sym`` / ``find_bs_asym`` (under ``ember launch``): ember.utils.fi
 from 32 over a DDP model whose step runs out of memory (torch.OutOfMemoryError raised, as CUDA
 does) above batch size 8: on both ranks (both retry together and settle on 8), or on rank 1
 only (rank 1 must not retry alone: it raises, naming itself, and the run ends).
+MODE ``elastic_view``: a group restarted by the elastic agent (``EMBER_ELASTIC_RESUME=1``,
+``TORCHELASTIC_RESTART_COUNT=1``, set by the script after a first fit) where rank 1's run
+folder (a separate ``default_root_dir``) shows no checkpoint: both ranks resume rank 0's.
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
@@ -172,6 +175,22 @@ def find_bs(root, asym):
     return {"rank": rank, "batch_size": got, "tried": tried, "seconds": time.monotonic() - start}
 
 
+def elastic_view(root):
+    t = trainer(root, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=3,
+                max_epochs=5)
+    err, _ = _fit(t, Net(), loader())
+    assert err is None, err
+    rank = t.global_rank
+    mine = root if rank == 0 else os.path.join(root, "empty_view")
+    os.makedirs(mine, exist_ok=True)
+    os.environ.update(EMBER_ELASTIC_RESUME="1", TORCHELASTIC_RESTART_COUNT="1")   # the restarted group
+    t2 = trainer(mine, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=5,
+                 max_epochs=5)
+    err, seconds = _fit(t2, Net(), loader())
+    return {"error": err, "seconds": seconds, "rank": rank, "resumed": t2.ckpt_path, "global_step": t2.global_step,
+            "weights": [p.detach().flatten().tolist() for p in t2.module.parameters()]}
+
+
 def ready():
     """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
     process-group timeout is not spent on one process importing slower than the other."""
@@ -191,6 +210,6 @@ if __name__ == "__main__":
     out = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
            "topk_view": topk_view, "weights_enospc": weights_enospc,
            "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
-           "find_bs_asym": lambda r: find_bs(r, True)}[mode](root)
+           "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
