@@ -117,3 +117,16 @@ def test_elastic_restart_resumes_rank0s_checkpoint_on_every_rank(tmp_path):
     assert r0["global_step"] == r1["global_step"] == 5
     assert r0["weights"] == r1["weights"]
     assert r0["seconds"] < 15 and r1["seconds"] < 15
+
+
+@pytest.mark.timeout(200)
+def test_automatic_checkpoint_names_are_rank0s(tmp_path):
+    """Each process counted the checkpoint_N folders itself when its Accelerator was built:
+    rank 1, built before the main process's save was in place, named its next save
+    checkpoint_0 while the main process wrote checkpoint_1 (and rank 1 waited the timeout
+    for it). Now rank 0's count is every rank's."""
+    r0, r1 = _run("acc_auto_dir", tmp_path, launch=True)
+    assert r0["first"] == "checkpoint_0"
+    assert r0["second"] == r1["second"] == "checkpoint_1", (r0["second"], r1["second"])
+    assert "rng_state_1.pt" in r1["files"], r1["files"]     # rank 1's RNG state joined rank 0's save
+    assert r1["seconds"] < 15, r1

@@ -22,6 +22,10 @@ only (rank 1 must not retry alone: it raises, naming itself, and the run ends).
 MODE ``elastic_view``: a group restarted by the elastic agent (``EMBER_ELASTIC_RESUME=1``,
 ``TORCHELASTIC_RESTART_COUNT=1``, set by the script after a first fit) where rank 1's run
 folder (a separate ``default_root_dir``) shows no checkpoint: both ranks resume rank 0's.
+MODE ``acc_auto_dir`` (under ``ember launch``): automatic checkpoint naming; the main process
+alone saves ``checkpoint_0`` (``if is_main_process: save_state()``, after 2 s of other work),
+then every process builds a second Accelerator on the same project folder (rank 1 first,
+before that save is in place) and calls save_state(): both must write the same folder.
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
@@ -191,6 +195,31 @@ def elastic_view(root):
             "weights": [p.detach().flatten().tolist() for p in t2.module.parameters()]}
 
 
+def acc_auto_dir(root):
+    from ember.utils import ProjectConfiguration
+
+    def make():
+        acc = ember.Accelerator(strategy=DDPStrategy(timeout=20), project_dir=os.path.join(root, "proj"),
+                                project_config=ProjectConfiguration(automatic_checkpoint_naming=True))
+        net = nn.Linear(4, 1)
+        acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        return acc
+
+    acc = make()
+    if acc.is_main_process:
+        time.sleep(2)
+        first = acc.save_state()
+    acc2 = make()
+    start = time.monotonic()
+    second = acc2.save_state()
+    acc2.wait_for_everyone()
+    out = {"rank": acc.process_index, "second": os.path.basename(second), "seconds": time.monotonic() - start,
+           "files": sorted(os.listdir(second))}
+    if acc.is_main_process:
+        out["first"] = os.path.basename(first)
+    return out
+
+
 def ready():
     """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
     process-group timeout is not spent on one process importing slower than the other."""
@@ -210,6 +239,7 @@ if __name__ == "__main__":
     out = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
            "topk_view": topk_view, "weights_enospc": weights_enospc,
            "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
-           "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view}[mode](root)
+           "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
+           "acc_auto_dir": acc_auto_dir}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
