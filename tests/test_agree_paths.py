@@ -130,3 +130,13 @@ def test_automatic_checkpoint_names_are_rank0s(tmp_path):
     assert r0["second"] == r1["second"] == "checkpoint_1", (r0["second"], r1["second"])
     assert "rng_state_1.pt" in r1["files"], r1["files"]     # rank 1's RNG state joined rank 0's save
     assert r1["seconds"] < 15, r1
+
+
+@pytest.mark.timeout(200)
+def test_non_finite_loss_on_one_rank_stops_every_rank_at_the_log_point(tmp_path):
+    r0, r1 = _run("nan_rank1", tmp_path)
+    assert r1["error"].startswith("NonFiniteLossError: the training loss is nan on rank 1 at global step 4"), r1
+    assert r0["error"].startswith("NonFiniteLossError: the training loss is not finite on rank(s) [1] at global "
+                                  "step 4"), r0
+    assert r0["global_step"] == r1["global_step"] == 3
+    assert r0["seconds"] < 15 and r1["seconds"] < 15

@@ -155,3 +155,37 @@ def warn_fp16_on_cpu(t) -> None:
             "precision='16-mixed' on CPU runs fp16 autocast with a GradScaler (Lightning switches to "
             "'bf16-mixed' here instead): most CPUs have slow fp16 kernels. Pass precision='bf16-mixed' for "
             "Lightning's behaviour (no loss scaling needed), or '32-true'.", UserWarning, stacklevel=5)
+
+
+def check_finite_loss(t, loss, batch_idx: int, agree: bool = False) -> None:
+    """Raise NonFiniteLossError when ``loss`` is NaN/inf. One host sync: the loop calls
+    this only at log points (or every step under ``detect_anomaly=True``). ``agree`` (log
+    points under several processes): one small all-reduce of every rank's verdict, so
+    every rank raises at the same step, naming the ranks whose loss is not finite."""
+    import math
+    from ember.errors import NonFiniteLossError
+    v = float(loss.detach().float())
+    where = ""
+    if agree:
+        flags = [False] * t.world_size
+        flags[t.global_rank] = not math.isfinite(v)
+        bad = [r for r, f in enumerate(t.strategy.agree(flags, "max")) if f]
+        if not bad:
+            return
+        if math.isfinite(v):
+            raise NonFiniteLossError(
+                f"the training loss is not finite on rank(s) {bad} at global step {t.global_step + 1} (epoch "
+                f"{t.current_epoch}, batch {batch_idx}); see that rank's error. Every rank stops here.")
+        where = f" on rank {t.global_rank}" + (f" (and rank(s) {[r for r in bad if r != t.global_rank]})"
+                                              if len(bad) > 1 else "")
+    elif math.isfinite(v):
+        return
+    every = t.detect_anomaly
+    raise NonFiniteLossError(
+        f"the training loss is {v}{where} at global step {t.global_step + 1} (epoch {t.current_epoch}, batch "
+        f"{batch_idx}); "
+        + ("the optimizer step was not taken. " if every else
+           f"the loss is checked every log_every_n_steps={t.log_every_n_steps} steps, so it may have become "
+           "non-finite earlier: pass Trainer(detect_anomaly=True) to check every step and locate the first one. ")
+        + "Lower the learning rate, clip gradients (gradient_clip_val) or use precision='16-mixed' or "
+          "'bf16-mixed'.")

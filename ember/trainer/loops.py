@@ -76,6 +76,9 @@ Where the ranks agree (each decision made once; never a collective per step)::
     log points            (every log_every_n_steps optimizer steps) the same stop agreement:
                           should_stop set on any rank, Timer, max_time (each rank's clock),
                           SIGTERM/SIGUSR1 on any rank; the highest request wins, a signal first
+    non-finite loss       checked before the optimizer steps that are log points; under several
+                          processes one all-reduce of each rank's verdict there, so every rank
+                          raises NonFiniteLossError at that step (checks.check_finite_loss)
     after a validation    the same stop agreement at the next optimizer step (mid-epoch
                           EarlyStopping); EarlyStopping itself agrees on its decision (max)
     ModelCheckpoint save  whether to save, the name, the monitored score and the top-k list
@@ -131,7 +134,8 @@ from ember.errors import MisconfigurationError
 from ember.trainer import hooks as _hooks
 from ember.trainer.arguments import maybe_reload_dataloaders as reload_dataloaders
 from ember.trainer.progress import agree_stop
-from ember.trainer.state import check_epoch_trained, check_finite_loss
+from ember.trainer.checks import check_finite_loss
+from ember.trainer.state import check_epoch_trained
 
 _DL_SUFFIX = re.compile(r"/dataloader_idx_(\d+)")
 
@@ -326,9 +330,10 @@ class FitLoop:
                         loss = extract_loss(out)
                     if loss is not None:
                         t._last_loss = loss   # checked at the epoch end and before a save (no sync here)
-                        if check_loss is not None and (
-                                check_every or (boundary and (ls.global_step + 1) % log_every == 0)):
-                            check_loss(t, loss, batch_idx)
+                        if check_loss is not None:
+                            at_log = boundary and (ls.global_step + 1) % log_every == 0
+                            if at_log or check_every:   # agreed at log points under several processes
+                                check_loss(t, loss, batch_idx, multi and at_log)
                         backward(loss)   # divided by the window's size; scaled under 16-mixed
                 finally:
                     if sync_ctx is not None:

@@ -14,7 +14,6 @@ What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
@@ -520,22 +519,6 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- non-finite loss
-def check_finite_loss(t, loss: torch.Tensor, batch_idx: int) -> None:
-    """Raise NonFiniteLossError when ``loss`` is NaN/inf. One host sync: the loop calls
-    this only at log points (or every step under ``detect_anomaly=True``)."""
-    v = float(loss.detach().float())
-    if math.isfinite(v):
-        return
-    every = t.detect_anomaly
-    raise NonFiniteLossError(
-        f"the training loss is {v} at global step {t.global_step + 1} (epoch {t.current_epoch}, batch {batch_idx}); "
-        + ("the optimizer step was not taken. " if every else
-           f"the loss is checked every log_every_n_steps={t.log_every_n_steps} steps, so it may have become "
-           "non-finite earlier: pass Trainer(detect_anomaly=True) to check every step and locate the first one. ")
-        + "Lower the learning rate, clip gradients (gradient_clip_val) or use precision='16-mixed' or "
-          "'bf16-mixed'.")
-
-
 def check_finite_at(t, when: str) -> None:
     """The last training loss is finite (one sync, and under several processes one
     reduction so every rank raises): called at each epoch end and before each save."""

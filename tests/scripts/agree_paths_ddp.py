@@ -26,6 +26,8 @@ MODE ``acc_auto_dir`` (under ``ember launch``): automatic checkpoint naming; the
 alone saves ``checkpoint_0`` (``if is_main_process: save_state()``, after 2 s of other work),
 then every process builds a second Accelerator on the same project folder (rank 1 first,
 before that save is in place) and calls save_state(): both must write the same folder.
+MODE ``nan_rank1``: rank 1's training loss is NaN at its fourth batch (a log point, with
+log_every_n_steps=2): every rank raises NonFiniteLossError at that step, within seconds.
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
@@ -220,6 +222,18 @@ def acc_auto_dir(root):
     return out
 
 
+class NaNOnRank1(Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_rank == 1 and batch_idx == 3 else loss
+
+
+def nan_rank1(root):
+    t = trainer(root, log_every_n_steps=2, max_epochs=1)
+    err, seconds = _fit(t, NaNOnRank1(), loader())
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "global_step": t.global_step}
+
+
 def ready():
     """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
     process-group timeout is not spent on one process importing slower than the other."""
@@ -240,6 +254,6 @@ if __name__ == "__main__":
            "topk_view": topk_view, "weights_enospc": weights_enospc,
            "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
            "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
-           "acc_auto_dir": acc_auto_dir}[mode](root)
+           "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
