@@ -140,3 +140,20 @@ def test_non_finite_loss_on_one_rank_stops_every_rank_at_the_log_point(tmp_path)
                                   "step 4"), r0
     assert r0["global_step"] == r1["global_step"] == 3
     assert r0["seconds"] < 15 and r1["seconds"] < 15
+
+
+@pytest.mark.timeout(200)
+def test_lr_find_out_of_memory_on_one_rank_ends_the_run(tmp_path):
+    """The learning-rate finder does not retry: an out-of-memory error on rank 1 alone is
+    raised there, and the run ends within seconds with that error, not after the timeout."""
+    import time
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(SCRIPTS / "agree_paths_ddp.py"), "lr_find_oom", str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    ended = time.time()
+    assert p.returncode == 1, p.stderr[-4000:]
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (rank 1)" in p.stderr
+    assert "ember: rank 1 exited with code 1; stopping the other ranks" in p.stderr, p.stderr[-4000:]
+    assert ended - float((tmp_path / "failed_at").read_text()) < 15   # not the 20 s process-group timeout
+    assert not list(tmp_path.glob("lr_find_oom_*.json"))

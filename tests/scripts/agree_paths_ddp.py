@@ -28,6 +28,9 @@ then every process builds a second Accelerator on the same project folder (rank 
 before that save is in place) and calls save_state(): both must write the same folder.
 MODE ``nan_rank1``: rank 1's training loss is NaN at its fourth batch (a log point, with
 log_every_n_steps=2): every rank raises NonFiniteLossError at that step, within seconds.
+MODE ``lr_find_oom``: ember.tuner.lr_find where rank 1 runs out of memory at its sixth step
+(rank 0 does not): lr_find does not catch it, so rank 1's error ends the run (the launcher
+stops rank 0, blocked in the gradient all-reduce); no rank writes a result.
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
@@ -234,6 +237,22 @@ def nan_rank1(root):
     return {"error": err, "seconds": seconds, "rank": t.global_rank, "global_step": t.global_step}
 
 
+class OOMOnRank1(Net):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 5:
+            with open(os.path.join(ROOT, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (rank 1)")
+        return super().training_step(batch, batch_idx)
+
+
+def lr_find_oom(root):
+    import ember.tuner
+    t = trainer(root, max_epochs=1)
+    result = ember.tuner.lr_find(t, OOMOnRank1(), loader(64), num_training=20)
+    return {"rank": t.global_rank, "lrs": len(result.lrs)}
+
+
 def ready():
     """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
     process-group timeout is not spent on one process importing slower than the other."""
@@ -248,12 +267,14 @@ def ready():
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], sys.argv[2]
+    ROOT = root
     if "TORCHELASTIC_RUN_ID" in os.environ:
         ready()
     out = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
            "topk_view": topk_view, "weights_enospc": weights_enospc,
            "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
            "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
-           "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1}[mode](root)
+           "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
+           "lr_find_oom": lr_find_oom}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
