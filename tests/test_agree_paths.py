@@ -157,3 +157,18 @@ def test_lr_find_out_of_memory_on_one_rank_ends_the_run(tmp_path):
     assert "ember: rank 1 exited with code 1; stopping the other ranks" in p.stderr, p.stderr[-4000:]
     assert ended - float((tmp_path / "failed_at").read_text()) < 15   # not the 20 s process-group timeout
     assert not list(tmp_path.glob("lr_find_oom_*.json"))
+
+
+@pytest.mark.timeout(200)
+def test_train_batches_per_epoch_are_agreed_when_the_loaders_differ(tmp_path):
+    """Rank 0's own loader has 8 batches, rank 1's 6 (no distributed sampler): the epoch
+    end and the validation points were counted per rank, so rank 0 ran steps 7 and 8
+    against rank 1's epoch-end collectives. Now every rank runs the smallest count."""
+    r0, r1 = _run("uneven_batches", tmp_path)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    assert r0["batches"] == r1["batches"] == 6
+    assert r0["global_step"] == r1["global_step"] == 12
+    assert r0["val_batches"] == r1["val_batches"] == 2 * 2 * 2   # 2 validations per epoch, 2 batches each
+    assert r0["weights"] == r1["weights"]
+    assert len(r0["warnings"]) == 1 and "rank 0: 8, rank 1: 6" in r0["warnings"][0] and not r1["warnings"]
+    assert r0["seconds"] < 15 and r1["seconds"] < 15

@@ -189,3 +189,25 @@ def check_finite_loss(t, loss, batch_idx: int, agree: bool = False) -> None:
            "non-finite earlier: pass Trainer(detect_anomaly=True) to check every step and locate the first one. ")
         + "Lower the learning rate, clip gradients (gradient_clip_val) or use precision='16-mixed' or "
           "'bf16-mixed'.")
+
+
+def agree_train_batches(t, n: float) -> float:
+    """Under several processes: the number of training batches per epoch that every rank
+    runs, the smallest of the ranks' (``len`` of each rank's train loader after
+    ``limit_train_batches``; ``inf`` for one without a length). The epoch's end, the
+    validation points (``val_check_interval``) and the last accumulation window are
+    counted in batches, so ranks whose loaders differ in length would reach them at
+    different batches and wait in each other's collectives. One small all-reduce at setup
+    (each rank's count in its own slot); a warning on rank 0 names the counts when they differ."""
+    counts = [0.0] * t.world_size
+    counts[t.global_rank] = float(n)
+    counts = t.strategy.agree(counts, "max")
+    m = min(counts)
+    if m != max(counts) and t.is_global_zero:
+        shown = ", ".join(f"rank {r}: {int(c) if c != float('inf') else 'no length'}" for r, c in enumerate(counts))
+        warnings.warn(
+            f"the train dataloader has a different number of batches per epoch on each rank ({shown}); every "
+            f"rank trains {int(m)} batch(es) per epoch, the smallest (their steps must pair up), and leaves the "
+            "rest out. Give every rank the same number of batches (the distributed sampler does: "
+            "use_distributed_sampler=True, the default)", UserWarning, stacklevel=4)
+    return m if m == float("inf") else int(m)

@@ -91,7 +91,9 @@ Where the ranks agree (each decision made once; never a collective per step)::
     EarlyStopping check   one all-reduce of [metric missing on each rank, stop]: a monitor logged
                           on some ranks only is missing on every rank (strict: all raise the
                           same error; else all skip the check), never a rank returning alone
-    validation points     by batch count and epoch: the same on every rank by construction
+    validation points     by batch count and epoch: the same on every rank; the number of training
+                          batches per epoch is agreed at setup (the smallest of the ranks',
+                          checks.agree_train_batches: one all-reduce, a warning when they differ)
     max_steps / epochs    counters: the same on every rank by construction
 
 A rank that does not reach an agreement within the process-group timeout is named in

@@ -484,6 +484,8 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             else:
                 self._train_loader = prep(train, seed=self._data_seed)
             self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
+            if self.world_size > 1:   # the epoch's length, validation points: the same on every rank
+                self.num_training_batches = _checks.agree_train_batches(self, self.num_training_batches)
             if self.num_training_batches == 0:
                 raise MisconfigurationError("the train dataloader has no batches (limit_train_batches or an empty dataset)")
             self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False)

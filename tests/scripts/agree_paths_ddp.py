@@ -31,6 +31,9 @@ log_every_n_steps=2): every rank raises NonFiniteLossError at that step, within 
 MODE ``lr_find_oom``: ember.tuner.lr_find where rank 1 runs out of memory at its sixth step
 (rank 0 does not): lr_find does not catch it, so rank 1's error ends the run (the launcher
 stops rank 0, blocked in the gradient all-reduce); no rank writes a result.
+MODE ``uneven_batches``: use_distributed_sampler=False and a train loader of 8 batches on rank
+0, 6 on rank 1 (val_check_interval=0.5, 2 epochs): every rank runs 6 batches per epoch and
+validates at the same batches; the same weights on both ranks.
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
@@ -253,6 +256,28 @@ def lr_find_oom(root):
     return {"rank": t.global_rank, "lrs": len(result.lrs)}
 
 
+def uneven_batches(root):
+    import warnings
+    rank = int(os.environ.get("RANK", "0"))
+
+    class Count(Net):
+        vals = 0
+
+        def validation_step(self, batch, batch_idx):
+            self.vals += 1
+            return super().validation_step(batch, batch_idx)
+
+    t = trainer(root, use_distributed_sampler=False, val_check_interval=0.5, log_every_n_steps=2)
+    module = Count()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        err, seconds = _fit(t, module, loader(32 if rank == 0 else 24), loader(8))
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "global_step": t.global_step,
+            "batches": t.num_training_batches, "val_batches": module.vals,
+            "warnings": [str(w.message) for w in caught if "different number of batches" in str(w.message)],
+            "weights": [p.detach().flatten().tolist() for p in module.parameters()]}
+
+
 def ready():
     """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
     process-group timeout is not spent on one process importing slower than the other."""
@@ -275,6 +300,6 @@ if __name__ == "__main__":
            "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
            "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
            "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
-           "lr_find_oom": lr_find_oom}[mode](root)
+           "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
