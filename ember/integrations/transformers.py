@@ -627,7 +627,7 @@ class ExportBestPretrained(Callback):
             except Exception as err:   # reported to every rank below, raised here as it is
                 error = err
         if getattr(strategy, "is_sharded", False):
-            # rank 0's read, and whether the checkpoint held full weights, in one broadcast
+            # rank 0's read outcome first: no rank waits in the next broadcast for one that failed
             raise_rank0_error(strategy, error, f"ExportBestPretrained: rank 0 could not read {path}")
             if strategy.broadcast(weights is None):
                 # no full weights in the checkpoint: gather the current ones (a collective)
