@@ -122,8 +122,14 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
             seed_everything(seed)
             self.seed = int(seed)
         else:  # no draw from the global RNG: a loop's random streams stay those of a raw loop
-            s = torch.initial_seed() % (2**31 - 1)
-            self.seed = int(self.strategy.broadcast(s)) if self.strategy.world_size > 1 else s
+            self.seed = torch.initial_seed() % (2**31 - 1)
+        if self.strategy.world_size > 1:
+            # one broadcast at setup: rank 0's seed (when none was given) and its count of the
+            # automatic checkpoints, so every rank names the next save_state() folder alike
+            # (another rank may list the folder before or after a save, or on another node)
+            s0, it0 = self.strategy.broadcast([self.seed, self.save_iteration])
+            self.seed = int(s0) if seed is None else self.seed
+            self.save_iteration = int(it0)
         if data_opts.get("data_seed") is not None:   # DataLoaderConfiguration(data_seed=): the data order only
             self.seed = int(data_opts["data_seed"])
 

@@ -38,11 +38,17 @@ def save_model(acc: Any, model: Any, save_directory: str | os.PathLike, max_shar
         raise MisconfigurationError("save_model(safe_serialization=False) is not supported: ember writes "
                                     "safetensors only")
     cio.parse_size(max_shard_size)
+    from ember.strategies.full_load import raise_rank0_error
     weights = acc.strategy.module_state_dict(model)   # every process (sharded strategies gather)
     files: list = []
+    error = None
     if acc.is_main_process:
-        files = cio.save_model_sharded(weights, save_directory, max_shard_size)
-    acc.strategy.barrier("save_model")
+        try:
+            files = cio.save_model_sharded(weights, save_directory, max_shard_size)
+        except Exception as err:   # reported to every process below, raised here as it is
+            error = err
+    # the main process's outcome in place of a closing barrier: a failed write raises everywhere
+    raise_rank0_error(acc.strategy, error, f"save_model({os.fspath(save_directory)!r}) failed on the main process")
     return files
 
 

@@ -132,6 +132,11 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
         def train(batch_size, model):
             ...
         train(model)
+
+    Under several processes the ranks retry together: a rank that ran out of memory
+    waits for the others to run out at the same batch size (in the rendezvous store, no
+    collective), and raises, naming itself, when they do not within the process-group
+    timeout (60 s at most): then its exit ends the others.
     """
     if function is None:
         return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
@@ -149,6 +154,8 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
             arg_str = ", ".join(f"{arg}={value}" for arg, value in zip(params[1:], args[1:]))
             raise TypeError(f"Batch size was passed into `{function.__name__}` as the first argument when called. "
                             f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`")
+        _CALLS["n"] += 1
+        call = _CALLS["n"]
         while True:
             if batch_size == 0:
                 raise RuntimeError("No executable batch size found, reached zero.")
@@ -157,12 +164,60 @@ def find_executable_batch_size(function: Callable | None = None, starting_batch_
             except Exception as e:
                 if not should_reduce_batch_size(e):
                     raise
+                _agree_on_oom(call, batch_size, e)   # several processes: retry only together
                 del e
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 batch_size = reduce_fn(batch_size)
     return decorator
+
+
+_CALLS = {"n": 0}
+_OOM_WAIT_S = 60.0
+
+
+def _agree_on_oom(call: int, batch_size: int, error: BaseException) -> None:
+    """Under several processes a rank retries with a smaller batch size only when every
+    rank ran out of memory at this batch size: a rank that retried alone would run its
+    collectives against the others' (a hang, or ranks training with different batch
+    sizes). Each rank that ran out counts itself in the rendezvous store (no collective:
+    the others may be blocked in one) and waits for the rest, at most the process-group
+    timeout (60 s at most); when they do not all come, it raises, chained from its out-of-
+    memory error, and its exit ends the other ranks (docs/distributed.md, "When a rank fails")."""
+    import time
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from torch.distributed import distributed_c10d as c10d
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        store = c10d._get_default_store()
+    except Exception:   # noqa: BLE001 - no store: the others cannot be asked
+        store = None
+    limit = _OOM_WAIT_S
+    s = _strategy()
+    timeout = getattr(s, "timeout", None)
+    if timeout is not None:
+        limit = min(limit, timeout.total_seconds())
+    got = 1
+    if store is not None:
+        key = f"ember/find_executable_batch_size/{call}/{batch_size}"
+        try:
+            got = int(store.add(key, 1))
+            deadline = time.monotonic() + limit
+            while got < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                got = int(store.add(key, 0))
+        except Exception:   # noqa: BLE001 - the store is gone (a rank ended): no retry together
+            pass
+    if got >= world:
+        return
+    raise RuntimeError(
+        f"find_executable_batch_size: rank {rank} ran out of memory at batch size {batch_size}, but only {got} "
+        f"of {world} ranks did within {limit:g} s: the ranks cannot retry with a smaller batch size apart (their "
+        "collectives would no longer match). Lower starting_batch_size, or even out the memory use of the ranks"
+    ) from error
 
 
 def tqdm(*args, main_process_only: bool = True, **kwargs):

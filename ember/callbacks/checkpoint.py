@@ -234,8 +234,14 @@ class ModelCheckpoint(Callback):
             name = self.format_checkpoint_name(trainer.callback_metrics, trainer.current_epoch, step)
             path = self._free_path(os.path.join(self.dirpath, name + ext), step, ext)
         if trainer.world_size > 1:
-            # rank zero's view decides (its metric, its directory listing): one collective
-            missing, score, path = trainer.strategy.broadcast((missing, score, path))
+            # rank zero's view decides (its metric, its directory listing, its top-k as it
+            # restored it from the files its node sees): one collective, so save / keep /
+            # delete are the same on every rank
+            missing, score, path, best = trainer.strategy.broadcast(
+                (missing, score, path, self.best_k_models if trainer.is_global_zero else None))
+            if best != self.best_k_models:
+                self.best_k_models = dict(best)
+                self._update_best()
         if missing:
             msg = (f"ModelCheckpoint(monitor={self.monitor!r}, filename={self.filename!r}) could not find "
                    f"{missing}: {trainer.describe_missing_metric(missing[0])}. Metrics available now: "
@@ -329,12 +335,18 @@ class ModelCheckpoint(Callback):
     def _write(self, trainer, path):
         if self.save_weights_only:
             from ember import checkpoint_io as cio
+            from ember.strategies.full_load import raise_rank0_error
             weights = trainer.strategy.module_state_dict(trainer.model)
+            error = None
             if trainer.is_global_zero:
-                os.makedirs(self.dirpath, exist_ok=True)
-                cio.save_weights_file(path, weights, {"epoch": str(trainer.current_epoch),
-                                                      "global_step": str(trainer.global_step)})
-            trainer.strategy.barrier("save_weights")
+                try:
+                    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                    cio.save_weights_file(path, weights, {"epoch": str(trainer.current_epoch),
+                                                          "global_step": str(trainer.global_step)})
+                except Exception as err:   # reported to every rank below, raised here as it is
+                    error = err
+            # rank 0's outcome in place of a closing barrier: a failed write raises on every rank
+            raise_rank0_error(trainer.strategy, error, f"checkpoint {path} was not written on rank 0")
         else:
             trainer.save_checkpoint(path)
         if self.verbose and trainer.is_global_zero:

@@ -83,23 +83,44 @@ class EarlyStopping(Callback):
         if getattr(trainer, "fast_dev_run", 0):   # a smoke test never stops early (as in Lightning)
             return
         value = trainer.callback_metrics.get(self.monitor)
-        if value is None:
+        before = (self.best_score, self.wait_count)
+        current, stop, reason = None, False, None
+        if value is not None:
+            current = float(value)
+            stop, reason = self._evaluate(current)
+        missing = [value is None]
+        if trainer.world_size > 1:
+            # one small collective per check (epoch or validation end), reached by every rank,
+            # also one without the metric (logged on some ranks only): every rank stops
+            # together, or skips / raises together
+            flags = [False] * trainer.world_size
+            flags[trainer.global_rank] = value is None
+            *missing, stop = trainer.strategy.agree([*flags, bool(stop)], "max")
+        if any(missing):
+            self.best_score, self.wait_count = before   # a skipped check counts for no rank
             if self.strict:
-                raise MisconfigurationError(
-                    f"EarlyStopping(monitor={self.monitor!r}) could not find the metric: "
-                    f"{trainer.describe_missing_metric(self.monitor)}. Metrics available now: "
-                    f"{sorted(trainer.callback_metrics)}. Pass strict=False to skip the check when it is missing.")
+                raise MisconfigurationError(self._missing_message(trainer, value, missing))
             return
-        current = float(value)
-        stop, reason = self._evaluate(current)
-        # one small collective per check (epoch or validation end): every rank stops together
-        stop = trainer.strategy.agree(bool(stop), "max")
         if stop:
             self.stopped_epoch = trainer.current_epoch
             self.stopping_reason, self.stopped_value = reason, current
             trainer.request_stop("early_stopping", agreed=True)
         if reason and self.verbose:
             self._print(trainer, reason)
+
+    def _missing_message(self, trainer, value, missing: list) -> str:
+        fix = "Pass strict=False to skip the check when it is missing."
+        if len(missing) > 1:
+            ranks = [r for r, m in enumerate(missing) if m]
+            where = (f"it is missing on rank(s) {ranks}" if value is not None else
+                     f"{trainer.describe_missing_metric(self.monitor)} (missing on rank(s) {ranks})")
+            fix = ("Log it on every rank (a value logged on some ranks only cannot be checked alike on all "
+                   "of them; sync_dist=True gives every rank the same value), or pass strict=False to skip "
+                   "the check when it is missing.")
+        else:
+            where = trainer.describe_missing_metric(self.monitor)
+        return (f"EarlyStopping(monitor={self.monitor!r}) could not find the metric: {where}. Metrics available "
+                f"now: {sorted(trainer.callback_metrics)}. {fix}")
 
     def _evaluate(self, current: float) -> tuple[bool, str | None]:
         if self.check_finite and not math.isfinite(current):

@@ -618,17 +618,28 @@ class ExportBestPretrained(Callback):
         from ember import checkpoint_io as cio
         ckpt = trainer.checkpoint_callback
         path = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
+        from ember.strategies.full_load import raise_rank0_error
         strategy = trainer.strategy
-        weights = None
+        weights, error = None, None
         if trainer.is_global_zero and path and os.path.exists(path):
-            weights, _, _ = cio.read_checkpoint(path, load_state=False)   # None for a sharded (DCP) checkpoint
-        if getattr(strategy, "is_sharded", False) and strategy.broadcast(weights is None):
-            # no full weights in the checkpoint: gather the current ones (a collective)
-            if trainer.is_global_zero and path:
-                warnings.warn(f"ExportBestPretrained: {path} holds sharded weights; exporting the current weights "
-                              "instead", UserWarning, stacklevel=2)
-            weights, path = strategy.module_state_dict(trainer.model), ""
-        if trainer.is_global_zero:
+            try:
+                weights, _, _ = cio.read_checkpoint(path, load_state=False)   # None for a sharded (DCP) checkpoint
+            except Exception as err:   # reported to every rank below, raised here as it is
+                error = err
+        if getattr(strategy, "is_sharded", False):
+            # rank 0's read outcome first: no rank waits in the next broadcast for one that failed
+            raise_rank0_error(strategy, error, f"ExportBestPretrained: rank 0 could not read {path}")
+            if strategy.broadcast(weights is None):
+                # no full weights in the checkpoint: gather the current ones (a collective)
+                if trainer.is_global_zero and path:
+                    warnings.warn(f"ExportBestPretrained: {path} holds sharded weights; exporting the current "
+                                  "weights instead", UserWarning, stacklevel=2)
+                weights, path = strategy.module_state_dict(trainer.model), ""
+        if trainer.is_global_zero and error is None:
             self.exported_from = path if path and weights is not None else "current weights"
-            module.save_pretrained(self.dirpath, tokenizer=self.tokenizer, state_dict=weights)
-        strategy.barrier("export_pretrained")
+            try:
+                module.save_pretrained(self.dirpath, tokenizer=self.tokenizer, state_dict=weights)
+            except Exception as err:   # reported to every rank below, raised here as it is
+                error = err
+        # rank 0's outcome in place of a closing barrier: a failed read or write raises on every rank
+        raise_rank0_error(strategy, error, f"ExportBestPretrained({self.dirpath!r}) failed on rank 0")

@@ -334,14 +334,19 @@ class Strategy:
         module = module if module is not None else self._last_module()
         if module is None:
             raise MisconfigurationError("export_full() needs a module: no module was set up by this strategy")
+        from ember.strategies.full_load import raise_rank0_error
         weights = self.module_state_dict(module)
         path = os.fspath(path)
+        error = None
         if self.is_global_zero:
-            if path.endswith(".safetensors"):
-                cio.save_weights_file(path, weights)
-            else:
-                cio.save_model_sharded(weights, path, max_shard_size)
-        self.barrier("export_full")
+            try:
+                if path.endswith(".safetensors"):
+                    cio.save_weights_file(path, weights)
+                else:
+                    cio.save_model_sharded(weights, path, max_shard_size)
+            except Exception as err:   # reported to every rank below, raised here as it is
+                error = err
+        raise_rank0_error(self, error, f"export_full({path!r}) failed on rank 0")   # no closing barrier
         return path
 
     def _last_module(self) -> nn.Module | None:

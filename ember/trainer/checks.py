@@ -155,3 +155,59 @@ def warn_fp16_on_cpu(t) -> None:
             "precision='16-mixed' on CPU runs fp16 autocast with a GradScaler (Lightning switches to "
             "'bf16-mixed' here instead): most CPUs have slow fp16 kernels. Pass precision='bf16-mixed' for "
             "Lightning's behaviour (no loss scaling needed), or '32-true'.", UserWarning, stacklevel=5)
+
+
+def check_finite_loss(t, loss, batch_idx: int, agree: bool = False) -> None:
+    """Raise NonFiniteLossError when ``loss`` is NaN/inf. One host sync: the loop calls
+    this only at log points (or every step under ``detect_anomaly=True``). ``agree`` (log
+    points under several processes): one small all-reduce of every rank's verdict, so
+    every rank raises at the same step, naming the ranks whose loss is not finite."""
+    import math
+    from ember.errors import NonFiniteLossError
+    v = float(loss.detach().float())
+    where = ""
+    if agree:
+        flags = [False] * t.world_size
+        flags[t.global_rank] = not math.isfinite(v)
+        bad = [r for r, f in enumerate(t.strategy.agree(flags, "max")) if f]
+        if not bad:
+            return
+        if math.isfinite(v):
+            raise NonFiniteLossError(
+                f"the training loss is not finite on rank(s) {bad} at global step {t.global_step + 1} (epoch "
+                f"{t.current_epoch}, batch {batch_idx}); see that rank's error. Every rank stops here.")
+        where = f" on rank {t.global_rank}" + (f" (and rank(s) {[r for r in bad if r != t.global_rank]})"
+                                              if len(bad) > 1 else "")
+    elif math.isfinite(v):
+        return
+    every = t.detect_anomaly
+    raise NonFiniteLossError(
+        f"the training loss is {v}{where} at global step {t.global_step + 1} (epoch {t.current_epoch}, batch "
+        f"{batch_idx}); "
+        + ("the optimizer step was not taken. " if every else
+           f"the loss is checked every log_every_n_steps={t.log_every_n_steps} steps, so it may have become "
+           "non-finite earlier: pass Trainer(detect_anomaly=True) to check every step and locate the first one. ")
+        + "Lower the learning rate, clip gradients (gradient_clip_val) or use precision='16-mixed' or "
+          "'bf16-mixed'.")
+
+
+def agree_train_batches(t, n: float) -> float:
+    """Under several processes: the number of training batches per epoch that every rank
+    runs, the smallest of the ranks' (``len`` of each rank's train loader after
+    ``limit_train_batches``; ``inf`` for one without a length). The epoch's end, the
+    validation points (``val_check_interval``) and the last accumulation window are
+    counted in batches, so ranks whose loaders differ in length would reach them at
+    different batches and wait in each other's collectives. One small all-reduce at setup
+    (each rank's count in its own slot); a warning on rank 0 names the counts when they differ."""
+    counts = [0.0] * t.world_size
+    counts[t.global_rank] = float(n)
+    counts = t.strategy.agree(counts, "max")
+    m = min(counts)
+    if m != max(counts) and t.is_global_zero:
+        shown = ", ".join(f"rank {r}: {int(c) if c != float('inf') else 'no length'}" for r, c in enumerate(counts))
+        warnings.warn(
+            f"the train dataloader has a different number of batches per epoch on each rank ({shown}); every "
+            f"rank trains {int(m)} batch(es) per epoch, the smallest (their steps must pair up), and leaves the "
+            "rest out. Give every rank the same number of batches (the distributed sampler does: "
+            "use_distributed_sampler=True, the default)", UserWarning, stacklevel=4)
+    return m if m == float("inf") else int(m)

@@ -56,8 +56,9 @@ a hook nobody overrides is never called)::
 Where the ranks agree (each decision made once; never a collective per step)::
 
     setup                 rank 0 picks the logger version folders (trainer.log_dir), broadcast
-                          (state.agree_log_versions); ckpt_path "last"/"best" is resolved on
-                          rank 0 only, broadcast, so every rank restores the same checkpoint;
+                          (state.agree_log_versions); ckpt_path "last"/"best" (and whether an
+                          elastic restart resumes) is resolved on rank 0 only, broadcast, so
+                          every rank restores the same checkpoint, or none;
                           a train loader kept with the user's sampler generator gets rank 0's
                           generator state (ember.data.agree_generator: one all_gather_object
                           of a digest, a broadcast only when the states differ)
@@ -75,13 +76,24 @@ Where the ranks agree (each decision made once; never a collective per step)::
     log points            (every log_every_n_steps optimizer steps) the same stop agreement:
                           should_stop set on any rank, Timer, max_time (each rank's clock),
                           SIGTERM/SIGUSR1 on any rank; the highest request wins, a signal first
+    non-finite loss       checked before the optimizer steps that are log points; under several
+                          processes one all-reduce of each rank's verdict there, so every rank
+                          raises NonFiniteLossError at that step (checks.check_finite_loss)
     after a validation    the same stop agreement at the next optimizer step (mid-epoch
                           EarlyStopping); EarlyStopping itself agrees on its decision (max)
-    ModelCheckpoint save  whether to save, the name and the monitored score are rank 0's,
+    ModelCheckpoint save  whether to save, the name, the monitored score and the top-k list
+                          (as rank 0 restored it from the files its node sees) are rank 0's,
                           broadcast in one collective per save point, so save/keep/delete and
                           the top-k bookkeeping are the same on every rank; train_time_interval
-                          is rank 0's clock, checked at log points
-    validation points     by batch count and epoch: the same on every rank by construction
+                          is rank 0's clock, checked at log points. A weights-only write (and
+                          Accelerator.save_model, export_full, ExportBestPretrained) broadcasts
+                          rank 0's outcome in place of a closing barrier
+    EarlyStopping check   one all-reduce of [metric missing on each rank, stop]: a monitor logged
+                          on some ranks only is missing on every rank (strict: all raise the
+                          same error; else all skip the check), never a rank returning alone
+    validation points     by batch count and epoch: the same on every rank; the number of training
+                          batches per epoch is agreed at setup (the smallest of the ranks',
+                          checks.agree_train_batches: one all-reduce, a warning when they differ)
     max_steps / epochs    counters: the same on every rank by construction
 
 A rank that does not reach an agreement within the process-group timeout is named in
@@ -124,7 +136,8 @@ from ember.errors import MisconfigurationError
 from ember.trainer import hooks as _hooks
 from ember.trainer.arguments import maybe_reload_dataloaders as reload_dataloaders
 from ember.trainer.progress import agree_stop
-from ember.trainer.state import check_epoch_trained, check_finite_loss
+from ember.trainer.checks import check_finite_loss
+from ember.trainer.state import check_epoch_trained
 
 _DL_SUFFIX = re.compile(r"/dataloader_idx_(\d+)")
 
@@ -319,9 +332,10 @@ class FitLoop:
                         loss = extract_loss(out)
                     if loss is not None:
                         t._last_loss = loss   # checked at the epoch end and before a save (no sync here)
-                        if check_loss is not None and (
-                                check_every or (boundary and (ls.global_step + 1) % log_every == 0)):
-                            check_loss(t, loss, batch_idx)
+                        if check_loss is not None:
+                            at_log = boundary and (ls.global_step + 1) % log_every == 0
+                            if at_log or check_every:   # agreed at log points under several processes
+                                check_loss(t, loss, batch_idx, multi and at_log)
                         backward(loss)   # divided by the window's size; scaled under 16-mixed
                 finally:
                     if sync_ctx is not None:

@@ -14,7 +14,6 @@ What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
@@ -283,20 +282,24 @@ def _best_from_last(t) -> str | None:
     return None
 
 
-def elastic_resume_path(t) -> str | None:
-    """``"last"`` in a worker group that torchrun's elastic agent restarted
-    (``TORCHELASTIC_RESTART_COUNT`` > 0) under ``ember launch --max-restarts N``
-    (which sets ``EMBER_ELASTIC_RESUME=1``), when this run has a complete checkpoint;
-    else None (a group that failed before its first checkpoint starts afresh). The
-    agent stops every worker before it restarts the group, so the files every rank
-    sees here are the same."""
+def elastic_restart() -> bool:
+    """True in a worker group that torchrun's elastic agent restarted
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) under ``ember launch --max-restarts N`` (which
+    sets ``EMBER_ELASTIC_RESUME=1``): the environment, the same on every rank."""
     if os.environ.get("EMBER_ELASTIC_RESUME", "") not in ("1", "true"):
-        return None
+        return False
     try:
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     except ValueError:
-        restarts = 0
-    if restarts <= 0 or find_last(t) is None:
+        return False
+
+
+def elastic_resume_path(t) -> str | None:
+    """``"last"`` after an elastic restart (:func:`elastic_restart`) when this run has a
+    complete checkpoint; else None (a group that failed before its first checkpoint
+    starts afresh). Under several processes only rank 0 looks (the Trainer broadcasts
+    its answer after setup): another node may see the run folder otherwise."""
+    if not elastic_restart() or find_last(t) is None:
         return None
     return "last"
 
@@ -516,22 +519,6 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- non-finite loss
-def check_finite_loss(t, loss: torch.Tensor, batch_idx: int) -> None:
-    """Raise NonFiniteLossError when ``loss`` is NaN/inf. One host sync: the loop calls
-    this only at log points (or every step under ``detect_anomaly=True``)."""
-    v = float(loss.detach().float())
-    if math.isfinite(v):
-        return
-    every = t.detect_anomaly
-    raise NonFiniteLossError(
-        f"the training loss is {v} at global step {t.global_step + 1} (epoch {t.current_epoch}, batch {batch_idx}); "
-        + ("the optimizer step was not taken. " if every else
-           f"the loss is checked every log_every_n_steps={t.log_every_n_steps} steps, so it may have become "
-           "non-finite earlier: pass Trainer(detect_anomaly=True) to check every step and locate the first one. ")
-        + "Lower the learning rate, clip gradients (gradient_clip_val) or use precision='16-mixed' or "
-          "'bf16-mixed'.")
-
-
 def check_finite_at(t, when: str) -> None:
     """The last training loss is finite (one sync, and under several processes one
     reduction so every rank raises): called at each epoch end and before each save."""

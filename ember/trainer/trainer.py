@@ -319,9 +319,10 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             datamodule, loaders = loaders[first], {**loaders, first: None}
         if ckpt_path is None and self._ckpt_path_user:
             ckpt_path = self._ckpt_path   # trainer.ckpt_path = ... (Lightning's user-managed path)
-        if ckpt_path is None and stage == "fit":
-            ckpt_path = _state.elastic_resume_path(self)   # "last" after an elastic restart
-        by_name = ckpt_path in ("last", "best")
+        elastic = ckpt_path is None and stage == "fit" and _state.elastic_restart()
+        if elastic and (self.world_size == 1 or self.global_rank == 0):
+            ckpt_path = _state.elastic_resume_path(self)   # "last" when rank 0 sees a checkpoint
+        by_name = ckpt_path in ("last", "best") or elastic   # rank 0's answer, broadcast after setup
         early = None   # under several processes a refusal waits for the agreement in restore
         if ckpt_path is not None and not (by_name and self.world_size > 1 and self.global_rank != 0):
             # errors before any work; "last"/"best" only on rank 0 (the rank is known from the
@@ -347,8 +348,9 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
         try:
             self._setup(module, datamodule, stage, loaders)
             if by_name and self.world_size > 1:
-                # "last"/"best" is rank 0's resolution: every rank restores the same checkpoint
-                # (file listings and modification times may differ between nodes)
+                # "last"/"best" (and whether an elastic restart resumes) is rank 0's resolution:
+                # every rank restores the same checkpoint, or none (file listings and
+                # modification times may differ between nodes)
                 ckpt_path = self.strategy.broadcast(ckpt_path)
             if ckpt_path is not None:
                 _state.restore(self, ckpt_path, full=(stage == "fit"), early=early)
@@ -482,6 +484,8 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             else:
                 self._train_loader = prep(train, seed=self._data_seed)
             self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
+            if self.world_size > 1:   # the epoch's length, validation points: the same on every rank
+                self.num_training_batches = _checks.agree_train_batches(self, self.num_training_batches)
             if self.num_training_batches == 0:
                 raise MisconfigurationError("the train dataloader has no batches (limit_train_batches or an empty dataset)")
             self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False)

@@ -1,0 +1,305 @@
+"""Decisions that read per-rank inputs, and writes rank 0 alone makes, agreed across 2 CPU
+processes (gloo, ember's own launcher or ``ember launch``), run by tests/test_agree_paths.py.
+
+    python agree_paths_ddp.py MODE ROOT
+
+MODE ``es_strict`` / ``es_lenient``: the metric EarlyStopping monitors is logged on rank 0
+only (``self.log`` without sync_dist, under ``if self.global_rank == 0``): with strict=True
+every rank raises the same error naming rank 1, with strict=False every rank skips the
+check; neither waits for the process-group timeout (20 s).
+MODE ``topk_view``: ModelCheckpoint(save_top_k=1, mode="max") resumed where rank 1's
+checkpoint folder holds none of the earlier checkpoints (a node-local folder): rank 1
+restores an empty top-k, rank 0 the real one; the save / keep decisions must still be rank
+0's on both ranks (a rank saving alone would wait in the save's collective).
+MODE ``weights_enospc``: ModelCheckpoint(save_weights_only=True) whose write fails on rank 0
+(ENOSPC after the bytes): every rank raises within seconds, naming the disk error.
+MODE ``save_model_enospc`` (under ``ember launch``): Accelerator.save_model whose write fails
+on the main process: the same.
+MODE ``find_bs_sym`` / ``find_bs_asym`` (under ``ember launch``): ember.utils.find_executable_batch_size
+from 32 over a DDP model whose step runs out of memory (torch.OutOfMemoryError raised, as CUDA
+does) above batch size 8: on both ranks (both retry together and settle on 8), or on rank 1
+only (rank 1 must not retry alone: it raises, naming itself, and the run ends).
+MODE ``elastic_view``: a group restarted by the elastic agent (``EMBER_ELASTIC_RESUME=1``,
+``TORCHELASTIC_RESTART_COUNT=1``, set by the script after a first fit) where rank 1's run
+folder (a separate ``default_root_dir``) shows no checkpoint: both ranks resume rank 0's.
+MODE ``acc_auto_dir`` (under ``ember launch``): automatic checkpoint naming; the main process
+alone saves ``checkpoint_0`` (``if is_main_process: save_state()``, after 2 s of other work),
+then every process builds a second Accelerator on the same project folder (rank 1 first,
+before that save is in place) and calls save_state(): both must write the same folder.
+MODE ``nan_rank1``: rank 1's training loss is NaN at its fourth batch (a log point, with
+log_every_n_steps=2): every rank raises NonFiniteLossError at that step, within seconds.
+MODE ``lr_find_oom``: ember.tuner.lr_find where rank 1 runs out of memory at its sixth step
+(rank 0 does not): lr_find does not catch it, so rank 1's error ends the run (the launcher
+stops rank 0, blocked in the gradient all-reduce); no rank writes a result.
+MODE ``uneven_batches``: use_distributed_sampler=False and a train loader of 8 batches on rank
+0, 6 on rank 1 (val_check_interval=0.5, 2 epochs): every rank runs 6 batches per epoch and
+validates at the same batches; the same weights on both ranks.
+Every rank writes ROOT/<MODE>_<rank>.json.
+"""
+import errno
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import ember
+from ember.callbacks import EarlyStopping, ModelCheckpoint
+from ember.strategies import DDPStrategy
+
+
+class Net(ember.TrainModule):
+    def __init__(self, val_on_rank0_only=False):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.val_on_rank0_only = val_on_rank0_only
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        if self.val_on_rank0_only:
+            if self.global_rank == 0:
+                self.log("val_loss", loss)
+        else:
+            self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def loader(n=32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def trainer(root, timeout=20, **kw):
+    args = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                default_root_dir=root, logger=False, enable_checkpointing=False)
+    args.update(kw)
+    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=timeout), **args)
+
+
+def _fit(t, module, *loaders, **kw):
+    start = time.monotonic()
+    try:
+        t.fit(module, *loaders, **kw)
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return err, time.monotonic() - start
+
+
+def early_stopping(root, strict):
+    es = EarlyStopping(monitor="val_loss", patience=100, strict=strict)
+    t = trainer(root, callbacks=[es])
+    err, seconds = _fit(t, Net(val_on_rank0_only=True), loader(), loader(8))
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "stop_reason": t.stop_reason,
+            "epoch": t.current_epoch, "wait_count": es.wait_count}
+
+
+def topk_view(root):
+    # 1. one epoch, one checkpoint, in the shared folder
+    ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"), monitor="val_loss", mode="max", save_top_k=1)
+    t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
+    err, _ = _fit(t, Net(), loader(), loader(8))
+    assert err is None, err
+    first = ck.best_model_path
+    # 2. resumed: rank 1's folder (node-local) holds no checkpoint, so it restores an empty
+    # top-k; the validation loss falls, so in mode "max" no later epoch beats the first
+    rank = t.global_rank
+    mine = os.path.join(root, "ck" if rank == 0 else "rank1_view")
+    ck2 = ModelCheckpoint(dirpath=mine, monitor="val_loss", mode="max", save_top_k=1)
+    t2 = trainer(root, enable_checkpointing=True, callbacks=[ck2], max_epochs=3)
+    err, seconds = _fit(t2, Net(), loader(), loader(8), ckpt_path=first)
+    return {"error": err, "seconds": seconds, "rank": rank, "first": first, "epoch": t2.current_epoch,
+            "topk": sorted(ck2.best_k_models), "best": ck2.best_model_path,
+            "files": sorted(os.listdir(os.path.join(root, "ck"))),
+            "rank1_files": sorted(os.listdir(os.path.join(root, "rank1_view")))
+            if os.path.isdir(os.path.join(root, "rank1_view")) else []}
+
+
+def _full_disk(real):
+    def write(*a, **kw):   # what the kernel answers when the disk fills mid-write
+        real(*a, **kw)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return write
+
+
+def weights_enospc(root):
+    from ember import checkpoint_io as cio
+    ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"), save_weights_only=True)
+    t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        cio.save_weights_file = _full_disk(cio.save_weights_file)
+    err, seconds = _fit(t, Net(), loader())
+    return {"error": err, "seconds": seconds, "rank": t.global_rank}
+
+
+def save_model_enospc(root):
+    from ember import checkpoint_io as cio
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
+    model = acc.prepare(Net())
+    if acc.is_main_process:
+        cio.save_model_sharded = _full_disk(cio.save_model_sharded)
+    start = time.monotonic()
+    try:
+        acc.save_model(model, os.path.join(root, "export"))
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start, "rank": acc.process_index}
+
+
+def find_bs(root, asym):
+    from ember.utils import find_executable_batch_size
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
+    rank = acc.process_index
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=32)
+    def train(batch_size):
+        tried.append(batch_size)
+        torch.manual_seed(0)
+        net = nn.Linear(4, 1)
+        model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        x = torch.randn(64, 4)
+        for i in range(0, 64, batch_size):
+            if batch_size > 8 and (rank == 1 or not asym):
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch_size} MiB (rank {rank})")
+            loss = model(x[i:i + batch_size]).pow(2).mean()
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        return batch_size
+
+    start = time.monotonic()
+    got = train()
+    return {"rank": rank, "batch_size": got, "tried": tried, "seconds": time.monotonic() - start}
+
+
+def elastic_view(root):
+    t = trainer(root, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=3,
+                max_epochs=5)
+    err, _ = _fit(t, Net(), loader())
+    assert err is None, err
+    rank = t.global_rank
+    mine = root if rank == 0 else os.path.join(root, "empty_view")
+    os.makedirs(mine, exist_ok=True)
+    os.environ.update(EMBER_ELASTIC_RESUME="1", TORCHELASTIC_RESTART_COUNT="1")   # the restarted group
+    t2 = trainer(mine, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=5,
+                 max_epochs=5)
+    err, seconds = _fit(t2, Net(), loader())
+    return {"error": err, "seconds": seconds, "rank": rank, "resumed": t2.ckpt_path, "global_step": t2.global_step,
+            "weights": [p.detach().flatten().tolist() for p in t2.module.parameters()]}
+
+
+def acc_auto_dir(root):
+    from ember.utils import ProjectConfiguration
+
+    def make():
+        acc = ember.Accelerator(strategy=DDPStrategy(timeout=20), project_dir=os.path.join(root, "proj"),
+                                project_config=ProjectConfiguration(automatic_checkpoint_naming=True))
+        net = nn.Linear(4, 1)
+        acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        return acc
+
+    acc = make()
+    if acc.is_main_process:
+        time.sleep(2)
+        first = acc.save_state()
+    acc2 = make()
+    start = time.monotonic()
+    second = acc2.save_state()
+    acc2.wait_for_everyone()
+    out = {"rank": acc.process_index, "second": os.path.basename(second), "seconds": time.monotonic() - start,
+           "files": sorted(os.listdir(second))}
+    if acc.is_main_process:
+        out["first"] = os.path.basename(first)
+    return out
+
+
+class NaNOnRank1(Net):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_rank == 1 and batch_idx == 3 else loss
+
+
+def nan_rank1(root):
+    t = trainer(root, log_every_n_steps=2, max_epochs=1)
+    err, seconds = _fit(t, NaNOnRank1(), loader())
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "global_step": t.global_step}
+
+
+class OOMOnRank1(Net):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 5:
+            with open(os.path.join(ROOT, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (rank 1)")
+        return super().training_step(batch, batch_idx)
+
+
+def lr_find_oom(root):
+    import ember.tuner
+    t = trainer(root, max_epochs=1)
+    result = ember.tuner.lr_find(t, OOMOnRank1(), loader(64), num_training=20)
+    return {"rank": t.global_rank, "lrs": len(result.lrs)}
+
+
+def uneven_batches(root):
+    import warnings
+    rank = int(os.environ.get("RANK", "0"))
+
+    class Count(Net):
+        vals = 0
+
+        def validation_step(self, batch, batch_idx):
+            self.vals += 1
+            return super().validation_step(batch, batch_idx)
+
+    t = trainer(root, use_distributed_sampler=False, val_check_interval=0.5, log_every_n_steps=2)
+    module = Count()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        err, seconds = _fit(t, module, loader(32 if rank == 0 else 24), loader(8))
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "global_step": t.global_step,
+            "batches": t.num_training_batches, "val_batches": module.vals,
+            "warnings": [str(w.message) for w in caught if "different number of batches" in str(w.message)],
+            "weights": [p.detach().flatten().tolist() for p in module.parameters()]}
+
+
+def ready():
+    """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
+    process-group timeout is not spent on one process importing slower than the other."""
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))
+    store.add("agree_paths/ready", 1)
+    deadline = time.monotonic() + 60
+    while int(store.add("agree_paths/ready", 0)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    mode, root = sys.argv[1], sys.argv[2]
+    ROOT = root
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        ready()
+    out = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
+           "topk_view": topk_view, "weights_enospc": weights_enospc,
+           "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
+           "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
+           "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
+           "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches}[mode](root)
+    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
+        json.dump(out, f)
