@@ -143,6 +143,15 @@ def test_non_finite_loss_on_one_rank_stops_every_rank_at_the_log_point(tmp_path)
 
 
 @pytest.mark.timeout(200)
+def test_prepare_data_failing_on_local_rank0_reaches_every_rank(tmp_path):
+    r0, r1 = _run("prepare_data_fails", tmp_path)
+    assert r0["error"] == "OSError: [Errno 28] No space left on device: '/data/cache'", r0
+    assert r1["error"] == ("DistributedOperationError: prepare_data failed on rank 0 (that node's local rank 0): "
+                           "OSError: [Errno 28] No space left on device: '/data/cache'"), r1
+    assert r0["seconds"] < 15 and r1["seconds"] < 15      # not the 20 s process-group timeout
+
+
+@pytest.mark.timeout(200)
 def test_lr_find_out_of_memory_on_one_rank_ends_the_run(tmp_path):
     """The learning-rate finder does not retry: an out-of-memory error on rank 1 alone is
     raised there, and the run ends within seconds with that error, not after the timeout."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ember.callbacks.base import Callback, hook_table
-from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
+from ember.errors import CheckpointError, DistributedOperationError, MisconfigurationError, invalid_choice
 from ember.module import DataModule, TrainModule, overrides
 from ember.trainer import checks as _checks
 from ember.trainer import arguments as _args
@@ -419,10 +419,14 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
         _hooks.check_module_hooks(self, module)
         module_prepare = overrides(module, TrainModule, "prepare_data")
         if datamodule is not None or module_prepare:
+            error = None
             if self.strategy.is_local_zero:
-                datamodule.prepare_data() if datamodule is not None else None
-                module.prepare_data() if module_prepare else None
-            self.strategy.barrier("prepare_data")
+                try:
+                    datamodule.prepare_data() if datamodule is not None else None
+                    module.prepare_data() if module_prepare else None
+                except Exception as err:   # agreed below: no rank waits for a local rank 0 that failed
+                    error = err
+            _prepare_data_agreed(self.strategy, error)
         if datamodule is not None:
             datamodule.setup(stage)
         self._call_hook("setup", stage)   # callbacks', then the module's setup(stage)
@@ -621,3 +625,21 @@ def _one_module(module: Any, model: Any) -> Any:
     if model is not None and module is not None:
         raise MisconfigurationError("pass the module once: positionally or as model=, not both")
     return module if model is None else model
+
+
+def _prepare_data_agreed(strategy, error: "BaseException | None") -> None:
+    """In place of a barrier after ``prepare_data`` (run by each node's local rank 0):
+    one all-gather of the outcomes, so a failure raises on every rank (the failing rank
+    its own error, the others a DistributedOperationError naming it) instead of the others
+    waiting in the barrier."""
+    if strategy.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    outcomes = strategy.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, m) for r, m in enumerate(outcomes) if m is not None]
+    if error is not None:
+        raise error
+    if failed:
+        rank, msg = failed[0]
+        raise DistributedOperationError(f"prepare_data failed on rank {rank} (that node's local rank 0): {msg}")

@@ -34,6 +34,9 @@ stops rank 0, blocked in the gradient all-reduce); no rank writes a result.
 MODE ``uneven_batches``: use_distributed_sampler=False and a train loader of 8 batches on rank
 0, 6 on rank 1 (val_check_interval=0.5, 2 epochs): every rank runs 6 batches per epoch and
 validates at the same batches; the same weights on both ranks.
+MODE ``prepare_data_fails``: the module's prepare_data (run by local rank 0 only) raises:
+every rank raises within seconds, rank 0 its own error, rank 1 one naming rank 0 (no rank
+waits in a barrier for it).
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
@@ -249,6 +252,17 @@ class OOMOnRank1(Net):
         return super().training_step(batch, batch_idx)
 
 
+class PrepareFails(Net):
+    def prepare_data(self):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/cache")
+
+
+def prepare_data_fails(root):
+    t = trainer(root, max_epochs=1)
+    err, seconds = _fit(t, PrepareFails(), loader())
+    return {"error": err, "seconds": seconds, "rank": t.global_rank}
+
+
 def lr_find_oom(root):
     import ember.tuner
     t = trainer(root, max_epochs=1)
@@ -300,6 +314,7 @@ if __name__ == "__main__":
            "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
            "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
            "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
-           "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches}[mode](root)
+           "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches,
+           "prepare_data_fails": prepare_data_fails}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
