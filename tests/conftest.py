@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+# The suite's checkpoints are throwaway: no fsync (a busy disk stalled fsync for tens of
+# seconds and made timing-bound tests flaky). Subprocesses inherit it.
+# tests/test_checkpoint_io.py::test_fsync_reaches_every_file_and_folder keeps that path tested.
+os.environ.setdefault("EMBER_CHECKPOINT_FSYNC", "0")
 
-import ember
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import ember  # noqa: E402
 
 
 def reseal(ckpt) -> None:

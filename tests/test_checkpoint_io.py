@@ -458,3 +458,24 @@ def test_cuda_tensors_and_generators(tmp_path):
     cio.save_torch(state, tmp_path / "rng.pt")
     cio.restore_rng_states(cio.load_torch(tmp_path / "rng.pt"))
     assert torch.rand(3, device="cuda").tolist() == first
+
+
+def test_fsync_reaches_every_file_and_folder(tmp_path, monkeypatch):
+    # the suite runs with EMBER_CHECKPOINT_FSYNC=0 (tests/conftest.py); the default is on
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else fd)
+        real_fsync(fd)
+    monkeypatch.setattr(cio, "FSYNC", True)
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = cio.write_checkpoint(tmp_path / "ck", {"w": torch.ones(3)}, {"loop": {}}, {"strategy": "single"})
+    if not os.path.exists("/proc/self/fd"):
+        assert synced
+        return
+    files = {os.path.join(path, n) for n in os.listdir(path)}
+    tmp = cio.tmp_path(path)
+    written = {p.replace(tmp, path) for p in synced}
+    assert files <= written, files - written          # every file, synced before the rename
+    assert str(tmp_path) in written                   # the parent folder, after the rename

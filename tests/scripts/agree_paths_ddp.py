@@ -165,7 +165,7 @@ def save_model_enospc(root):
 
 def find_bs(root, asym):
     from ember.utils import find_executable_batch_size
-    acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
+    acc = ember.Accelerator(strategy=DDPStrategy(timeout=10 if asym else 20))   # asym waits out the timeout
     rank = acc.process_index
     tried = []
 
