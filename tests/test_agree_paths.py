@@ -17,14 +17,33 @@ _STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", 
           "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
 
 
+# modes started by the Trainer's own launcher that end normally: run together, in one start of
+# the two processes (each start costs seconds), the first time a test asks for one of them
+TOGETHER = ("es_strict", "es_lenient", "topk_view", "weights_enospc", "nan_rank1", "uneven_batches",
+            "prepare_data_fails")
+_together_root = None
+
+
 def _run(mode, tmp_path, launch=False):
+    global _together_root
+    if mode in TOGETHER:
+        if _together_root is None:
+            import tempfile
+            root = Path(tempfile.mkdtemp(prefix="agree_paths_"))
+            _start("many", root, extra=[",".join(TOGETHER)])
+            _together_root = root
+        return [json.loads((_together_root / mode / f"{mode}_{r}.json").read_text()) for r in (0, 1)]
+    _start(mode, tmp_path, launch=launch)
+    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)]
+
+
+def _start(mode, tmp_path, launch=False, extra=()):
     env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
-    cmd = [str(SCRIPTS / "agree_paths_ddp.py"), mode, str(tmp_path)]
+    cmd = [str(SCRIPTS / "agree_paths_ddp.py"), mode, str(tmp_path), *extra]
     cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", *cmd] if launch else [sys.executable, *cmd]
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
-    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.timeout(200)

@@ -57,17 +57,31 @@ def on_ember(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def on_lightning(tmp_path_factory):
+    """``on_lightning(name, devices=1)``: the same port run on Lightning itself, once per module."""
+    pytest.importorskip("lightning")
+    cache: dict = {}
+
+    def get(name, devices=1):
+        key = (name, devices)
+        if key not in cache:
+            cache[key] = run(tmp_path_factory.mktemp(f"lightning{devices}_{name}"), name, lightning=True,
+                             devices=devices)
+        return cache[key]
+    return get
+
+
 def without(metrics: dict, names: list[str]) -> dict:
     return {k: v for k, v in metrics.items() if k not in names}
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", NAMES)
-def test_port_on_one_process_equals_lightning(name, on_ember, tmp_path):
+def test_port_on_one_process_equals_lightning(name, on_ember, on_lightning):
     ember = on_ember(name)
     assert ember["world"] == 1 and ember["params"]
-    pytest.importorskip("lightning")
-    lit = run(tmp_path, name, lightning=True)
+    lit = on_lightning(name)
     assert ember["params"] == lit["params"]            # every weight, after fit
     assert ember.get("test") == lit.get("test")        # test(ckpt_path="best") metrics
     for key in ("prediction0_sum", "n_predictions", "test_accuracy", "grids", "images"):
@@ -77,9 +91,8 @@ def test_port_on_one_process_equals_lightning(name, on_ember, tmp_path):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", NAMES)
-def test_port_step_metrics_equal_lightning(name, on_ember, tmp_path):
-    pytest.importorskip("lightning")
-    assert on_ember(name)["fit_metrics"] == run(tmp_path, name, lightning=True)["fit_metrics"]
+def test_port_step_metrics_equal_lightning(name, on_ember, on_lightning):
+    assert on_ember(name)["fit_metrics"] == on_lightning(name)["fit_metrics"]
 
 
 @pytest.mark.multiproc
@@ -101,10 +114,9 @@ def test_port_on_two_processes(name, on_ember):
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", ["autoencoder", "backbone_image_classifier", "bug_report_model"])
-def test_port_on_two_processes_equals_lightning(name, on_ember, tmp_path):
+def test_port_on_two_processes_equals_lightning(name, on_ember, on_lightning):
     ember = on_ember(name, devices=2)
-    pytest.importorskip("lightning")
-    lit = run(tmp_path, name, lightning=True, devices=2)
+    lit = on_lightning(name, devices=2)
     assert lit["world"] == 2
     assert ember["params"] == lit["params"]            # same shuffled shards, same averaged gradients
     assert ember.get("test") == lit.get("test")        # rank 0's test metrics (logged without sync_dist)

@@ -17,15 +17,34 @@ _STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", 
           "EMBER_ALLOW_DATA_CHANGE")
 
 
+# the Trainer modes run together in one start of the two processes (each start costs seconds),
+# the first time a test asks for one of them
+TOGETHER = ("data_len", "allow_rank0", "allow_rank1", "swapped_state", "missing_rank1")
+_together: dict = {}
+
+
 def _run(mode, tmp_path, timeout=150, launch=False):
     """The script's MODE in 2 processes, started by the Trainer itself or by `ember launch`."""
+    if mode in TOGETHER:
+        if not _together:
+            import tempfile
+            root = Path(tempfile.mkdtemp(prefix="resume_agree_"))
+            _together["stderr"] = _start("many", root, 300, False, [",".join(TOGETHER)])
+            _together["root"] = root
+        root = _together["root"] / mode
+        return [json.loads((root / f"{mode}_{r}.json").read_text()) for r in (0, 1)], _together["stderr"]
+    err = _start(mode, tmp_path, timeout, launch)
+    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)], err
+
+
+def _start(mode, tmp_path, timeout, launch, extra=()):
     env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
-    cmd = [str(SCRIPTS / "resume_agree_ddp.py"), mode, str(tmp_path)]
+    cmd = [str(SCRIPTS / "resume_agree_ddp.py"), mode, str(tmp_path), *extra]
     cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", *cmd] if launch else [sys.executable, *cmd]
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
-    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)], p.stderr
+    return p.stderr
 
 
 def _same_refusal(r0, r1, rank, *needles):

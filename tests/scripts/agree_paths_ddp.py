@@ -37,7 +37,8 @@ validates at the same batches; the same weights on both ranks.
 MODE ``prepare_data_fails``: the module's prepare_data (run by local rank 0 only) raises:
 every rank raises within seconds, rank 0 its own error, rank 1 one naming rank 0 (no rank
 waits in a barrier for it).
-Every rank writes ROOT/<MODE>_<rank>.json.
+Every rank writes ROOT/<MODE>_<rank>.json. ``python agree_paths_ddp.py many ROOT m1,m2,...`` runs
+several modes that end normally in the same two processes, each in ROOT/<mode>/.
 """
 import errno
 import json
@@ -304,17 +305,36 @@ def ready():
         time.sleep(0.05)
 
 
+MODES = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
+         "topk_view": topk_view, "weights_enospc": weights_enospc,
+         "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
+         "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
+         "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
+         "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches,
+         "prepare_data_fails": prepare_data_fails}
+
+
+def run_mode(mode, root):
+    from ember import checkpoint_io as cio
+    patched = {name: getattr(cio, name) for name in ("save_weights_file", "save_model_sharded")}
+    try:
+        out = MODES[mode](root)
+    finally:   # a mode's injected disk error stays in that mode
+        for name, fn in patched.items():
+            setattr(cio, name, fn)
+    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
+        json.dump(out, f)
+
+
 if __name__ == "__main__":
     mode, root = sys.argv[1], sys.argv[2]
     ROOT = root
     if "TORCHELASTIC_RUN_ID" in os.environ:
         ready()
-    out = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
-           "topk_view": topk_view, "weights_enospc": weights_enospc,
-           "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
-           "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
-           "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
-           "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches,
-           "prepare_data_fails": prepare_data_fails}[mode](root)
-    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
-        json.dump(out, f)
+    # ``many ROOT m1,m2,...``: several modes that end normally, one after the other in the same
+    # two processes (one process start for all of them), each in ROOT/<mode>/
+    for m in (sys.argv[3].split(",") if mode == "many" else [mode]):
+        d = os.path.join(root, m) if mode == "many" else root
+        os.makedirs(d, exist_ok=True)
+        ROOT = d
+        run_mode(m, d)

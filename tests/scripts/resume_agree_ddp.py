@@ -19,7 +19,8 @@ MODE ``acc_swapped`` (under ``ember launch``): the same with ``Accelerator.save_
 MODE ``acc_auto`` (under ``ember launch``): ``load_state()`` without a directory where
 rank 1's view of the project folder holds no ``checkpoint_N``: both load rank 0's pick.
 Every rank writes ROOT/<MODE>_<rank>.json: its error, the seconds from the resume
-call to it, its global step.
+call to it, its global step. ``python resume_agree_ddp.py many ROOT m1,m2,...`` runs several
+Trainer modes in the same two processes, each in ROOT/<mode>/.
 """
 import json
 import os
@@ -166,6 +167,14 @@ def acc_auto(root):
 
 if __name__ == "__main__":
     mode, root = sys.argv[1], sys.argv[2]
-    out = {"acc_swapped": acc_swapped, "acc_auto": acc_auto}.get(mode, lambda r: resume(mode, r))(root)
-    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
-        json.dump(out, f)
+    # ``many ROOT m1,m2,...``: several Trainer modes in the same two processes (one start), each
+    # in ROOT/<mode>/; a mode's EMBER_ALLOW_DATA_CHANGE stays in that mode
+    for m in (sys.argv[3].split(",") if mode == "many" else [mode]):
+        d = os.path.join(root, m) if mode == "many" else root
+        os.makedirs(d, exist_ok=True)
+        try:
+            out = {"acc_swapped": acc_swapped, "acc_auto": acc_auto}.get(m, lambda r: resume(m, r))(d)
+        finally:
+            os.environ.pop("EMBER_ALLOW_DATA_CHANGE", None)
+        with open(os.path.join(d, f"{m}_{out['rank']}.json"), "w") as f:
+            json.dump(out, f)
