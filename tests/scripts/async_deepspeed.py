@@ -128,16 +128,7 @@ sc.write_result(OUT, "async_snapshot", {
 
 
 # 4. the commit rule: rank 1's file missing -> nothing committed, an error naming rank 1 on every rank
-class DropsRank1File(DeepSpeedStrategy):
-    def _commit(self, path, state, meta, mine):
-        self.barrier()
-        if self.global_rank == 1 and isinstance(mine, dict):
-            os.remove(os.path.join(cio.tmp_path(path), "model", sorted(mine)[0]))
-            dropped.append(sorted(mine)[0])
-        super()._commit(path, state, meta, mine)
-
-
-dropped = []
+DropsRank1File, dropped = sc.deepspeed_dropping_rank1_file()
 res = {}
 t = trainer(ds(DropsRank1File, async_save=True), max_steps=1)
 t.fit(sc.make_net(), sc.loader())

@@ -199,3 +199,21 @@ def write_result(out_dir: str, name: str, result: dict, rank: int) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def deepspeed_dropping_rank1_file():
+    """``(cls, dropped)``: a DeepSpeedStrategy whose commit finds rank 1's first ZeRO file
+    removed (rank 1 deletes it just before the commit's check; its name goes in ``dropped``),
+    for the tests of the rule that a commit checks every rank's files."""
+    from ember import checkpoint_io as cio
+    from ember.strategies import DeepSpeedStrategy
+    dropped: list = []
+
+    class DropsRank1File(DeepSpeedStrategy):
+        def _commit(self, path, state, meta, mine):
+            self.barrier()
+            if self.global_rank == 1 and isinstance(mine, dict):
+                os.remove(os.path.join(cio.tmp_path(path), "model", sorted(mine)[0]))
+                dropped.append(sorted(mine)[0])
+            super()._commit(path, state, meta, mine)
+    return DropsRank1File, dropped

@@ -194,16 +194,7 @@ sc.write_result(OUT, "load_weights", {"val_loss": metrics[0]["val/loss"], "expec
 
 # 11. a commit checks every rank's files: rank 1's ZeRO file missing -> nothing committed, an
 #     error on every rank naming rank 1; a complete checkpoint lists every rank's files in meta.json
-class DropsRank1File(DeepSpeedStrategy):
-    def _commit(self, path, state, meta, mine):
-        self.barrier()
-        if self.global_rank == 1 and isinstance(mine, dict):
-            os.remove(os.path.join(cio.tmp_path(path), "model", sorted(mine)[0]))
-            dropped.append(sorted(mine)[0])
-        super()._commit(path, state, meta, mine)
-
-
-dropped = []
+DropsRank1File, dropped = sc.deepspeed_dropping_rank1_file()
 res = {}
 t = trainer(DropsRank1File(devices=2, stage=STAGE, **ZERO), max_steps=1)
 t.fit(sc.make_net(), sc.loader())
