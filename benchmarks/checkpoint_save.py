@@ -5,7 +5,7 @@ methods interleaved, and reports medians:
 
   plain        safetensors.torch.save_file(weights) + torch.save(state) into a fresh dir
   plain+fsync  the same, then fsync both files and the directory
-  ember        ember.checkpoint_io.write_checkpoint (staging dir, fsync, atomic rename, meta.json)
+  ember        ember.checkpoint.io.write_checkpoint (staging dir, fsync, atomic rename, meta.json)
   ember-nosync write_checkpoint with fsync disabled (EMBER_CHECKPOINT_FSYNC=0)
 
 fsync makes the data durable against power loss and is dominated by the disk;
@@ -33,7 +33,7 @@ import time
 import torch
 from torch import nn
 
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 
 
 def build(size_mb: int):

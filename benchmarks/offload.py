@@ -69,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import GPT2Config
     from ember import big_modeling as ebm
-    from ember.checkpoint_io import save_model_sharded
+    from ember.checkpoint.io import save_model_sharded
     cfg = GPT2Config(vocab_size=args.vocab, n_positions=512, n_embd=args.width, n_layer=args.layers,
                      n_head=max(1, args.width // 64), bos_token_id=0, eos_token_id=1, pad_token_id=1)
     torch.manual_seed(0)

@@ -7,14 +7,18 @@ from __future__ import annotations
 TYPE_CHECKING = False   # (not typing.TYPE_CHECKING: importing typing would cost more than ember itself)
 __version__ = "0.1.0"
 
+from ember.compat import paths as _paths   # old module paths (ember.checkpoint_io, ...) stay importable
+
+_paths.install()
+
 if TYPE_CHECKING:
     # what IDEs and type checkers (pyright, mypy, jedi) read: these names resolve
     # statically. At run time they are imported on first use (``__getattr__`` below),
     # so ``import ember`` stays cheap (no torch import) for the CLI and the launcher.
     from ember.accelerator import Accelerator
-    from ember.accelerator_compat import AcceleratorState, DistributedType, PartialState
+    from ember.compat.accelerate import AcceleratorState, DistributedType, PartialState
     from ember.module import DataModule, TrainModule
-    from ember.notebook import notebook_launcher
+    from ember.launch.notebook import notebook_launcher
     from ember.trainer import Trainer
     from ember.utils import find_executable_batch_size
 
@@ -28,7 +32,7 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     ranks it starts; ``EMBER_SEED_WORKERS=0`` turns it off): the workers of every
     DataLoader ember prepares then seed python, numpy and torch from (run seed, epoch,
     rank, worker) and re-seed them per batch, so their random draws differ across ranks
-    and workers and repeat exactly after a mid-epoch resume (see ``ember.data_seed``).
+    and workers and repeat exactly after a mid-epoch resume (see ``ember.data.worker_seed``).
     Worker seeds differ per rank and worker in any case."""
     import os
     import random
@@ -72,10 +76,10 @@ def __getattr__(name: str):
         from ember.accelerator import Accelerator
         return Accelerator
     if name in ("PartialState", "AcceleratorState", "DistributedType"):   # Accelerate's top-level names
-        from ember import accelerator_compat
+        from ember.compat import accelerate as accelerator_compat
         return getattr(accelerator_compat, name)
     if name == "notebook_launcher":
-        from ember.notebook import notebook_launcher
+        from ember.launch.notebook import notebook_launcher
         return notebook_launcher
     if name == "find_executable_batch_size":
         from ember.utils import find_executable_batch_size

@@ -22,6 +22,10 @@ class DistributedOperationError(EmberError, RuntimeError):
     """Debug mode: the processes called different collectives, or one with tensors that do not fit."""
 
 
+class UsageError(Exception):
+    """A bad command-line value or config entry: reported as one line, exit code 2."""
+
+
 def invalid_choice(arg: str, value, choices) -> MisconfigurationError:
     """The standard message for a value outside a fixed set of choices."""
     opts = ", ".join(repr(c) for c in choices)

@@ -12,7 +12,7 @@ __all__ = ["get_logger", "MultiProcessAdapter"]
 
 def _layout() -> tuple[int, int, bool]:
     """(process index, number of processes, local main) without starting anything."""
-    from ember.accelerator_compat import _SHARED
+    from ember.compat.accelerate import _SHARED
     s = _SHARED.get("strategy")
     if s is not None:
         return s.global_rank, s.world_size, s.is_local_zero
@@ -36,7 +36,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
                 self.logger.log(level, msg, *args, **kwargs)
             return
         if in_order and world > 1:
-            from ember.accelerator_compat import PartialState
+            from ember.compat.accelerate import PartialState
             state = PartialState()
             for i in range(world):
                 if i == rank:

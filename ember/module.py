@@ -290,7 +290,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         only (as Accelerate); called after the steps (``on_validation_epoch_end``) on the
         concatenation of the pass's outputs, from its end. A shorter pass
         (``limit_val_batches``) drops nothing. Every rank must make the same calls."""
-        from ember import distributed
+        from ember.distributed import collectives as distributed
         t = self.trainer
         return distributed.gather_for_metrics(data, num_padded=t._current_padding(), strategy=t.strategy)
 
@@ -501,7 +501,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         (can run code): pass ``trust_deepspeed=True`` only for checkpoints you made.
         Subclasses can restrict which saved hparams are used (:meth:`checkpoint_hparams`).
         """
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         weights, _, meta = cio.read_checkpoint(str(path), load_state=False)
         if weights is None and meta.get("strategy") == "deepspeed" and not trust_deepspeed:
             raise CheckpointError(f"{path} is a DeepSpeed checkpoint; DeepSpeed's loader unpickles its files, "

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from ember.accelerator_compat import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
+from ember.compat.accelerate import (DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType,
                                       GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs,
                                       ProfileKwargs, ProjectConfiguration, TorchDynamoPlugin)
-from ember.lightning_compat import convert_lightning_checkpoint  # noqa: F401  (Lightning checkpoints)
+from ember.compat.lightning import convert_lightning_checkpoint  # noqa: F401  (Lightning checkpoints)
 from ember.strategies.base import move_to_device
 
 __all__ = ["set_seed", "ProjectConfiguration", "gather", "gather_object", "broadcast", "broadcast_object_list",
@@ -27,7 +27,7 @@ __all__ = ["set_seed", "ProjectConfiguration", "gather", "gather_object", "broad
 
 
 def _strategy():
-    from ember.accelerator_compat import _SHARED
+    from ember.compat.accelerate import _SHARED
     return _SHARED.get("strategy")
 
 
@@ -50,26 +50,26 @@ def is_main_process() -> bool:
 
 def gather(tensor):
     """Concatenate ``tensor`` (or nested tensors) from every process along dim 0."""
-    from ember import distributed as d
+    from ember.distributed import collectives as d
     return d.gather(tensor, strategy=_strategy())
 
 
 def gather_object(obj: Any) -> list:
     """Every process's ``obj``; lists are concatenated (as Accelerate)."""
-    from ember import distributed as d
+    from ember.distributed import collectives as d
     got = d.all_gather_object(obj, strategy=_strategy())
     return [x for part in got for x in part] if isinstance(obj, list) else got
 
 
 def broadcast(tensor, from_process: int = 0):
     """Process ``from_process``'s tensor (same shape everywhere) or object."""
-    from ember import distributed as d
+    from ember.distributed import collectives as d
     return d.broadcast(tensor, from_process, strategy=_strategy())
 
 
 def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
     """Fill ``object_list`` in place with process ``from_process``'s items; returns it."""
-    from ember import distributed as d
+    from ember.distributed import collectives as d
     got = d.broadcast(list(object_list), from_process, strategy=_strategy())
     object_list[:] = got
     return object_list
@@ -77,13 +77,13 @@ def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
 
 def pad_across_processes(tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
     """Pad along ``dim`` to the largest size over processes."""
-    from ember import distributed as d
+    from ember.distributed import collectives as d
     return d.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first, strategy=_strategy())
 
 
 def reduce(tensor, reduction: str = "mean", scale: float = 1.0):
     """Reduce over processes: ``"sum"``, ``"mean"`` (default, as ``accelerate.utils.reduce``), ``"none"``."""
-    from ember import distributed as d
+    from ember.distributed import collectives as d
     out = tensor if reduction == "none" else d.reduce(tensor, reduction, strategy=_strategy())
     return out if scale == 1.0 else d._map(out, lambda t: t * scale)
 
@@ -232,7 +232,7 @@ def write_basic_config(mixed_precision: str = "no", save_location: str | None = 
     """Write the default ``ember launch`` configuration (the file ``ember config``
     writes) for this machine: one process per GPU (one on the CPU), ``mixed_precision``.
     Returns the path, or False when a file is already there (as Accelerate)."""
-    from ember.launch import default_config_path, default_launch_config, write_config
+    from ember.launch.command import default_config_path, default_launch_config, write_config
     if mixed_precision not in ("no", "fp16", "bf16"):
         raise ValueError(f"mixed_precision={mixed_precision!r}: use 'no', 'fp16' or 'bf16'")
     path = os.fspath(save_location) if save_location is not None else os.fspath(default_config_path())

@@ -23,7 +23,7 @@ def reseal(ckpt) -> None:
     crafter of a consistent (but malicious or mismatched) checkpoint would."""
     import json
 
-    from ember.checkpoint_checks import file_digest
+    from ember.checkpoint.trust import file_digest
     meta_file = os.path.join(ckpt, "meta.json")
     with open(meta_file) as f:
         meta = json.load(f)

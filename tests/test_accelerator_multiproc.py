@@ -72,7 +72,7 @@ def test_two_processes_torchrun(tmp_path):
     assert (r0["on_local_main"], r1["on_local_main"]) == ("ran", None)
     # save_model: sharded by the main process only; trackers: one CSV run written by the main process
     assert len(r0["saved_files"]) == 3 and r1["saved_files"] == []
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     assert set(cio.load_model_sharded(tmp_path / "export")) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert os.listdir(tmp_path / "proj") == ["version_0"]
     assert (tmp_path / "proj" / "version_0" / "metrics.csv").read_text().splitlines()[1].startswith("3,")

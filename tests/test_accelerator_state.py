@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ember import Accelerator
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 from ember.errors import CheckpointError, MisconfigurationError
 from ember.loggers import CSVLogger, TensorBoardLogger
 

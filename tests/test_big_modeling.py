@@ -243,7 +243,7 @@ def _gpt2(tmp_path):
 @pytest.mark.parametrize("layout", ["single", "sharded-index", "transformers-folder", "ember-checkpoint"])
 def test_causal_lm_checkpoint_logits_and_generate(tmp_path, layout):
     from transformers import GPT2LMHeadModel
-    from ember.checkpoint_io import save_model_sharded, write_checkpoint
+    from ember.checkpoint.io import save_model_sharded, write_checkpoint
     cfg, ref = _gpt2(tmp_path)
     ids = torch.randint(2, 256, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -278,7 +278,7 @@ def test_causal_lm_checkpoint_logits_and_generate(tmp_path, layout):
 
 
 def test_checkpoint_errors(tmp_path):
-    from ember.checkpoint_io import save_model_sharded
+    from ember.checkpoint.io import save_model_sharded
     _, ref = _gpt2(tmp_path)
     sd = {k: v for k, v in ref.state_dict().items() if not k.startswith("transformer.h.3.mlp")}
     save_model_sharded(sd, tmp_path / "partial")

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 from ember.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint, Timer
 from ember.callbacks.timer import parse_duration
 from ember.errors import MisconfigurationError

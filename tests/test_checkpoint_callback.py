@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 from conftest import reseal
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.errors import CheckpointError, MisconfigurationError

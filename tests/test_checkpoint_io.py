@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 from ember.errors import CheckpointError, MisconfigurationError
 
 
@@ -205,7 +205,7 @@ def test_list_checkpoints_orders_by_time(tmp_path):
 
 _CHILD = textwrap.dedent("""
     import sys, torch
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     root, start = sys.argv[1], int(sys.argv[2])
     i = start
     while True:

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 import ember
 from conftest import LinearModule, regression_data, reseal
-from ember import checkpoint_checks as checks
-from ember import checkpoint_io as cio
+from ember.checkpoint import trust as checks
+from ember.checkpoint import io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError, MisconfigurationError
 
@@ -90,7 +90,7 @@ def test_reserved_checkpoint_names(filename):
 # -- 8: one run per checkpoint folder --------------------------------------------------------
 _HOLDER = """
 import sys, time
-from ember.checkpoint_checks import DirLock
+from ember.checkpoint.trust import DirLock
 lock = DirLock(sys.argv[1]); lock.acquire()
 print("locked", flush=True)
 sys.stdin.readline()

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from conftest import LinearModule, regression_data, reseal
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError
 

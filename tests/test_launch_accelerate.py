@@ -8,7 +8,7 @@ import pytest
 
 from ember.cli import build_parser
 from ember.launch import UsageError, resolve_launch_config, worker_env
-from ember.launch_accelerate import accelerate_env
+from ember.launch.accelerate_flags import accelerate_env
 from test_launch import _env, ember
 
 ACCELERATE_YAML = textwrap.dedent("""\

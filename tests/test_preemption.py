@@ -17,7 +17,7 @@ sys.path.insert(0, SCRIPTS)
 
 from resume_common import EPOCHS, STEPS_PER_EPOCH, differences, fit, snapshot  # noqa: E402
 
-from ember import checkpoint_io as cio  # noqa: E402
+from ember.checkpoint import io as cio  # noqa: E402
 from ember.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 _REF: dict = {}

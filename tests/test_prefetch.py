@@ -1,4 +1,4 @@
-"""Batches prefetched one step ahead (ember/prefetch.py): used by the training loop on
+"""Batches prefetched one step ahead (ember/data/prefetch.py): used by the training loop on
 CUDA; here forced on with EMBER_PREFETCH=1 on the CPU, where the same logic runs
 without streams or pinning."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ sys.path.insert(0, SCRIPTS)
 from resume_common import EPOCHS, STEPS_PER_EPOCH, Interrupt, differences, fit, snapshot  # noqa: E402
 
 import ember  # noqa: E402
-from ember import checkpoint_io as cio  # noqa: E402
+from ember.checkpoint import io as cio  # noqa: E402
 from ember.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from ember.prefetch import DevicePrefetch, prefetch_enabled  # noqa: E402
+from ember.data.prefetch import DevicePrefetch, prefetch_enabled  # noqa: E402
 
 
 class Recorder:

@@ -18,7 +18,7 @@ import ember
 from ember.callbacks import Callback
 from ember.errors import MisconfigurationError
 from ember.loggers import CSVLogger
-from ember.profiler import PyTorchProfiler
+from ember.trainer.profiler import PyTorchProfiler
 
 
 class Wide(ember.TrainModule):

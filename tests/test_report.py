@@ -19,7 +19,7 @@ from digits import DigitsCNN, DigitsData  # noqa: E402
 import ember  # noqa: E402
 from ember.cli import main as cli_main  # noqa: E402
 from ember.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
-from ember.report import chart_key, load_run  # noqa: E402
+from ember.loggers.report import chart_key, load_run  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

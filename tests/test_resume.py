@@ -29,7 +29,7 @@ sys.path.insert(0, SCRIPTS)
 from resume_common import (EPOCHS, STEPS_PER_EPOCH, Interrupt, differences, fit,  # noqa: E402
                            snapshot)
 
-from ember import checkpoint_io as cio  # noqa: E402
+from ember.checkpoint import io as cio  # noqa: E402
 from ember.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from ember.errors import CheckpointError, MisconfigurationError  # noqa: E402
 

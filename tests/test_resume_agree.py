@@ -116,7 +116,7 @@ class _OneProcess:
 
 
 def test_one_process_raises_its_own_error_unchanged():
-    from ember.checkpoint_agree import agree_outcome
+    from ember.checkpoint.agree import agree_outcome
     from ember.errors import CheckpointError
     err = CheckpointError("ckpt/trainer_state.pt does not hold the content ...")
     with pytest.raises(CheckpointError) as info:
@@ -128,7 +128,7 @@ def test_one_process_raises_its_own_error_unchanged():
 def test_collective_errors_are_not_agreed_again():
     """An error out of a collective (a gloo timeout), even wrapped as a CheckpointError by
     the restore, is raised as it is: a second collective would wait for the same peer."""
-    from ember.checkpoint_agree import collective_failed
+    from ember.checkpoint.agree import collective_failed
     from ember.errors import CheckpointError, DistributedOperationError
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms")
     wrapped = CheckpointError(f"ckpt does not fit this module/optimizer setup: RuntimeError: {gloo}")

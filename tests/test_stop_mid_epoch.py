@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 
 import ember  # noqa: E402
-from ember import checkpoint_io as cio  # noqa: E402
+from ember.checkpoint import io as cio  # noqa: E402
 from ember.callbacks import Callback, EarlyStopping, ModelCheckpoint, Timer  # noqa: E402
 from resume_common import SEED, ResumeNet, differences, loaders, make_trainer, snapshot  # noqa: E402
 

@@ -18,7 +18,7 @@ from torch import nn
 from ember.big_modeling.device_map import (_as_dtype, check_device_map, get_balanced_memory,
                                            infer_auto_device_map, init_empty_weights, owner_entry, torch_device)
 from ember.big_modeling.hooks import DiskRef, _meta_like, dispatch_model
-from ember.checkpoint_io import ALIAS_KEY, INDEX_NAME, WEIGHTS_NAME
+from ember.checkpoint.io import ALIAS_KEY, INDEX_NAME, WEIGHTS_NAME
 from ember.errors import CheckpointError, MisconfigurationError
 
 __all__ = ["load_checkpoint_in_model", "load_checkpoint_and_dispatch", "checkpoint_key_map", "load_pretrained"]

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:   # for type checkers and IDEs only: callbacks never import the trainer at run time
+if TYPE_CHECKING:   # for type checkers and IDEs only
     from ember.module import TrainModule
-    from ember.trainer import Trainer
+
+#: the ``trainer`` argument of every hook: an :class:`ember.Trainer`, read through its public
+#: properties only (callbacks, loggers and strategies never import the trainer)
+Trainer = Any
 
 HOOKS = (
     "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",

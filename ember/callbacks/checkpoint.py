@@ -118,7 +118,7 @@ class ModelCheckpoint(Callback):
             return
         # rank zero writes and deletes here: it checks the folder is writable and takes the
         # folder's lock now (not at the first save); every rank learns the outcome
-        from ember import checkpoint_checks as checks
+        from ember.checkpoint import trust as checks
         msg = None
         if trainer.is_global_zero:
             try:
@@ -334,7 +334,7 @@ class ModelCheckpoint(Callback):
 
     def _write(self, trainer, path):
         if self.save_weights_only:
-            from ember import checkpoint_io as cio
+            from ember.checkpoint import io as cio
             from ember.strategies.full_load import raise_rank0_error
             weights = trainer.strategy.module_state_dict(trainer.model)
             error = None
@@ -385,7 +385,7 @@ class ModelCheckpoint(Callback):
 
     @staticmethod
     def _copy_last(target, last):
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         if os.path.isdir(target):
             tmp = cio.tmp_path(last)
             if os.path.lexists(tmp):
@@ -488,7 +488,7 @@ class ModelCheckpoint(Callback):
 
 def _reserved(name: str) -> str:
     """Why ``name`` cannot be a checkpoint name ('' when it can)."""
-    from ember.checkpoint_checks import LOCK_NAME
+    from ember.checkpoint.trust import LOCK_NAME
     base = name.strip()
     if base in (ModelCheckpoint.CHECKPOINT_NAME_LAST, ModelCheckpoint.CHECKPOINT_NAME_LAST + ".safetensors"):
         return "'last' is reserved for the link to the newest checkpoint (save_last); choose another name"
@@ -500,7 +500,7 @@ def _reserved(name: str) -> str:
 
 def _saved_step(path: str) -> int | None:
     """The global step a checkpoint (directory or weights file) was saved at, if readable."""
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     try:
         if os.path.isdir(path):
             with open(os.path.join(path, cio.META_NAME)) as f:

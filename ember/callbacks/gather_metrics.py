@@ -119,8 +119,8 @@ class GatherMetrics(Callback):
         self._batches[dataloader_idx] += 1
 
     def _gathered(self, trainer, idx: int) -> Any:
-        from ember.data import num_padded
-        from ember.distributed import gather_for_metrics
+        from ember.data.sampling import num_padded
+        from ember.distributed.collectives import gather_for_metrics
         parts = self._buf.get(idx, [])
         loader = self._loaders.get(idx)
         padding = num_padded(loader, self._batches.get(idx, 0)) if loader is not None else 0   # full passes only

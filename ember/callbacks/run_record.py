@@ -24,7 +24,7 @@ def _now() -> str:
 class RunRecord(Callback):
     """Records the facts of a ``fit`` in ``<log_dir>/run.json`` (rank 0, only when
     the trainer has a logger). ``report=True``: also writes ``<log_dir>/report.html``
-    (see :mod:`ember.report`) and prints its path; ``trainer.report_path`` holds it."""
+    (see :mod:`ember.loggers.report`) and prints its path; ``trainer.report_path`` holds it."""
 
     state_key = "RunRecord"
 
@@ -102,6 +102,6 @@ class RunRecord(Callback):
             json.dump(self.info, f, indent=1, default=str)
         os.replace(tmp, os.path.join(log_dir, RUN_FILE))
         if self.report and status == "success":
-            from ember.report import write_report
+            from ember.loggers.report import write_report
             trainer.report_path = write_report([log_dir], os.path.join(log_dir, "report.html"))
             print(f"run report: {trainer.report_path}")

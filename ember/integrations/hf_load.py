@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 #: set on a TrainModule whose meta tensors take rank 0's weights after sharding
-FROM_RANK0_ATTR = "_weights_from_rank0"
 
 
 def _dtype_kwarg() -> str:
@@ -84,7 +83,7 @@ def build_model(module: Any, name: str, strategy: Any = None) -> nn.Module:
     if strategy is None or not loads_once(strategy):
         with torch.device("cpu"):   # real weights even inside a meta-device init context
             return load_pretrained(module, name)
-    from ember.strategies.full_load import raise_rank0_error
+    from ember.strategies.full_load import FROM_RANK0_ATTR, raise_rank0_error
     model, error = None, None
     if strategy.is_global_zero:
         try:

@@ -615,7 +615,7 @@ class ExportBestPretrained(Callback):
     def on_fit_end(self, trainer, module) -> None:
         if not isinstance(module, TransformersModule):
             raise MisconfigurationError(f"ExportBestPretrained needs a TransformersModule, got {type(module).__name__}")
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         ckpt = trainer.checkpoint_callback
         path = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
         from ember.strategies.full_load import raise_rank0_error

@@ -19,7 +19,7 @@ import torch
 
 from ember.errors import invalid_choice
 
-_NULL = contextlib.nullcontext()
+NULL_CONTEXT = contextlib.nullcontext()   # one shared no-op context (no allocation per use)
 
 PRECISIONS = ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 _ALIASES = {"64": "64-true", 64: "64-true", "32": "32-true", 32: "32-true",
@@ -74,7 +74,7 @@ class Precision:
 
     # -- forward -------------------------------------------------------------
     def forward_context(self):
-        return _NULL
+        return NULL_CONTEXT
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -360,7 +360,7 @@ class ShardedMixedPrecision(MixedPrecision):
         self.autocast_dtype = None
 
     def forward_context(self):
-        return _NULL
+        return NULL_CONTEXT
 
     def for_sharding(self) -> "ShardedMixedPrecision":
         return self

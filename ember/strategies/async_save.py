@@ -69,7 +69,7 @@ class PendingWrite:
     sure it is not committed if it has not been yet (its ``NAME.tmp`` is removed)."""
 
     def __init__(self, path: str, weights: dict, state: "dict | None", meta: dict):
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         self.path = path
         self.committed = False
         self._dropped = False

@@ -8,7 +8,6 @@ and DeepSpeed override what differs. Strategies never import the trainer.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any, Callable, ContextManager
 
@@ -16,9 +15,8 @@ import torch
 from torch import nn
 
 from ember.errors import MisconfigurationError
-from ember.precision import Precision
+from ember.precision import NULL_CONTEXT, Precision
 
-_NULL = contextlib.nullcontext()
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
@@ -103,7 +101,7 @@ class Strategy:
     def module_init_context(self) -> ContextManager[None]:
         """Context in which ``configure_model`` builds layers (meta device for FSDP)."""
         ctx = getattr(self.precision, "module_init_context", None)
-        return ctx() if ctx is not None else _NULL
+        return ctx() if ctx is not None else NULL_CONTEXT
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move to device, convert to the precision's dtype, wrap for the strategy."""
@@ -169,7 +167,7 @@ class Strategy:
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager[None]:
         """Context that skips the gradient all-reduce (accumulation micro-batches)."""
-        return _NULL
+        return NULL_CONTEXT
 
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float,
                        algorithm: str = "norm") -> torch.Tensor | None:
@@ -235,7 +233,7 @@ class Strategy:
             raise invalid_choice("agree(how)", how, ["max", "min", "rank0"])
         if self.world_size == 1:
             return decision
-        from ember.distributed import mark_arrival, missing_ranks
+        from ember.distributed.collectives import mark_arrival, missing_ranks
         many = isinstance(decision, (list, tuple))
         values = list(decision) if many else [decision]
         flag = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.root_device)
@@ -284,7 +282,7 @@ class Strategy:
         after it is complete). ``trainer_state`` excludes model and optimizers. A failed
         write on rank 0 (a full disk) raises on every rank: rank 0 broadcasts its verdict
         in place of a closing barrier, so no rank waits for it until the timeout."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         from ember.strategies.full_load import raise_rank0_error
         self._finish_pending_save()
         weights = self.module_state_dict(module)
@@ -330,7 +328,7 @@ class Strategy:
         """Write the full weights as safetensors: ``path`` ending in ``.safetensors`` is one
         file; anything else a directory (``model.safetensors``, or shards + index).
         Collective (sharded strategies gather the weights); rank 0 writes. Returns ``path``."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         module = module if module is not None else self._last_module()
         if module is None:
             raise MisconfigurationError("export_full() needs a module: no module was set up by this strategy")
@@ -356,8 +354,8 @@ class Strategy:
     def load_checkpoint(self, path: str, module: nn.Module, optimizers: list,
                         strict: bool = True, weights_only: bool = False) -> dict:
         """Load weights (and optimizer states) in place; return the trainer state."""
-        from ember import checkpoint_io as cio
-        from ember.checkpoint_checks import check_optimizers
+        from ember.checkpoint import io as cio
+        from ember.checkpoint.trust import check_optimizers
         self._finish_pending_save()
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
         cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ember.distributed import ProcessGroupOps
+from ember.distributed.collectives import ProcessGroupOps
 from ember.errors import MisconfigurationError, invalid_choice
-from ember.strategies.base import Strategy, _NULL
+from ember.precision import NULL_CONTEXT
+from ember.strategies.base import Strategy
 from ember.strategies.environments import ClusterEnvironment, LocalEnvironment, detect_environment
 from ember.strategies import launchers
 
@@ -324,7 +325,7 @@ class DDPStrategy(Strategy):
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         if enabled and isinstance(module, nn.parallel.DistributedDataParallel):
             return module.no_sync()
-        return _NULL
+        return NULL_CONTEXT
 
     # -- collectives (see ember.distributed.ProcessGroupOps) ---------------------------
     @property

@@ -44,7 +44,7 @@ from torch import nn
 
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.strategies.async_save import cpu_snapshot
-from ember.strategies.base import _NULL
+from ember.precision import NULL_CONTEXT
 from ember.strategies.ddp import DDPStrategy
 from ember.strategies.fsdp import init_single_process_group
 
@@ -412,7 +412,7 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         # the engine reduces at step() (stage 1) or per backward (stages 2/3): nothing to skip here
-        return _NULL
+        return NULL_CONTEXT
 
     def clip_gradients(self, module, optimizer, clip_val: float, algorithm: str = "norm"):
         raise MisconfigurationError("under DeepSpeed the engine clips gradients: set Trainer(gradient_clip_val=...) "
@@ -453,7 +453,7 @@ class DeepSpeedStrategy(DDPStrategy):
                 raise CheckpointError(f"weights do not match the model: missing {missing[:10]}, "
                                       f"unexpected {unexpected[:10]}")
         zero3 = any(hasattr(p, "ds_id") for p in params.values())
-        ctx = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0) if zero3 else _NULL
+        ctx = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0) if zero3 else NULL_CONTEXT
         with torch.no_grad():
             with ctx:
                 for n, p in params.items():
@@ -473,7 +473,7 @@ class DeepSpeedStrategy(DDPStrategy):
         """``engine.save_checkpoint`` into ``NAME.tmp/model/`` (every rank writes its
         partitions), then rank 0 checks that every rank's files are there (:meth:`_commit`),
         adds ``trainer_state.pt`` and ``meta.json`` and renames."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         self._finish_pending_save()
         path = os.path.normpath(os.fspath(path))
         meta = dict(meta, sharded=True, deepspeed={"zero_stage": self.stage, "tag": TAG})
@@ -525,7 +525,7 @@ class DeepSpeedStrategy(DDPStrategy):
         it with :meth:`_commit` (a collective: every rank calls it, at a save, a load, teardown)."""
         if not self._async_in_flight:
             return
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         self._async_in_flight = False
         (path, state, meta, engine, writer, failed), self._ds_pending = self._ds_pending, None
         from ember.strategies.deepspeed_writes import report, written_by
@@ -553,7 +553,7 @@ class DeepSpeedStrategy(DDPStrategy):
         bytes, all listed in ``meta.json``. A missing or short file, or a failed write on
         any rank, raises on every rank a CheckpointError naming the rank (rank 0's verdict
         is broadcast in place of a closing barrier, so no rank waits for one that failed)."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         from ember.strategies.full_load import raise_rank0_error, verify_shards
         reports = self.all_gather_object(mine)       # every rank has returned from its write
         error = None
@@ -576,7 +576,7 @@ class DeepSpeedStrategy(DDPStrategy):
                         weights_only: bool = False) -> dict:
         """Resume from a checkpoint this strategy wrote (same world size for optimizer
         states), or load weights from any ember checkpoint."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         self._finish_pending_save()
         path = os.fspath(path)
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
@@ -638,7 +638,7 @@ def _through_engine(engine, name: str):
 def load_full_weights(path: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights of a checkpoint written by :class:`DeepSpeedStrategy` (any
     ZeRO stage), consolidated in one process without a process group."""
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     weights, _, _ = cio.read_checkpoint(path, load_state=False)
     if weights is not None:
         return weights

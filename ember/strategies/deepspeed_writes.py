@@ -175,7 +175,7 @@ def drop(path: str, writer: "RankWriter | None", remove_tmp: bool, exc: BaseExce
     ``remove_tmp`` (rank 0) and warn. No collective: a failed rank ends at once."""
     import contextlib
     import warnings
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     if writer is not None:
         with contextlib.suppress(Exception):
             writer.wait()

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
-from ember.strategies.base import _NULL
+from ember.precision import NULL_CONTEXT
 from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
 from ember.strategies.full_load import allocate_meta, rank0_full_state, shard_from_rank0, to_meta
 from ember.strategies.full_load import load_full_weights  # noqa: F401  (public here since it was written)
@@ -392,7 +392,7 @@ class FSDPStrategy(DDPStrategy):
     def no_backward_sync(self, module: nn.Module, enabled: bool = True):
         from torch.distributed.fsdp import FSDPModule
         if not enabled or self.shard_accumulated_grads or not isinstance(module, FSDPModule):
-            return _NULL      # reduce-scatter now: the accumulated gradients stay sharded
+            return NULL_CONTEXT      # reduce-scatter now: the accumulated gradients stay sharded
         return _no_gradient_sync(module)
 
     # -- state dicts ---------------------------------------------------------------------
@@ -465,7 +465,7 @@ class FSDPStrategy(DDPStrategy):
         """Write ``path`` atomically: rank 0 prepares ``NAME.tmp``, every rank writes its
         shards into ``NAME.tmp/model/`` (DCP), rank 0 adds ``trainer_state.pt`` and
         ``meta.json`` and renames ``NAME.tmp`` to ``NAME``."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         self._finish_pending_save()
         path = os.path.normpath(os.fspath(path))
         meta = self._meta(module, meta, sharded=self.state_dict_type == "sharded",
@@ -507,7 +507,7 @@ class FSDPStrategy(DDPStrategy):
         metadata names is there with its bytes (listed in ``meta.json``). A missing shard,
         or a failed write on rank 0, raises on every rank (rank 0's verdict is broadcast
         instead of a closing barrier, so no rank waits for one that failed)."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         from ember.strategies.full_load import raise_rank0_error, verify_dcp_shards
         self.barrier("save_checkpoint:shards")       # every rank has returned from its write
         error = None
@@ -538,7 +538,7 @@ class FSDPStrategy(DDPStrategy):
                         weights_only: bool = False) -> dict:
         """Load a DCP checkpoint (any world size), a ``state_dict_type="full"``
         checkpoint, or an unsharded one (``model.safetensors``, e.g. from a single device)."""
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         self._finish_pending_save()
         path = os.fspath(path)
         if self.world_size > 1 and os.path.isfile(os.path.join(path, cio.WEIGHTS_NAME)):
@@ -548,7 +548,7 @@ class FSDPStrategy(DDPStrategy):
         weights, state, meta = cio.read_checkpoint(path, load_state=not weights_only)
         state = state or {}
         if optimizers and not weights_only:   # before anything is loaded
-            from ember.checkpoint_checks import check_optimizers
+            from ember.checkpoint.trust import check_optimizers
             check_optimizers(optimizers, state.get("optimizers"), meta, path)
         if weights is not None:
             cio.check_compatible(self.unwrap_module(module), weights, path, strict=strict)
@@ -566,8 +566,8 @@ class FSDPStrategy(DDPStrategy):
 
     def _load_dcp(self, path, module, optimizers, state, strict, weights_only) -> None:
         import torch.distributed.checkpoint as dcp
-        from ember import checkpoint_io as cio
-        from ember.checkpoint_checks import dcp_planner, dcp_reader
+        from ember.checkpoint import io as cio
+        from ember.checkpoint.trust import dcp_planner, dcp_reader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_state_dict, set_model_state_dict, set_state_dict)

@@ -22,6 +22,9 @@ from torch import nn
 
 from ember.errors import CheckpointError
 
+#: set on a module whose pretrained weights only rank 0 read (the others build it on the meta device)
+FROM_RANK0_ATTR = "_weights_from_rank0"
+
 
 def raise_rank0_error(strategy, error: "BaseException | None", what: str, complete: bool = False) -> None:
     """Rank 0's outcome of a step only it ran (a read, a commit), on every rank: one
@@ -49,7 +52,7 @@ def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: lis
     same error on every rank (no rank waits in a broadcast)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     rank0 = strategy.is_global_zero
     weights, state, meta, error = None, None, None, None
     if rank0:
@@ -99,7 +102,7 @@ def verify_shards(folder: str, path: str, need: dict[str, tuple[int, str]], pref
     ``need`` (``{name: (bytes at least, whose file, e.g. "rank 1's shard")}``) exists and
     holds its bytes. Returns ``{"<prefix>/<name>": size}`` for ``meta.json``; raises a
     CheckpointError naming whose file is missing or short. ``where`` names the listing."""
-    from ember import checkpoint_checks as checks
+    from ember.checkpoint import trust as checks
     out: dict[str, int] = {}
     for name, (size, who) in sorted(need.items()):
         fp = checks.member(folder, name, where)
@@ -118,8 +121,8 @@ def verify_dcp_shards(folder: str, path: str) -> dict[str, int]:
     names exists and holds the bytes recorded for it. Returns ``{"model/<file>": size}``
     for ``meta.json``; raises CheckpointError naming the rank whose shard is missing or
     short (files are ``__<rank>_<n>.distcp``)."""
-    from ember import checkpoint_checks as checks
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import trust as checks
+    from ember.checkpoint import io as cio
     meta_file = os.path.join(folder, ".metadata")
     if not os.path.isfile(meta_file):
         raise CheckpointError(f"checkpoint {path}: the DCP metadata {meta_file} was not written")
@@ -138,8 +141,8 @@ def verify_dcp_shards(folder: str, path: str) -> dict[str, int]:
 def load_full_weights(path: str) -> dict[str, torch.Tensor]:
     """Full weights of a checkpoint written by :class:`FSDPStrategy`, in one process,
     without a process group (e.g. to build a plain module for inference)."""
-    from ember import checkpoint_io as cio
-    from ember.checkpoint_checks import dcp_planner, dcp_reader
+    from ember.checkpoint import io as cio
+    from ember.checkpoint.trust import dcp_planner, dcp_reader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     import torch.distributed.checkpoint as dcp
     weights, _, _ = cio.read_checkpoint(path, load_state=False)
@@ -159,7 +162,6 @@ def load_full_weights(path: str) -> dict[str, torch.Tensor]:
 def rank0_full_state(strategy, module: nn.Module) -> "dict | None":
     """Before sharding: the full state rank 0 will send when ``module`` is marked to take
     its weights from rank 0 (``ember.integrations.hf_load``); ``None`` otherwise."""
-    from ember.integrations.hf_load import FROM_RANK0_ATTR
     if not getattr(module, FROM_RANK0_ATTR, False):
         return None
     return module.state_dict() if strategy.is_global_zero else {}

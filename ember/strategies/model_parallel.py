@@ -132,7 +132,7 @@ class ModelParallelStrategy(FSDPStrategy):
         if self._single or not dist.is_initialized():
             return None
         if self._dp_ops is None:
-            from ember.distributed import ProcessGroupOps
+            from ember.distributed.collectives import ProcessGroupOps
             self._dp_ops = ProcessGroupOps(self.root_device, group=self.mesh.get_group())
         return self._dp_ops
 

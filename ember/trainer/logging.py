@@ -266,7 +266,7 @@ def _check_same_keys(strategy, keys: list[str]) -> None:
     """Every rank reduces the same ``sync_dist`` names, or every rank raises. One
     all_gather of two integers (how many names, a digest of them) per emission point;
     the names themselves are gathered only when the ranks differ."""
-    from ember.data_seed import mix
+    from ember.data.worker_seed import mix
     keys = sorted(keys)
     mine = torch.tensor([len(keys), mix(*keys) if keys else 0], dtype=torch.int64, device=strategy.root_device)
     gathered = strategy.all_gather(mine).reshape(-1, 2).tolist()

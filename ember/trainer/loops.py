@@ -67,7 +67,7 @@ Where the ranks agree (each decision made once; never a collective per step)::
                           node sees them; rank 0's EMBER_ALLOW_DATA_CHANGE sent along) and one
                           after it (the load, optimizer/scheduler counts, loop state, the train
                           data's shape): one rank's refusal raises the same CheckpointError,
-                          naming that rank, on every rank (state.restore, ember.checkpoint_agree)
+                          naming that rank, on every rank (state.restore, ember.checkpoint.agree)
     each checkpoint save  rank 0's outcome (its write, or its check of every rank's shard
                           files) is broadcast in place of a closing barrier: a failure
                           raises on every rank, no rank waits for the timeout
@@ -131,7 +131,7 @@ import time
 
 import torch
 
-from ember import data as edata
+from ember.data import sampling as edata
 from ember.errors import MisconfigurationError
 from ember.trainer import hooks as _hooks
 from ember.trainer.arguments import maybe_reload_dataloaders as reload_dataloaders
@@ -281,9 +281,9 @@ class FitLoop:
             # unknown epoch length (IterableDataset): look acc_n - 1 batches ahead, so the last
             # accumulation window is known in time to divide by its true size and step on its end
             loader = ahead = edata.LookAhead(loader, acc_n - 1)
-        from ember.prefetch import DevicePrefetch, prefetch_enabled
+        from ember.data.prefetch import DevicePrefetch, prefetch_enabled
         if prefetch_enabled(strategy.root_device):
-            # CUDA: batch i + 1 pinned and its copy issued before step i runs (ember/prefetch.py)
+            # CUDA: batch i + 1 pinned and its copy issued before step i runs (ember/data/prefetch.py)
             loader, to_device = DevicePrefetch(loader, to_device or strategy.batch_to_device, strategy.root_device), None
         before_step = bool(t._hooks["on_before_optimizer_step"] or t._module_hook("on_before_optimizer_step"))
         # optimizer_step / optimizer_zero_grad / configure_gradient_clipping / on_before_zero_grad

@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from ember.distributed import is_sample_list
+from ember.distributed.collectives import is_sample_list
 from ember.errors import MisconfigurationError
 from ember.trainer import hooks as _hooks
 
@@ -66,8 +66,8 @@ def run_predict(t) -> list:
 def _gather_outputs(t, outs: list, loader, full: bool = True) -> list:
     """Concatenate this rank's batch outputs, gather exactly the dataset in order,
     and split it back into batches of the loader's batch size."""
-    from ember import distributed
-    from ember.data import num_padded
+    from ember.distributed import collectives as distributed
+    from ember.data.sampling import num_padded
     if not outs or not all(isinstance(o, (torch.Tensor, dict, list, tuple)) for o in outs):
         return outs
     cat = _concat(outs)

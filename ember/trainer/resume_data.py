@@ -8,7 +8,7 @@ sampler drawing from the global RNG cannot, and is warned about). A changed batc
 size or dataset length is refused unless ``EMBER_ALLOW_DATA_CHANGE=1`` is set (then
 warned); under several processes rank 0's environment decides for every rank, and a
 rank whose loader changed refuses for all (``Trainer`` agrees the resume checks once,
-``ember.checkpoint_agree``). At an epoch end nothing is skipped or repeated: any change
+``ember.checkpoint.agree``). At an epoch end nothing is skipped or repeated: any change
 is accepted.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from ember import data as edata
+from ember.data import sampling as edata
 from ember.errors import CheckpointError
 
 #: set to 1 to resume mid-epoch although the batch size or dataset length changed

@@ -127,7 +127,7 @@ def _pending_grads(t):
 
 
 def trainer_state(t) -> dict:
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     from ember.trainer.resume_data import data_state
     from ember.trainer.optim import flush_scheduler_steps
     flush_scheduler_steps(t)   # a scheduler step deferred from the last optimizer step (16-mixed)
@@ -156,7 +156,7 @@ def trainer_state(t) -> dict:
 
 
 def checkpoint_meta(t) -> dict:
-    from ember.checkpoint_checks import optimizer_names
+    from ember.checkpoint.trust import optimizer_names
     from ember.hparams import datamodule_meta
     m = t.module
     return {"strategy": t.strategy.name, "world_size": t.world_size, "precision": t.precision,
@@ -168,7 +168,7 @@ def checkpoint_meta(t) -> dict:
 def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
     if t.model is None:
         raise MisconfigurationError("trainer.save_checkpoint() needs a fitted module: call fit() first")
-    from ember.checkpoint_checks import check_save_target
+    from ember.checkpoint.trust import check_save_target
     path = os.fspath(path)
     check_save_target(path, "trainer.save_checkpoint")   # every rank, read-only: no collective
     check_finite_at(t, f"before saving checkpoint {path}")
@@ -224,8 +224,8 @@ def _candidate_dirs(t) -> list[str]:
 
 
 def _saved_step(path: str) -> int | None:
-    from ember import checkpoint_io as cio
-    from ember.checkpoint_checks import member, read_meta
+    from ember.checkpoint import io as cio
+    from ember.checkpoint.trust import member, read_meta
     try:
         step = read_meta(member(path, cio.META_NAME)).get("global_step")
     except CheckpointError:
@@ -239,7 +239,7 @@ def find_last(t) -> str | None:
     that has one; a real ``last`` directory (a preemption save) wins a tie, a ``last``
     symlink counts as (and is returned for) the checkpoint it points to. Staging ``*.tmp`` folders and
     weights-only files never count. Reads only files (rank 0 can run it and broadcast)."""
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     for d in _candidate_dirs(t):
         best, best_key = None, None
         for c in cio.list_checkpoints(d):
@@ -261,8 +261,8 @@ def find_last(t) -> str | None:
 
 def _best_from_last(t) -> str | None:
     """best_model_path recorded by a ModelCheckpoint in the newest checkpoint."""
-    from ember import checkpoint_io as cio
-    from ember.checkpoint_checks import inside
+    from ember.checkpoint import io as cio
+    from ember.checkpoint.trust import inside
     last = find_last(t)
     if last is None or not os.path.isfile(os.path.join(last, cio.STATE_NAME)):
         return None
@@ -334,7 +334,7 @@ def resolve_ckpt_path(t, ckpt_path, stage: str = "fit") -> str:
 def precheck(path: str, need_state: bool) -> None:
     """Cheap checks (no tensors loaded): exists, complete, file sizes as recorded,
     and holds a trainer state when a fit resumes from it."""
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     if not os.path.exists(path):
         missing = getattr(cio, "_missing_message", None)
         raise CheckpointError(missing(path) if missing else f"checkpoint not found: {path} does not exist")
@@ -400,7 +400,7 @@ def _restore_grads(t, grads: dict, path: str) -> None:
 def _restore_callbacks_first(t, path: str) -> None:
     """Callbacks marked ``restore_before_optimizers`` (finetuning callbacks, which add
     parameter groups) get their state before the optimizers' states are loaded."""
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     early = [cb for cb in t.callbacks if getattr(cb, "restore_before_optimizers", False)]
     sfile = os.path.join(os.fspath(path), cio.STATE_NAME)
     if not early or not os.path.isfile(sfile):
@@ -416,7 +416,7 @@ def restore(t, path: str, full: bool, early: CheckpointError | None = None) -> N
     or the module (validate/test/predict).
 
     Under several processes the ranks agree on the outcome twice, each time with one
-    ``all_gather_object`` (``ember.checkpoint_agree``): before the strategy's load (its
+    ``all_gather_object`` (``ember.checkpoint.agree``): before the strategy's load (its
     own collectives and broadcasts follow) on the checks of the files as each node sees
     them (``early``: this rank's error from the checks made before setup), with rank 0's
     ``EMBER_ALLOW_DATA_CHANGE`` sent along; and after it, on everything the load and the
@@ -426,7 +426,7 @@ def restore(t, path: str, full: bool, early: CheckpointError | None = None) -> N
     if t.world_size == 1:
         _restore(t, path, full, allow_data_change())
         return
-    from ember.checkpoint_agree import agree_outcome, collective_failed
+    from ember.checkpoint.agree import agree_outcome, collective_failed
     error = early
     # a rank that does not see the path at all leaves it to the strategy's load, which
     # reads on rank 0 only where it can (FSDP's full-weights load) and fails on that rank
@@ -448,7 +448,7 @@ def restore(t, path: str, full: bool, early: CheckpointError | None = None) -> N
 
 
 def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     if full:
         _restore_callbacks_first(t, path)
     try:
@@ -500,7 +500,7 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
     if s is not None and hasattr(s, "seed"):
         s.seed = t._data_seed
     if getattr(t._train_loader, "ember_seed", None) is not None:
-        t._train_loader.ember_seed = t._data_seed   # worker seeds follow the run seed (ember.data_seed)
+        t._train_loader.ember_seed = t._data_seed   # worker seeds follow the run seed (ember.data.worker_seed)
     same_world = len(state.get("rng") or []) == t.world_size
     rank = t.global_rank
     results = state.get("results") or []

@@ -101,7 +101,7 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
                  reload_dataloaders_every_n_epochs: int = 0, sync_batchnorm: bool = False,
                  use_distributed_sampler: bool = True, inference_mode: bool = True, benchmark: bool | None = None,
                  barebones: bool = False, enable_autolog_hparams: bool = True) -> None:
-        from ember.lightning_compat import resolve_accelerator
+        from ember.compat.lightning import resolve_accelerator
         from ember.precision import Precision
         from ember.strategies import build_strategy
         devices = resolve_accelerator(accelerator, devices)   # Lightning's accelerator= onto devices=
@@ -171,7 +171,7 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
                 torch.backends.cudnn.benchmark = False
         self.callbacks = _state.default_callbacks(
             callbacks, enable_checkpointing, enable_progress_bar, enable_model_summary)
-        from ember.profiler import build_profiler
+        from ember.trainer.profiler import build_profiler
         from ember.callbacks.run_record import RunRecord
         self.profiler = build_profiler(profiler, self)   # None: nothing is wrapped, no cost
         if not barebones:
@@ -607,7 +607,7 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
         """Samples ``gather_for_metrics`` drops now: inside an evaluation step, the sampler's
         padding on the last batch of a full pass only; after the steps (epoch-end hooks),
         all of it from the end of the concatenated pass (see ``ember.data.batch_padding``)."""
-        from ember.data import ShardedIterable, batch_padding
+        from ember.data.sampling import ShardedIterable, batch_padding
         loader = self.current_dataloader
         if loader is None:
             return 0

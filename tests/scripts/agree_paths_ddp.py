@@ -140,7 +140,7 @@ def _full_disk(real):
 
 
 def weights_enospc(root):
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"), save_weights_only=True)
     t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -150,7 +150,7 @@ def weights_enospc(root):
 
 
 def save_model_enospc(root):
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
     model = acc.prepare(Net())
     if acc.is_main_process:
@@ -315,7 +315,7 @@ MODES = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r:
 
 
 def run_mode(mode, root):
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     patched = {name: getattr(cio, name) for name in ("save_weights_file", "save_model_sharded")}
     try:
         out = MODES[mode](root)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shard_common as sc  # noqa: E402
 
-from ember import checkpoint_io as cio  # noqa: E402
+from ember.checkpoint import io as cio  # noqa: E402
 from ember import Trainer  # noqa: E402
 from ember.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from ember.strategies import DeepSpeedStrategy  # noqa: E402

@@ -66,7 +66,7 @@ def save_enospc(root):
     t = trainer(root)
     t.fit(Net(), loader())
     if t.global_rank == 0:
-        from ember import checkpoint_io as cio
+        from ember.checkpoint import io as cio
         real_save = cio.save_torch
 
         def full_disk(obj, f, *a, **kw):   # what the kernel answers when the disk fills mid-write

@@ -128,7 +128,7 @@ def acc_swapped(root):
     model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     path = os.path.join(root, "state")
     acc.save_state(path)
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     copy = rank1_copy(acc.strategy, root, path, cio.WEIGHTS_NAME)
     rank = acc.process_index
     start = time.monotonic()

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["EMBER_PREEMPTION_EXIT"] = "0"
 os.environ.setdefault("EMBER_CHECKPOINT_FSYNC", "0")
 
-from ember import checkpoint_io as cio  # noqa: E402
+from ember.checkpoint import io as cio  # noqa: E402
 from ember.callbacks import Callback  # noqa: E402
 from resume_common import differences, fit, snapshot  # noqa: E402
 

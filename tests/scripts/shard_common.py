@@ -205,7 +205,7 @@ def deepspeed_dropping_rank1_file():
     """``(cls, dropped)``: a DeepSpeedStrategy whose commit finds rank 1's first ZeRO file
     removed (rank 1 deletes it just before the commit's check; its name goes in ``dropped``),
     for the tests of the rule that a commit checks every rank's files."""
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     from ember.strategies import DeepSpeedStrategy
     dropped: list = []
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shard_common as sc  # noqa: E402
 
 import ember  # noqa: E402
-from ember import checkpoint_io as cio  # noqa: E402
+from ember.checkpoint import io as cio  # noqa: E402
 from ember.errors import MisconfigurationError  # noqa: E402
 from ember import Accelerator, Trainer  # noqa: E402
 from ember.callbacks import ModelCheckpoint  # noqa: E402

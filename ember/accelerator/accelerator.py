@@ -1,13 +1,12 @@
 """The Accelerator: custom training loops on the Strategy + Precision machinery of
 the Trainer (which prepares its module, optimizers and data through the flat verbs
 ``setup_module`` / ``setup_optimizers`` / ``setup_dataloader`` below). The objects
-``prepare`` returns (:class:`AcceleratedOptimizer`, :class:`AcceleratedScheduler`,
-:class:`DataLoaderShard`) and the checkpoint, tracker and debug helpers live in
-:mod:`ember.accelerator_state`. Guide: ``docs/accelerator.md``.
+``prepare`` returns live in :mod:`ember.accelerator.prepared` and
+:mod:`ember.data.loader`; checkpoints in :mod:`ember.accelerator.checkpoint`; the step
+rules in :mod:`ember.step`. Guide: ``docs/accelerator.md``.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
@@ -15,16 +14,18 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 import torch
 from torch import nn
 
-from ember import data as edata
-from ember import distributed as _dist
-from ember.accelerator_compat import AccelerateNames, Topology
-from ember.accelerator_trackers import AcceleratorTrackers
-from ember.accelerator_state import _InOrder, _Islice, _MultiContext, _Yield, _only  # noqa: F401
-from ember.accelerator_state import (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard,
-                                     DistributedOperationError, accumulation_window, check_collective,
-                                     check_log_with, is_scheduler, wrap_forward, unwrap_forward)
-from ember.errors import MisconfigurationError, invalid_choice
-from ember.precision import Precision
+from ember.accelerator.prepared import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
+from ember.compat.accelerate import (AcceleratorState, GradientState, ProfileKwargs, distributed_type_of)
+from ember.data import sampling as edata
+from ember.data.loader import DataLoaderShard
+from ember.distributed import collectives as _dist
+from ember.distributed.debug import check_collective
+from ember.distributed.processes import Topology, _InOrder, _Islice, _MultiContext, _Yield, _only, split_inputs
+from ember.errors import DistributedOperationError, MisconfigurationError, invalid_choice
+from ember.loggers.trackers import check_log_with
+from ember.precision import NULL_CONTEXT, Precision
+from ember.precision.forward import unwrap_forward, wrap_forward
+from ember.step import accumulation_window, partial_grad_norm
 
 __all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DataLoaderShard",
            "DistributedOperationError"]
@@ -33,11 +34,10 @@ if TYPE_CHECKING:
     from ember.loggers.base import Logger
     from ember.strategies.base import Strategy
 
-_NULL = contextlib.nullcontext()
 _REDUCTIONS = ("sum", "mean", "max", "min", "none")
 
 
-class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
+class Accelerator(Topology):
     """Prepare models, optimizers, dataloaders and schedulers for the chosen
     strategy (single device, DDP, FSDP, DeepSpeed) and precision, and give a
     custom loop the verbs it needs (backward, accumulation, clipping, collectives,
@@ -73,7 +73,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
                  project_config: Any = None, dataloader_config: Any = None, rng_types: list[str] | None = None,
                  dynamo_backend: str | None = None, dynamo_plugin: Any = None,
                  gradient_accumulation_plugin: Any = None, convert_outputs_to_fp32: bool = False) -> None:
-        from ember import accelerator_compat as compat
+        from ember.compat import accelerate as compat
         from ember.strategies import build_strategy
         precision, accelerate_fp16 = compat.resolve_precision(mixed_precision, precision)
         if precision is None:
@@ -110,7 +110,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
             project_dir = self.project_configuration.project_dir
         self.project_dir = os.fspath(project_dir) if project_dir is not None else os.getcwd()
         self.project_configuration.set_directories(self.project_dir)
-        from ember.accelerator_checkpoint import _newest_auto   # counted now, before any rank saves
+        from ember.accelerator.checkpoint import _newest_auto   # counted now, before any rank saves
         self.save_iteration = _newest_auto(os.path.join(self.project_dir, "checkpoints")) + 1
         if project_config is not None and project_config.iteration:
             self.save_iteration = int(project_config.iteration)
@@ -292,7 +292,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
                 out[j] = AcceleratedOptimizer(o, self)
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
-                from ember.accelerator_compat import split_loader
+                from ember.compat.accelerate import split_loader
                 dl = split_loader(o, self.num_processes) if self._data_opts.get("split_batches") else o
                 out[i] = DataLoaderShard(self.setup_dataloader(dl), self, original=o)
             elif is_scheduler(o) and not isinstance(o, AcceleratedScheduler):
@@ -349,7 +349,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
         only step, and ``zero_grad`` only clears, when ``sync_gradients`` is True."""
         gas = self.gradient_accumulation_steps
         if gas == 1:
-            return _NULL
+            return NULL_CONTEXT
         loader = self._active_loader
         total = loader.num_batches if loader is not None else None
         if total is not None:   # windows from the start of the pass; a short last one divides by its size
@@ -365,7 +365,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
             if self.sync_gradients:
                 self._step = 0
         if self.sync_gradients or self.strategy.world_size == 1:
-            return _NULL
+            return NULL_CONTEXT
         return self.no_sync(*(models or self._models))
 
     def no_sync(self, *models: nn.Module) -> ContextManager[None]:
@@ -398,8 +398,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
         returns the norm of the gradients accumulated so far, unclipped (Accelerate clips
         them). Under DeepSpeed the engine clips (``gradient_clipping`` in its config)."""
         if not self.sync_gradients:
-            from ember.accelerator_compat import partial_grad_norm
-            return partial_grad_norm(self, parameters, norm_type)
+            return partial_grad_norm(self.strategy.precision, self.device, parameters, norm_type)
         self._no_deepspeed_clip()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         self._unscale_for(params)
@@ -550,7 +549,6 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
         """Context yielding this process's contiguous share of a list, tuple, tensor (dim 0)
         or dict of them; the first ``len % num_processes`` processes get one more item.
         ``apply_padding``: repeat the last item so every process gets the same count."""
-        from ember.accelerator_state import split_inputs
         return _Yield(split_inputs(inputs, self.num_processes, self.process_index, apply_padding))
 
     # -- models & checkpoints ------------------------------------------------------------------
@@ -571,7 +569,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
         """Export the weights of ``model`` to ``save_directory`` as safetensors: one
         ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when larger
         than ``max_shard_size`` (``"500MB"``, ``"2GB"``, bytes). The main process writes."""
-        from ember.accelerator_checkpoint import save_model
+        from ember.accelerator.checkpoint import save_model
         return save_model(self, model, save_directory, max_shard_size, safe_serialization)
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
@@ -580,7 +578,7 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
         ``torch.save``, refusing objects ``torch.load(weights_only=True)`` cannot read back
         (state dicts, tensors and plain containers are fine)."""
         if self.is_main_process:
-            from ember import checkpoint_io as cio
+            from ember.checkpoint import io as cio
             if safe_serialization or os.fspath(f).endswith(".safetensors"):
                 if not (isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())):
                     raise MisconfigurationError("save(..., safe_serialization=True): safetensors holds a dict of "
@@ -602,14 +600,14 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
         """Write an atomic checkpoint directory: models (safetensors), optimizers,
         schedulers, grad scaler, dataloader positions, per-process RNG states,
         registered objects. ``None``: ``project_dir/checkpoints/checkpoint_N``."""
-        from ember.accelerator_checkpoint import save_state
+        from ember.accelerator.checkpoint import save_state
         return save_state(self, output_dir)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True) -> dict:
         """Restore what :meth:`save_state` wrote into the prepared objects (call after
         ``prepare``). Prepared dataloaders then resume mid-epoch, skipping the
         indices already seen. ``None``: the newest under ``project_dir/checkpoints``."""
-        from ember.accelerator_checkpoint import load_state
+        from ember.accelerator.checkpoint import load_state
         return load_state(self, input_dir, strict)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
@@ -637,7 +635,89 @@ class Accelerator(AccelerateNames, AcceleratorTrackers, Topology):
 
     clear = free_memory
 
+    # -- trackers (log_with=) -----------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Create the ``log_with`` trackers (main process only) under ``project_dir``
+        with ``project_name`` as experiment name / W&B project, and log ``config`` as
+        hyperparameters. ``init_kwargs={"wandb": {...}}`` go to that tracker."""
+        from ember.loggers.trackers import init_trackers
+        init_trackers(self, project_name, config, init_kwargs)
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Log scalar ``values`` (numbers or 0-d tensors, fetched in one transfer) to every
+        tracker at ``step`` (default: the number of earlier ``log`` calls). Main process only."""
+        if not self.trackers:
+            return
+        if step is None:
+            step = self._log_step
+        self._log_step = step + 1
+        metrics = dict(values)
+        keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+        if keys:  # one device-to-host transfer for all tensors
+            metrics.update(zip(keys, torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()))
+        for tracker in self.trackers:
+            tracker.log_metrics(metrics, step=step)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker named ``"tensorboard"``, ``"csv"``, ``"wandb"`` (or a custom
+        Logger's name); ``unwrap=True``: its writer / run. Other processes get a
+        tracker whose methods do nothing."""
+        from ember.loggers.trackers import get_tracker
+        return get_tracker(self, name, unwrap)
+
+    def end_training(self) -> None:
+        """Finish every tracker (flush, close)."""
+        for tr in self.trackers:
+            tr.finalize("success")
+        self.trackers = []
+        self.strategy.teardown()
+
+    # -- Accelerate's names: read-only views of ember's state, profile, save/load hooks ----------
+    distributed_type = property(lambda self: distributed_type_of(self.strategy),
+                                doc=":class:`DistributedType` of the run (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ...)")
+    state = property(lambda self: AcceleratorState(self), doc="the process layout (:class:`AcceleratorState`)")
+    gradient_state = property(lambda self: GradientState(self), doc=":class:`GradientState`")
+    split_batches = property(lambda self: bool(self._data_opts.get("split_batches", False)),
+                             doc="bool: a loader's batch is split over the processes")
+    even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)),
+                            doc="bool: every process gets as many batches (samples repeated)")
+    use_seedable_sampler = property(lambda self: True, doc="always: ember's order comes from (seed, epoch)")
+    non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)),
+                            doc="bool: batches are copied to the device with non_blocking=True")
+    device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)),
+                                doc="bool: prepared objects are moved to the device")
+    logging_dir = property(lambda self: getattr(self.project_configuration, "logging_dir", None) or self.project_dir,
+                           doc="str: where trackers write")
+    multi_device = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+    data_parallel_rank = property(lambda self: self.process_index, doc="int: the process index (Accelerate's name)")
+    tensor_parallel_rank = property(lambda self: 0, doc="int: always 0 (Accelerate's name)")
+    is_fsdp2 = property(lambda self: getattr(self.strategy, "name", "") == "fsdp", doc="bool: FSDP (FSDP2) runs")
+
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> ContextManager[Any]:
+        """Context manager: ``torch.profiler.profile`` built from ``profile_handler``
+        (default: the ``ProfileKwargs`` of ``kwargs_handlers``, else CPU activities)."""
+        return (profile_handler or self._profile_kwargs or ProfileKwargs()).build()
+
+    def register_save_state_pre_hook(self, hook: Callable) -> _Handle:
+        """``hook(models, weights, output_dir)`` runs in :meth:`save_state` before writing
+        (``weights``: the list of state dicts, may be edited). Returns a handle with ``remove()``."""
+        return _Handle(self.__dict__.setdefault("_save_hooks", []), hook)
+
+    def register_load_state_pre_hook(self, hook: Callable) -> _Handle:
+        """``hook(models, input_dir)`` runs in :meth:`load_state` before loading."""
+        return _Handle(self.__dict__.setdefault("_load_hooks", []), hook)
+
     def __repr__(self) -> str:
         return (f"Accelerator(strategy={self.strategy.name!r}, num_processes={self.num_processes}, "
                 f"process_index={self.process_index}, device={self.device}, precision={self.precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
+
+
+class _Handle:
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+        hooks.append(hook)
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)

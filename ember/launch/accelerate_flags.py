@@ -23,7 +23,7 @@ _DIRECT = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "
 
 
 def _usage(msg: str) -> Exception:
-    from ember.launch import UsageError
+    from ember.errors import UsageError
     return UsageError(msg)
 
 

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 from ember.errors import CheckpointError
 
 __all__ = ["is_accelerate_checkpoint", "load_accelerate_state"]

@@ -11,7 +11,7 @@ resume time, never per step). When any rank failed, every rank raises the same
 CheckpointError carrying the first failing rank's message and naming it
 (``"rank 1: ..."``); on that rank it is chained from its own error, so its traceback
 is shown. Used by ``Trainer.fit(ckpt_path=...)`` (ember/trainer/state.py) and
-``Accelerator.load_state`` (ember/accelerator_checkpoint.py), before the load (the
+``Accelerator.load_state`` (ember/accelerator/checkpoint.py), before the load (the
 files) and after it (what was loaded).
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def check_files(path: str | os.PathLike) -> None:
     and a checkpoint directory's ``meta.json`` lists files inside it with the recorded
     sizes and content digests (``checkpoint_io.read_meta_checked``). The files are
     what each node sees, so the outcome is agreed (:func:`agree_outcome`)."""
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointError(cio._missing_message(path))

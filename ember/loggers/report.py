@@ -365,7 +365,7 @@ def add_subcommand(sub, fmt) -> None:
 
 
 def report_command(args) -> int:
-    from ember.cli import UsageError
+    from ember.errors import UsageError
     try:
         path = write_report(args.runs, args.out)
     except MisconfigurationError as err:

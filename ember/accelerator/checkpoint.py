@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ember import checkpoint_io as cio
+from ember.checkpoint import io as cio
 from ember.errors import CheckpointError, MisconfigurationError
 
 
@@ -134,7 +134,7 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
     if output_dir is None:
         output_dir = next_auto_dir(acc)
     path = os.path.normpath(os.fspath(output_dir))
-    from ember.checkpoint_checks import check_save_target
+    from ember.checkpoint.trust import check_save_target
     check_save_target(path, "Accelerator.save_state")   # every rank, read-only: no collective
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
@@ -270,7 +270,7 @@ def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = Tru
     """``Accelerator.load_state``: restore what :func:`save_state` wrote.
 
     Under several processes the newest ``checkpoint_N`` (no ``input_dir``) is rank 0's
-    pick, and the ranks agree on the outcome twice (``ember.checkpoint_agree``, one
+    pick, and the ranks agree on the outcome twice (``ember.checkpoint.agree``, one
     ``all_gather_object`` each): on the files as each node sees them before anything is
     loaded, and on the load. A checkpoint one rank refuses is refused by every rank, with
     the first failing rank's message."""
@@ -278,7 +278,7 @@ def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = Tru
     if strategy.world_size == 1:
         path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
         return _load_state(acc, path, strict)
-    from ember.checkpoint_agree import agree_outcome, check_files, collective_failed
+    from ember.checkpoint.agree import agree_outcome, check_files, collective_failed
     path, error = "", None
     try:
         path = os.fspath(input_dir) if input_dir is not None else _rank0_auto_dir(acc)
@@ -316,7 +316,7 @@ def _load_state(acc: Any, path: str, strict: bool) -> dict:
     strategy = acc.strategy
     for hook in getattr(acc, "_load_hooks", ()):
         hook(acc._models, path)
-    from ember.accelerate_import import is_accelerate_checkpoint, load_accelerate_state
+    from ember.compat.accelerate_checkpoint import is_accelerate_checkpoint, load_accelerate_state
     if is_accelerate_checkpoint(path):   # written by Accelerate's save_state
         return load_accelerate_state(acc, path, strict)
     models = acc._models
@@ -332,7 +332,7 @@ def _load_state(acc: Any, path: str, strict: bool) -> dict:
         weights, state, meta = cio.read_checkpoint(path)
         if state is None:
             raise CheckpointError(f"{path} holds weights only (no {cio.STATE_NAME}); load them with "
-                                  "ember.checkpoint_io.read_checkpoint / load_model_sharded instead")
+                                  "ember.checkpoint.io.read_checkpoint / load_model_sharded instead")
         info = state.get("accelerator")
         if info is None:
             raise CheckpointError(f"{path} was not written by Accelerator.save_state() (a Trainer checkpoint?); "

@@ -25,32 +25,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ember import checkpoint_checks as checks
-from ember.rng_state import collect_rng_states, restore_rng_states  # noqa: F401  (public here)
+from ember.checkpoint import trust as checks
+from ember.checkpoint.format import (ALIAS_KEY, DCP_WEIGHTS_DIR, FORMAT_VERSION, INDEX_NAME, META_NAME,  # noqa: F401
+                                     STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME, tmp_path)
+from ember.checkpoint.rng import collect_rng_states, restore_rng_states  # noqa: F401  (public here)
 from ember.errors import CheckpointError, MisconfigurationError
 
-WEIGHTS_NAME = "model.safetensors"
-DCP_WEIGHTS_DIR = "model"
-STATE_NAME = "trainer_state.pt"
-META_NAME = "meta.json"
-INDEX_NAME = "model.safetensors.index.json"
-FORMAT_VERSION = 1
-#: safetensors metadata key holding ``{alias: stored_name}`` for tensors that share memory
-ALIAS_KEY = "ember.aliases"
 #: set EMBER_CHECKPOINT_FSYNC=0 to skip fsync (tmpfs, throwaway runs); crash safety
 #: against process kills is unaffected, against power loss it is not guaranteed then
 FSYNC = os.environ.get("EMBER_CHECKPOINT_FSYNC", "1") != "0"
 
-_TMP_SUFFIX = ".tmp"
+_TMP_SUFFIX = TMP_SUFFIX
 _OLD_RE = re.compile(r"\.old-[0-9a-f]+$")
 
 
 # -- atomic directories --------------------------------------------------------------
-def tmp_path(path: str | os.PathLike) -> str:
-    """The staging directory ``NAME.tmp`` that :func:`atomic_directory` writes into."""
-    return os.path.normpath(os.fspath(path)) + _TMP_SUFFIX
-
-
 def _fsync_path(path: str, directory: bool = False) -> None:
     if not FSYNC:
         return

@@ -32,6 +32,8 @@ import re
 import warnings
 from typing import Any
 
+from ember.checkpoint import format as cio
+from ember.checkpoint.format import FORMAT_VERSION, META_NAME
 from ember.errors import CheckpointError
 
 #: meta.json larger than this is refused before it is parsed
@@ -126,7 +128,6 @@ def check_meta(meta: dict, path: str | os.PathLike, require_files: bool = True) 
     import torch
 
     import ember
-    from ember.checkpoint_io import FORMAT_VERSION, META_NAME
     path = os.fspath(path)
     meta_file = os.path.join(path, META_NAME)
     if not meta:
@@ -197,7 +198,6 @@ def check_digests(path: str | os.PathLike, meta: dict) -> None:
     another of the same size (e.g. ``trainer_state.pt`` of another checkpoint of the
     run) is refused. Checkpoints written before digests were recorded have none and
     pass. A file already verified unchanged (same size, mtime, inode) is not re-read."""
-    from ember.checkpoint_io import META_NAME
     path = os.fspath(path)
     digests = meta.get("digests")
     if digests is None:
@@ -321,7 +321,6 @@ def dcp_planner(allow_partial_load: bool = False):
 def check_save_target(path: str | os.PathLike, what: str) -> None:
     """Refuse to replace anything at ``path`` that is not an ember checkpoint: a plain
     file, or a non-empty directory without ``meta.json`` (a log folder, a dataset)."""
-    from ember import checkpoint_io as cio
     path = os.path.normpath(os.fspath(path))
     if os.path.islink(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a symlink that does not point to a checkpoint; "
@@ -343,7 +342,6 @@ def check_save_target(path: str | os.PathLike, what: str) -> None:
 
 def _is_staging(tmp: str) -> bool:
     """A ``NAME.tmp`` ember may delete: a directory holding only checkpoint files."""
-    from ember import checkpoint_io as cio
     if os.path.islink(tmp) or not os.path.isdir(tmp):
         return False
     known = {cio.WEIGHTS_NAME, cio.STATE_NAME, cio.META_NAME, cio.DCP_WEIGHTS_DIR, "deepspeed"}

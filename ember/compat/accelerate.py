@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from ember.distributed.processes import Topology, _InOrder, _Yield, split_inputs
 from ember.errors import MisconfigurationError
 
 __all__ = ["DistributedType", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
@@ -167,20 +168,6 @@ class TorchDynamoPlugin:
 _SHARED: dict = {}
 
 
-class Topology:
-    """Where this process stands, read from ``self.strategy``: the properties
-    :class:`PartialState` and the Accelerator share."""
-    device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
-    num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
-    process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
-    local_process_index = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
-    is_main_process = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
-    is_local_main_process = property(lambda self: self.strategy.is_local_zero, doc="bool: local rank 0")
-    is_last_process = property(lambda self: self.process_index == self.num_processes - 1,
-                               doc="bool: the highest global rank")
-    use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
-
-
 class PartialState(Topology):
     """The process layout without an Accelerator (Accelerate's ``PartialState``):
     ``num_processes``, ``process_index``, ``local_process_index``, ``device``,
@@ -218,18 +205,14 @@ class PartialState(Topology):
 
     def main_process_first(self) -> ContextManager[None]:
         """Context manager: the main process runs the block first, then the others."""
-        from ember.accelerator import _InOrder
         return _InOrder(self, self.is_main_process)
 
     def local_main_process_first(self) -> ContextManager[None]:
         """Context manager: each machine's local main process runs the block first."""
-        from ember.accelerator import _InOrder
         return _InOrder(self, self.is_local_main_process)
 
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> ContextManager[Any]:
         """Context manager yielding this process's part of ``inputs`` (list, tuple, dict, tensor)."""
-        from ember.accelerator import _Yield
-        from ember.accelerator_state import split_inputs
         return _Yield(split_inputs(inputs, self.num_processes, self.process_index, apply_padding))
 
     def on_main_process(self, function: Callable) -> Callable:
@@ -468,66 +451,3 @@ def split_loader(loader: Any, num_processes: int) -> Any:
         kw["prefetch_factor"] = loader.prefetch_factor
     return DataLoader(loader.dataset, batch_size=bs // num_processes,
                       shuffle=isinstance(loader.sampler, RandomSampler), **kw)
-
-
-class AccelerateNames:
-    """Accelerate's attribute names on :class:`ember.Accelerator` (read-only views of
-    ember's state), :meth:`profile`, and the save/load hooks."""
-
-    distributed_type = property(lambda self: distributed_type_of(self.strategy),
-                                doc=":class:`DistributedType` of the run (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ...)")
-    state = property(lambda self: AcceleratorState(self), doc="the process layout (:class:`AcceleratorState`)")
-    gradient_state = property(lambda self: GradientState(self), doc=":class:`GradientState`")
-    split_batches = property(lambda self: bool(self._data_opts.get("split_batches", False)),
-                             doc="bool: a loader's batch is split over the processes")
-    even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)),
-                            doc="bool: every process gets as many batches (samples repeated)")
-    use_seedable_sampler = property(lambda self: True, doc="always: ember's order comes from (seed, epoch)")
-    non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)),
-                            doc="bool: batches are copied to the device with non_blocking=True")
-    device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)),
-                                doc="bool: prepared objects are moved to the device")
-    logging_dir = property(lambda self: getattr(self.project_configuration, "logging_dir", None) or self.project_dir,
-                           doc="str: where trackers write")
-    multi_device = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
-    data_parallel_rank = property(lambda self: self.process_index, doc="int: the process index (Accelerate's name)")
-    tensor_parallel_rank = property(lambda self: 0, doc="int: always 0 (Accelerate's name)")
-    is_fsdp2 = property(lambda self: getattr(self.strategy, "name", "") == "fsdp", doc="bool: FSDP (FSDP2) runs")
-
-    def profile(self, profile_handler: ProfileKwargs | None = None) -> ContextManager[Any]:
-        """Context manager: ``torch.profiler.profile`` built from ``profile_handler``
-        (default: the ``ProfileKwargs`` of ``kwargs_handlers``, else CPU activities)."""
-        return (profile_handler or self._profile_kwargs or ProfileKwargs()).build()
-
-    def register_save_state_pre_hook(self, hook: Callable) -> _Handle:
-        """``hook(models, weights, output_dir)`` runs in :meth:`save_state` before writing
-        (``weights``: the list of state dicts, may be edited). Returns a handle with ``remove()``."""
-        return _Handle(self.__dict__.setdefault("_save_hooks", []), hook)
-
-    def register_load_state_pre_hook(self, hook: Callable) -> _Handle:
-        """``hook(models, input_dir)`` runs in :meth:`load_state` before loading."""
-        return _Handle(self.__dict__.setdefault("_load_hooks", []), hook)
-
-
-class _Handle:
-    def __init__(self, hooks: list, hook):
-        self.hooks, self.hook = hooks, hook
-        hooks.append(hook)
-
-    def remove(self) -> None:
-        if self.hook in self.hooks:
-            self.hooks.remove(self.hook)
-
-
-def partial_grad_norm(acc: Any, parameters: Any, norm_type: float) -> torch.Tensor:
-    """``clip_grad_norm_`` on a micro-batch that does not sync: the norm of the
-    gradients accumulated so far (divided by the loss scale under 16-mixed), as a
-    0-d tensor, without clipping and without a host sync."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), device=acc.device)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
-    scaler = acc.strategy.precision.scaler
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
-    return norm / scale.to(norm.device).reshape(()) if scale is not None else norm

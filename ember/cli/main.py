@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ember.callbacks import Callback
-from ember.cli_types import (_type_name, _unknown, check_kwargs, instantiate, resolve_class,  # noqa: F401
+from ember.cli.types import (_type_name, _unknown, check_kwargs, instantiate, resolve_class,  # noqa: F401
                              to_yaml_safe)
-from ember.launch import UsageError, read_yaml
+from ember.errors import UsageError
+from ember.launch.command import read_yaml
 
 RUN_COMMANDS = ("fit", "validate", "test", "predict")
 TOP_KEYS = ("seed_everything", "trainer", "model", "data", "ckpt_path")
@@ -114,7 +115,7 @@ def arguments_help(cls, section: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from ember import __version__
-    from ember import launch as _launch
+    from ember.launch import command as _launch
     fmt = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="ember", description="ember: train PyTorch models from the command line.",
                 formatter_class=fmt, allow_abbrev=False)
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="where to save the predictions (torch.save; default: "
                                  "predictions.pt in trainer.default_root_dir)")
     _launch.add_subcommands(sub, fmt)
-    from ember.report import add_subcommand as _add_report
+    from ember.loggers.report import add_subcommand as _add_report
     _add_report(sub, fmt)
     return p
 
@@ -405,13 +406,13 @@ def main(argv: Sequence[str] | None = None, *, model_class=None, datamodule_clas
         args = parser.parse_args(argv)
         if args.command in RUN_COMMANDS:
             return run_command(args, overrides, _CLI(model_class, datamodule_class))
-        from ember import launch as _launch
+        from ember.launch import command as _launch
         if args.command == "launch":
             return _launch.launch(args)
         if args.command == "config":
             return _launch.config_command(args)
         if args.command == "report":
-            from ember.report import report_command
+            from ember.loggers.report import report_command
             return report_command(args)
         return _launch.env_command(args)
     except UsageError as err:

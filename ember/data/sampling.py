@@ -15,7 +15,7 @@ follows from that state and the epoch alone, however far DataLoader workers drew
 ahead, and checkpoints record it for an exact resume (:func:`generator_checkpoint_state`,
 :func:`restore_generator`, used by the Trainer and the Accelerator). DataLoader
 workers are seeded from (run seed, epoch, data-parallel rank, worker): see
-:mod:`ember.data_seed`.
+:mod:`ember.data.worker_seed`.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler,
                               Sampler, SequentialSampler, get_worker_info)
 
-from ember.data_seed import install_worker_init, loader_seed
+from ember.data.worker_seed import install_worker_init, loader_seed
 from ember.errors import CheckpointError
 
 

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ember.errors import UsageError
+
 PRECISION_ENV = {"no": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
 STRATEGIES = ("no", "ddp", "fsdp", "deepspeed")
 ENVIRONMENTS = ("local_machine", "multi_machine")
@@ -46,10 +48,6 @@ DEFAULTS: dict[str, Any] = {
     "deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "none",
                          "offload_param_device": "none"},
 }
-
-
-class UsageError(Exception):
-    """A bad command-line value or config entry: reported as one line, exit code 2."""
 
 
 def default_config_path() -> Path:
@@ -101,7 +99,7 @@ def read_yaml(path: "str | Path", flag: str) -> Any:
 def load_launch_config(path: "str | Path") -> dict:
     """Read and validate a launch config file (the one ``ember config`` writes)."""
     data = read_yaml(path, "--config_file") or {}
-    from ember.launch_accelerate import from_accelerate_config, is_accelerate_config
+    from ember.launch.accelerate_flags import from_accelerate_config, is_accelerate_config
     extras: dict = {}
     if is_accelerate_config(data):   # a file written by `accelerate config`
         data, extras = from_accelerate_config(data)
@@ -209,7 +207,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no_python", "--no-python", action="store_true",
                    help="run SCRIPT directly as an executable")
     g.add_argument("--log_dir", "--log-dir", default=None, help="torchrun's log directory")
-    from ember.launch_accelerate import add_accelerate_arguments
+    from ember.launch.accelerate_flags import add_accelerate_arguments
     add_accelerate_arguments(p)
     p.add_argument("training_script", metavar="SCRIPT", help="the script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
@@ -263,7 +261,7 @@ def resolve_launch_config(args: argparse.Namespace) -> dict:
     for flag in ("zero_stage", "offload_optimizer_device", "offload_param_device"):
         if getattr(args, flag) is not None:
             cfg["deepspeed_config"][flag] = getattr(args, flag)
-    from ember.launch_accelerate import apply_accelerate_flags
+    from ember.launch.accelerate_flags import apply_accelerate_flags
     apply_accelerate_flags(cfg, args)
     if cfg["num_machines"] > 1:
         cfg["compute_environment"] = "multi_machine"
@@ -300,7 +298,7 @@ def launch(args: argparse.Namespace) -> int:
     if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
         raise UsageError(f"launch: script {args.training_script!r} not found "
                          "(use -m to run a module)")
-    from ember.launch_accelerate import accelerate_env
+    from ember.launch.accelerate_flags import accelerate_env
     for key, value in {**worker_env(cfg), **accelerate_env(cfg)}.items():
         if value is None:
             os.environ.pop(key, None)

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path, PurePath
 from typing import Any
 
-from ember.launch import UsageError
+from ember.errors import UsageError
 
 
 def _unknown(where: str, valid, what: str = "key") -> str:

@@ -41,7 +41,7 @@ def convert_lightning_checkpoint(path: str | os.PathLike, out_dir: str | os.Path
         convert_lightning_checkpoint("epoch=9-step=1000.ckpt", "converted")
         model = MyModel.load_from_checkpoint("converted")
     """
-    from ember import checkpoint_io as cio
+    from ember.checkpoint import io as cio
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"convert_lightning_checkpoint: {path} is not a file (expected a Lightning .ckpt)")

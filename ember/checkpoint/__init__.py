@@ -1,0 +1,6 @@
+"""Checkpoints on disk: :mod:`~ember.checkpoint.format` (names and version),
+:mod:`~ember.checkpoint.io` (atomic writes, safetensors, the safe ``torch.load``,
+reading a checkpoint folder), :mod:`~ember.checkpoint.trust` (the checks that make
+loading safe: paths inside the folder, ``meta.json`` limits, digests, locks),
+:mod:`~ember.checkpoint.agree` (the ranks agree on a resume's outcome),
+:mod:`~ember.checkpoint.rng` (RNG states). The format: docs/checkpoint_format.md."""

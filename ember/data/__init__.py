@@ -1,0 +1,11 @@
+"""Data: sharding samplers, resumable loading, worker seeds and device prefetch.
+
+:mod:`~ember.data.sampling` shards and resumes a DataLoader (the names below),
+:mod:`~ember.data.loader` is the loader ``Accelerator.prepare`` returns,
+:mod:`~ember.data.worker_seed` seeds DataLoader workers, :mod:`~ember.data.prefetch`
+copies the next batch to the GPU while a step runs."""
+from ember.data.sampling import (LookAhead, ResumableSampler, ShardedIterable, agree_generator,  # noqa: F401
+                                 batch_padding, dataset_length, draws_global_rng, generator_checkpoint_state,
+                                 has_length, index_sampler, is_shuffled, num_padded, own_generator,
+                                 prepare_dataloader, restore_generator, sampler_of, samples_per_rank, set_epoch,
+                                 skip_batches)

@@ -1,0 +1,9 @@
+"""``ember launch`` / ``ember config`` / ``ember env``: :mod:`~ember.launch.command`
+(the command, its config file and torchrun underneath), :mod:`~ember.launch.accelerate_flags`
+(Accelerate's launch flags and config files), :mod:`~ember.launch.notebook`
+(``notebook_launcher``)."""
+from ember.errors import UsageError  # noqa: F401
+from ember.launch.command import (add_launch_arguments, add_subcommands, config_command,  # noqa: F401
+                                  default_config_path, default_launch_config, env_command, env_report,
+                                  first_failure, launch, load_launch_config, read_yaml, resolve_launch_config,
+                                  torchrun_argv, validate_launch_config, wizard, worker_env, write_config)
