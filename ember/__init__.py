@@ -20,48 +20,15 @@ if TYPE_CHECKING:
     from ember.module import DataModule, TrainModule
     from ember.launch.notebook import notebook_launcher
     from ember.trainer import Trainer
+    from ember.utilities import seed_everything
     from ember.utils import find_executable_batch_size
 
 __all__ = ["Trainer", "TrainModule", "DataModule", "Accelerator", "seed_everything", "__version__"]
 
 
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
-    """Seed python, numpy and torch (all devices). Returns the seed used.
-
-    ``workers=True`` sets ``EMBER_SEED_WORKERS=1`` for the rest of the process (and the
-    ranks it starts; ``EMBER_SEED_WORKERS=0`` turns it off): the workers of every
-    DataLoader ember prepares then seed python, numpy and torch from (run seed, epoch,
-    rank, worker) and re-seed them per batch, so their random draws differ across ranks
-    and workers and repeat exactly after a mid-epoch resume (see ``ember.data.worker_seed``).
-    Worker seeds differ per rank and worker in any case."""
-    import os
-    import random
-
-    import torch
-    if seed is None:
-        seed = os.environ.get("EMBER_GLOBAL_SEED", random.randint(0, 2**31 - 1))
-    try:
-        if isinstance(seed, (bool, float)):
-            raise ValueError
-        seed = int(seed)
-    except (TypeError, ValueError):
-        from ember.errors import MisconfigurationError
-        raise MisconfigurationError(f"seed={seed!r} is not valid; use an integer (e.g. seed=42)") from None
-    os.environ["EMBER_GLOBAL_SEED"] = str(seed)
-    if workers:
-        os.environ["EMBER_SEED_WORKERS"] = "1"
-    random.seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    torch.manual_seed(seed)
-    return seed
-
-
 def __dir__() -> list[str]:
-    lazy = ("PartialState", "AcceleratorState", "DistributedType", "notebook_launcher", "find_executable_batch_size")
+    lazy = ("PartialState", "AcceleratorState", "DistributedType", "notebook_launcher", "find_executable_batch_size",
+            "seed_everything")
     return sorted(set(globals()) | set(__all__) | set(lazy))
 
 
@@ -81,6 +48,9 @@ def __getattr__(name: str):
     if name == "notebook_launcher":
         from ember.launch.notebook import notebook_launcher
         return notebook_launcher
+    if name == "seed_everything":
+        from ember.utilities import seed_everything
+        return seed_everything
     if name == "find_executable_batch_size":
         from ember.utils import find_executable_batch_size
         return find_executable_batch_size

@@ -14,6 +14,10 @@ class CheckpointError(EmberError, RuntimeError):
     """A checkpoint that is missing, truncated, unsafe or incompatible."""
 
 
+class DeviceMapError(MisconfigurationError):
+    """A device map or ``max_memory`` that cannot work for this model (``ember.big_modeling``)."""
+
+
 class NonFiniteLossError(EmberError, FloatingPointError):
     """The training loss became NaN or infinite."""
 

@@ -12,8 +12,11 @@ from ember.hparams import AttributeDict, HyperparametersMixin, _copy_hparams  # 
 
 
 def _raw_optimizer(opt: Any) -> Any:
-    """The torch optimizer under ember's wrappers (manual-optimization, accelerated)."""
-    while not isinstance(opt, torch.optim.Optimizer) and "optimizer" in getattr(opt, "__dict__", {}):
+    """The torch optimizer under ember's wrappers (``ember.step.StepOptimizer``: manual
+    optimization, the Accelerator's prepared ones)."""
+    from ember.step import StepOptimizer
+    while isinstance(opt, StepOptimizer) or (not isinstance(opt, torch.optim.Optimizer)
+                                             and "optimizer" in getattr(opt, "__dict__", {})):
         opt = opt.optimizer
     return opt
 
@@ -152,9 +155,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     def clip_gradients(self, optimizer: Any, gradient_clip_val: "float | None" = None,
                        gradient_clip_algorithm: "str | None" = None) -> "torch.Tensor | None":
-        """Clip ``optimizer``'s gradients (manual optimization, after backward) through
-        the strategy, as the training loop does: unscaled first under 16-mixed, total
-        norm over sharded (DTensor) gradients. ``gradient_clip_val`` /
+        """Clip ``optimizer``'s gradients (manual optimization, after backward) by the rules
+        the training loop uses (``ember.step``): unscaled first under 16-mixed, total norm
+        over sharded (DTensor) gradients, per device mesh. ``gradient_clip_val`` /
         ``gradient_clip_algorithm`` ("norm" or "value") default to the Trainer's.
         Returns the total norm before clipping ("norm"), else None."""
         t = self.trainer
@@ -164,10 +167,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
             raise MisconfigurationError(f"clip_gradients(gradient_clip_algorithm={algorithm!r}): use 'norm' or 'value'")
         if val is None or val == 0:
             return None
-        if t.strategy.owns_optimizer_step:
-            raise MisconfigurationError(f"under the {t.strategy.name} strategy the engine clips gradients: set "
-                                        "'gradient_clipping' in its config instead of calling clip_gradients")
-        return t.strategy.clip_gradients(t.model, _raw_optimizer(optimizer), float(val), algorithm)
+        return t.step_rules.clip_optimizer(_raw_optimizer(optimizer), float(val), algorithm)
 
     def to_torchscript(self, file_path: "str | None" = None, method: str = "script",
                        example_inputs: Any = None, **kwargs: Any) -> Any:
@@ -247,9 +247,19 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     # -- optimizers (manual optimization) -----------------------------------------
     def optimizers(self) -> Any:
-        """Manual optimization: the optimizer (or the list of them), wrapped so
-        ``step()`` goes through the strategy and precision."""
-        opts = self.trainer._manual_optimizers
+        """Manual optimization: the optimizer (or the list of them), wrapped so ``step()``
+        goes through the strategy and precision (``ember.step.StepOptimizer``) and counts
+        ``trainer.global_step``."""
+        t = self.trainer
+        cached = self.__dict__.get("_manual_optimizers")
+        if cached is None or cached[0] is not t.optimizers:   # a new fit configures new optimizers
+            from ember.step import StepOptimizer
+
+            def count() -> None:
+                t.global_step += 1
+            cached = (t.optimizers, [StepOptimizer(o, t.step_rules, after_step=count) for o in t.optimizers])
+            self.__dict__["_manual_optimizers"] = cached
+        opts = cached[1]
         return opts[0] if len(opts) == 1 else opts
 
     def lr_schedulers(self) -> Any:
@@ -258,14 +268,16 @@ class TrainModule(HyperparametersMixin, nn.Module):
         return None if not s else (s[0] if len(s) == 1 else s)
 
     def manual_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Manual optimization: ``loss.backward()`` through the strategy (loss scaling, DDP sync)."""
+        """Manual optimization: ``loss.backward()`` through the strategy (loss scaling, DDP
+        sync), between the ``on_before_backward`` / ``on_after_backward`` hooks."""
         t = self.trainer
-        hooks = getattr(t, "_backward_hooks", None)   # on_before/after_backward, resolved per epoch
-        if hooks is not None:
-            hooks[0](loss)
-        t.strategy.manual_backward(loss, t.model, **kwargs)   # DDP: prepares the reducer for this loss
-        if hooks is not None:
-            hooks[1]()
+        events = t.events
+        before, after = events["on_before_backward"], events["on_after_backward"]
+        if before is not None:
+            before(loss)
+        t.step_rules.manual_backward(loss, t.model, **kwargs)   # DDP: prepares the reducer for this loss
+        if after is not None:
+            after()
 
     # -- collectives ----------------------------------------------------------------
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
@@ -292,7 +304,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         (``limit_val_batches``) drops nothing. Every rank must make the same calls."""
         from ember.distributed import collectives as distributed
         t = self.trainer
-        return distributed.gather_for_metrics(data, num_padded=t._current_padding(), strategy=t.strategy)
+        return distributed.gather_for_metrics(data, num_padded=t.padding_to_drop, strategy=t.strategy)
 
     # -- steps --------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:

@@ -1,22 +1,72 @@
-"""The optimizer-step rules, written once for the Trainer and the Accelerator.
+"""The optimizer step: every rule of it, written once, for the Trainer and the Accelerator.
 
-(Being consolidated: the accumulation window lives here; see docs/architecture.md.)
+A :class:`StepRules` belongs to one strategy (and through it one precision). The
+Trainer's automatic optimization runs the whole sequence through :meth:`StepRules.
+make_step`; its manual optimization through :class:`StepOptimizer` (``self.optimizers()``)
+and :meth:`StepRules.manual_backward`; the Accelerator through the same methods behind
+its verbs (``accumulate``, ``backward``, ``clip_grad_norm_``, a prepared optimizer's
+``step``/``zero_grad``, a prepared scheduler's ``step``). Nothing else in ember
+divides a loss, unscales, clips, steps, defers a scheduler or zeroes gradients.
+
+The sequence (docs/architecture.md, "The one step")::
+
+    accumulation window  micro-batch i of n: does the optimizer step after it, and by what
+                         does backward divide the loss? Windows hold accumulation_steps
+                         micro-batches; the last window of an epoch may be shorter and
+                         divides by its own size (an epoch of unknown length is looked
+                         ahead far enough to know it), so every step equals one big batch
+                         (accumulation_window, StepRules.window)
+    no_sync              micro-batches that do not step skip the gradient all-reduce
+    backward             the loss divided by the window's size, times the loss scale under
+                         "16-mixed" (StepRules.backward)
+    unscale              each optimizer's gradients once per step, before anything reads
+                         them (a hook, clipping) (StepRules.unscale)
+    clip                 the total norm over the parameters, computed per device mesh for
+                         DTensor parameters and combined (so FSDP-only parameters beside
+                         2-D mesh ones clip together); or each value (StepRules.clip_grad_norm)
+    optimizer step       through the strategy and the precision: skipped when a gradient is
+                         inf/NaN under loss scaling (StepRules.optimizer_step)
+    scale update         once per step, after every optimizer of the step stepped: where the
+                         caller knows the step is complete (the Trainer's automatic step,
+                         StepRules.end_step), else at the next backward or when anything reads
+                         the scale (a checkpoint, ``Accelerator.scaler``); the same scale either way
+    scheduler step       never after a skipped step, and without a host sync: the skip flag
+                         is read once it has reached the host, before the next unscale or
+                         step, a log point, a checkpoint, an epoch end (StepRules.scheduler_step)
+    zero_grad            ``set_to_none``; an engine that owns the step (DeepSpeed) zeroes
+                         its own gradients (StepRules.zero_grad)
+
+Where the Accelerator keeps a documented Accelerate semantic, it says so here, once:
+
+- a prepared scheduler steps ``num_processes`` times per optimizer step (each process
+  sees 1/n of the batches, so a schedule written for the batches of one process keeps
+  its length; ``ReduceLROnPlateau`` steps once); the Trainer's step-interval schedulers
+  step once per optimizer step, as Lightning's;
+- ``Accelerator(mixed_precision="fp16")`` on a CPU runs in float32, as Accelerate does
+  (``precision="16-mixed"`` asks for fp16 autocast with a loss scaler on the CPU);
+- ``clip_grad_norm_`` on a micro-batch that does not step returns the norm of the
+  gradients accumulated so far and leaves them alone (Accelerate clips them: clipping a
+  partial sum changes what accumulation computes).
+
+On one process, the same model, data, optimizer, scheduler, accumulation and precision
+give bit-identical weights and learning rates through ``Trainer.fit`` and through an
+Accelerator loop (tests/step/).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
+from ember.errors import MisconfigurationError
+from ember.precision import NULL_CONTEXT
 
-# -- the accumulation rule (Trainer and Accelerator) -----------------------------------------
+
 def accumulation_window(index: int, total: int | None, steps: int) -> tuple[bool, int]:
-    """The accumulation rule of the Trainer and the Accelerator (docs/accelerator.md,
-    "The optimizer step"): for micro-batch ``index`` (0-based, counted from the start
-    of the epoch) of ``total`` (None: unknown length), return whether the optimizer
-    steps after it and the size of its window. Windows hold ``steps`` micro-batches;
-    the last window of an epoch of known length may be shorter and its losses are
-    divided by its own size, so every step equals one big batch of its samples."""
+    """For micro-batch ``index`` (0-based, counted from the start of the epoch) of
+    ``total`` (None: not known yet), whether the optimizer steps after it and the size
+    of its window. Windows hold ``steps`` micro-batches; the last window of an epoch of
+    known length may be shorter, and its losses are divided by its own size."""
     if total is not None:
         last = total - total % steps   # where a short last window starts
         if index >= last:
@@ -24,15 +74,377 @@ def accumulation_window(index: int, total: int | None, steps: int) -> tuple[bool
     return (index + 1) % steps == 0, steps
 
 
-def partial_grad_norm(precision: Any, device: Any, parameters: Any, norm_type: float) -> torch.Tensor:
-    """``clip_grad_norm_`` on a micro-batch that does not sync: the norm of the
-    gradients accumulated so far (divided by the loss scale under 16-mixed), as a
-    0-d tensor, without clipping and without a host sync."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+def owning(optimizers: Iterable[Any], params: list) -> list:
+    """The optimizers (of ``optimizers``) that hold any of ``params``."""
+    ids = {id(p) for p in params}
+    return [o for o in optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
+
+
+def total_norm(grads: list, norm_type: float = 2.0) -> torch.Tensor:
+    """The total ``norm_type`` norm of ``grads`` as a plain tensor. Plain tensors form
+    one group; DTensor gradients are grouped by device mesh and each group's norm is
+    made whole (``full_tensor``) before the groups are combined, so parameters on
+    different meshes (a 2-D tensor-parallel mesh beside FSDP-only ones) clip together.
+    One group gives exactly ``torch.nn.utils.get_total_norm``."""
+    groups: dict[int, list] = {}
+    for g in grads:
+        mesh = getattr(g, "device_mesh", None)
+        groups.setdefault(id(mesh) if mesh is not None else 0, []).append(g)
+    norms = []
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, norm_type, foreach=True)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    if len(norms) == 1:
+        return norms[0]
+    device = norms[0].device
+    stacked = torch.stack([n.to(device) for n in norms])
+    if norm_type == float("inf"):
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def clip_by_norm(params: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of ``params`` so their total norm (:func:`total_norm`) is at
+    most ``max_norm``; return the norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros((), device=device)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type)
-    scaler = precision.scaler
-    scale = getattr(scaler, "_scale", None) if scaler is not None else None
-    return norm / scale.to(norm.device).reshape(()) if scale is not None else norm
+        return torch.zeros(())
+    norm = total_norm(grads, norm_type)
+    if any(hasattr(g, "device_mesh") for g in grads):
+        # the coefficient is a plain 0-d tensor: let DTensor gradients take it as replicated
+        from torch.distributed.tensor.experimental import implicit_replication
+        with implicit_replication():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+class StepRules:
+    """The optimizer-step rules of one strategy (see the module docstring for the
+    sequence). ``accumulation_steps``: micro-batches per optimizer step.
+
+    Attributes:
+        sync_gradients: the current micro-batch ends its accumulation window (the
+            optimizer steps after it); set by :meth:`window`.
+        loss_divisor: what :meth:`backward` divides the loss by (the window's size).
+        model: the (wrapped) model whose backward and step an engine needs (DeepSpeed).
+    """
+
+    def __init__(self, strategy: Any, accumulation_steps: int = 1) -> None:
+        self.strategy = strategy
+        self.accumulation_steps = int(accumulation_steps)
+        self.sync_gradients = True
+        self.loss_divisor = 1
+        self.model: Any = None
+        self._pending: list | None = None   # deferred scheduler steps: [(skip flags, apply)]
+        from ember.strategies.base import Strategy
+        st = type(strategy)
+        # the precision directly when the strategy adds nothing (one call less per step)
+        self._plain_backward = st.backward is Strategy.backward
+        self._plain_step = st.optimizer_step is Strategy.optimizer_step
+
+    # -- the accumulation window --------------------------------------------------------
+    def window(self, index: int, total: int | None) -> bool:
+        """Micro-batch ``index`` of ``total`` (None: unknown): set :attr:`sync_gradients`
+        and :attr:`loss_divisor` by :func:`accumulation_window`; return ``sync_gradients``."""
+        self.sync_gradients, self.loss_divisor = accumulation_window(index, total, self.accumulation_steps)
+        return self.sync_gradients
+
+    def reset_window(self) -> None:
+        """Outside an accumulation window: the next step syncs, nothing is divided."""
+        self.sync_gradients, self.loss_divisor = True, 1
+
+    def no_sync(self, *models: Any) -> ContextManager[None]:
+        """The context of a micro-batch that does not step: no gradient all-reduce of
+        ``models`` (DDP ``no_sync``; FSDP keeps its unsharded gradients). A no-op on one
+        process and on micro-batches that step."""
+        if self.sync_gradients or self.strategy.world_size == 1:
+            return NULL_CONTEXT
+        ctxs = [self.strategy.no_backward_sync(m, True) for m in models]
+        return ctxs[0] if len(ctxs) == 1 else _AllOf(ctxs)
+
+    # -- backward ----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss / loss_divisor``, backward through the strategy and precision (times the
+        loss scale under "16-mixed")."""
+        div = self.loss_divisor
+        if div != 1:
+            loss = loss / div
+        if self._plain_backward:
+            self.strategy.precision.backward(loss, **kwargs)
+        else:
+            self.strategy.backward(loss, self.model, **kwargs)
+
+    def manual_backward(self, loss: torch.Tensor, model: Any = None, **kwargs: Any) -> None:
+        """Manual optimization: the loss as given, through the strategy's manual backward
+        (DDP prepares its gradient reduction for this loss)."""
+        self.strategy.manual_backward(loss, model if model is not None else self.model, **kwargs)
+
+    # -- unscale and clip --------------------------------------------------------------
+    def unscale(self, optimizer: Any) -> None:
+        """Divide ``optimizer``'s gradients by the loss scale ("16-mixed"), once per step (a
+        second call before the step is a no-op). Applies a deferred scheduler step first."""
+        if self._pending is not None:
+            self.flush()
+        self.strategy.precision.unscale_gradients(optimizer)
+
+    def check_clip(self) -> None:
+        """Refuse to clip where an engine clips by its own config (DeepSpeed)."""
+        if self.strategy.owns_optimizer_step:
+            raise MisconfigurationError(
+                f"under the {self.strategy.name} strategy the engine clips gradients: set Trainer("
+                "gradient_clip_val=...) or 'gradient_clipping' in its config instead of clipping by hand")
+
+    def clip_grad_norm(self, params: list, max_norm: float, norm_type: float = 2.0,
+                       optimizers: Iterable[Any] = ()) -> torch.Tensor:
+        """Unscale the optimizers (of ``optimizers``) holding ``params``, then clip the
+        total norm of their gradients (:func:`clip_by_norm`); return the norm before clipping."""
+        self.check_clip()
+        if self.strategy.precision.scaler is not None:
+            for o in owning(optimizers, params):
+                self.unscale(o)
+        return clip_by_norm(params, max_norm, norm_type)
+
+    def clip_grad_value(self, params: list, clip_value: float, optimizers: Iterable[Any] = ()) -> None:
+        """Unscale (as :meth:`clip_grad_norm`), then clamp every gradient element to
+        ``[-clip_value, clip_value]``."""
+        self.check_clip()
+        if self.strategy.precision.scaler is not None:
+            for o in owning(optimizers, params):
+                self.unscale(o)
+        torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip_value)
+
+    def clip_optimizer(self, optimizer: Any, clip_val: float, algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip ``optimizer``'s gradients (unscaled first): their total norm (returned) or
+        each value (``algorithm="value"``). The Trainer's ``gradient_clip_val`` and
+        ``TrainModule.clip_gradients`` both come here."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if algorithm == "value":
+            self.clip_grad_value(params, clip_val, (optimizer,))
+            return None
+        return self.clip_grad_norm(params, clip_val, 2.0, (optimizer,))
+
+    # -- the optimizer step --------------------------------------------------------------
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any] | None = None) -> None:
+        """Step ``optimizer`` (the raw one) through the strategy and precision: skipped on
+        inf/NaN gradients under loss scaling. Applies a deferred scheduler step first."""
+        if self._pending is not None:
+            self.flush()
+        if self._plain_step:
+            self.strategy.precision.optimizer_step(optimizer, closure)
+        else:
+            self.strategy.optimizer_step(optimizer, self.model, closure)
+
+    def end_step(self) -> None:
+        """Every optimizer of this step stepped: update the loss scale now ("16-mixed")."""
+        self.strategy.precision.update()
+
+    def step_was_skipped(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s last step was skipped for inf/NaN gradients. Reading it
+        waits for the device (a host sync on a GPU): the loops never call it per step."""
+        return self.strategy.precision.step_skipped(optimizer)
+
+    def zero_grad(self, optimizer: Any, set_to_none: bool = True) -> None:
+        """Clear ``optimizer``'s gradients; nothing when an engine owns the step (DeepSpeed
+        zeroes its own)."""
+        if not self.strategy.owns_optimizer_step:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- schedulers -----------------------------------------------------------------------
+    def scheduler_step(self, optimizers: Iterable[Any], apply: Callable[[], None], defer: bool = True) -> None:
+        """Run ``apply()`` (which steps schedulers) unless the last step of one of
+        ``optimizers`` (raw) was skipped. Under loss scaling that is known only from a
+        flag on the device: with ``defer`` it is read later, when it has long reached
+        the host (:meth:`flush`), so no step waits for the device; ``defer=False`` reads
+        it now (a scheduler that reads a monitored metric must see today's)."""
+        precision = self.strategy.precision
+        if precision.scaler is None:
+            apply()
+            return
+        flags = [f for f in (precision.skip_flag(o) for o in optimizers) if f is not None]
+        if not flags:
+            apply()
+        elif defer:
+            if self._pending is None:
+                self._pending = []
+            self._pending.append((flags, apply))
+        elif not any(f.value() for f in flags):
+            apply()
+
+    @property
+    def scheduler_step_pending(self) -> bool:
+        """A scheduler step waits for its optimizer step's skip flag (see :meth:`flush`)."""
+        return self._pending is not None
+
+    def flush(self) -> None:
+        """Apply the deferred scheduler steps whose optimizer steps were not skipped. Runs
+        before the next unscale or optimizer step by itself; call it before anything reads
+        the schedulers or learning rates (a log point, a checkpoint, an epoch end)."""
+        pending, self._pending = self._pending, None
+        for flags, apply in pending or ():
+            if not any(f.value() for f in flags):
+                apply()
+
+    # -- the Trainer's automatic step ------------------------------------------------------
+    def make_step(self, optimizers: list, *, before_step: Callable | None = None,
+                  clip: tuple[float, str] | None = None, clip_override: Callable | None = None,
+                  step_override: Callable | None = None, before_zero_grad: Callable | None = None,
+                  zero_grad_override: Callable | None = None, wrap: Callable | None = None
+                  ) -> Callable[[int, int, Any], None]:
+        """The end of an accumulation window for the Trainer's automatic optimization, as
+        one function ``step(epoch, batch_idx, loss)`` built once per epoch. ``optimizers``
+        are :class:`StepOptimizer` s. In order:
+
+        1. ``before_step(optimizer)`` (``on_before_optimizer_step``) after every optimizer's
+           gradients were unscaled;
+        2. clipping: ``clip_override(optimizer, clip_val, algorithm)``
+           (``configure_gradient_clipping``) per optimizer, gradients unscaled first; else
+           ``clip=(clip_val, algorithm)`` per optimizer (:meth:`clip_optimizer`);
+        3. each optimizer steps: ``step_override(epoch, batch_idx, optimizer, closure)``
+           (``optimizer_step``; the closure returns the loss, forward and backward already
+           ran) or :meth:`optimizer_step`;
+        4. per optimizer ``before_zero_grad(optimizer)`` (``on_before_zero_grad``), then
+           ``zero_grad_override(epoch, batch_idx, optimizer)`` (``optimizer_zero_grad``) or
+           :meth:`zero_grad`.
+
+        Then the loss scale is updated (:meth:`end_step`); the scheduler step is the
+        caller's (:meth:`scheduler_step`). ``wrap(name, fn)`` (a profiler) times the step and
+        zero_grad. With no hook, no clipping and one optimizer this is one call around the
+        precision's step."""
+        raw = [o.optimizer for o in optimizers]
+        owns = self.strategy.owns_optimizer_step
+        plain = self._plain_step and step_override is None
+        precision_step = self.strategy.precision.optimizer_step
+        opt_step = precision_step if plain else self.optimizer_step
+        zero = None if owns else [o.zero_grad for o in raw]
+        if wrap is not None:
+            opt_step = wrap("optimizer_step", opt_step)
+            zero = None if zero is None else [wrap("zero_grad", z) for z in zero]
+        update = self.strategy.precision.update if self.strategy.precision.scaler is not None else None
+        if (before_step is None and clip is None and clip_override is None and step_override is None
+                and before_zero_grad is None and zero_grad_override is None and len(raw) == 1):
+            opt, zero_one = raw[0], (zero[0] if zero is not None else None)
+
+            def step(epoch: int, batch_idx: int, loss: Any) -> None:
+                if self._pending is not None:
+                    self.flush()
+                opt_step(opt)                       # skipped on inf/NaN gradients under 16-mixed
+                if zero_one is not None:
+                    zero_one(set_to_none=True)
+                if update is not None:
+                    update()                        # the step is complete: one scale update
+            return step
+
+        clip_val, algorithm = clip if clip is not None else (None, "norm")
+
+        def step(epoch: int, batch_idx: int, loss: Any) -> None:
+            if self._pending is not None:
+                self.flush()
+            if before_step is not None or clip_override is not None:
+                for o in raw:
+                    self.unscale(o)                 # hooks and clipping see true gradients
+            if before_step is not None:
+                before_step(raw[0])
+            if clip_override is not None:
+                for o in optimizers:
+                    clip_override(o, clip_val, algorithm)
+            elif clip_val is not None:
+                for o in raw:
+                    self.clip_optimizer(o, clip_val, algorithm)
+            for o, r in zip(optimizers, raw):
+                if step_override is not None:
+                    step_override(epoch, batch_idx, o, lambda: loss)
+                else:
+                    opt_step(r)
+            for i, o in enumerate(optimizers):
+                if before_zero_grad is not None:
+                    before_zero_grad(o)
+                if zero_grad_override is not None:
+                    zero_grad_override(epoch, batch_idx, o)
+                elif zero is not None:
+                    zero[i](set_to_none=True)
+            if update is not None:
+                update()
+        return step
+
+
+class StepOptimizer(torch.optim.Optimizer):
+    """An optimizer whose ``step()`` and ``zero_grad()`` go through :class:`StepRules`:
+    through the strategy and the precision (skipped on inf/NaN gradients under loss
+    scaling), and not at all on micro-batches where ``rules.sync_gradients`` is False.
+    It is a ``torch.optim.Optimizer`` (schedulers can be built on it); its state lives in
+    the wrapped :attr:`optimizer`. ``after_step()`` runs after each step that ran (the
+    Trainer's manual optimization counts ``global_step`` there)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, rules: StepRules,
+                 after_step: Callable[[], None] | None = None) -> None:  # state is the inner one's
+        self.optimizer, self.rules, self._after_step = optimizer, rules, after_step
+
+    param_groups = property(lambda self: self._flushed().param_groups,
+                            lambda self, v: setattr(self.optimizer, "param_groups", v), doc="the wrapped optimizer's")
+    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v),
+                     doc="the wrapped optimizer's")
+    defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v),
+                        doc="the wrapped optimizer's")
+
+    def _flushed(self) -> torch.optim.Optimizer:
+        rules = self.rules
+        if rules._pending is not None:   # learning rates are read: apply a deferred scheduler step
+            rules.flush()
+        return self.optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step through the rules; nothing while accumulating."""
+        rules = self.rules
+        if not rules.sync_gradients:
+            return None
+        rules.optimizer_step(self.optimizer, closure)
+        if self._after_step is not None:
+            self._after_step()
+        return None
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Under "16-mixed": the last step found inf/NaN gradients and was skipped (reading it
+        waits for the device)."""
+        return self.rules.step_was_skipped(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients; nothing while accumulating, nothing under an engine that
+        zeroes its own (DeepSpeed)."""
+        if self.rules.sync_gradients:
+            self.rules.zero_grad(self.optimizer, set_to_none)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict."""
+        return self._flushed().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+class _AllOf:
+    """Several contexts entered as one (in order; left in reverse)."""
+    __slots__ = ("ctxs",)
+
+    def __init__(self, ctxs: list) -> None:
+        self.ctxs = ctxs
+
+    def __enter__(self) -> None:
+        for c in self.ctxs:
+            c.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool:
+        for c in reversed(self.ctxs):
+            c.__exit__(*exc)
+        return False

@@ -7,10 +7,10 @@
     bs = ember.tuner.scale_batch_size(trainer, module, datamodule=dm)   # CUDA OOM bound
     bs = ember.tuner.scale_batch_size(trainer, module, datamodule=dm, max_val=256)   # a user bound (CPU)
 
-Both run short ``trainer.fit`` calls on the user's trainer and module, and put
-everything back afterwards: the module's weights (and gradients), the optimizer
-states, the trainer's attributes (step counters, callbacks, loggers, metrics) and
-the random number generators. Nothing is logged, checkpointed or called back
+Both run short fits of the user's module on a trial Trainer built from the user's
+trainer's strategy and settings (so the user's trainer itself is never changed), and
+put back what those fits touch: the module's weights (and gradients), the optimizer
+states and the random number generators. Nothing is logged, checkpointed or called back
 during the search. Under DDP the learning-rate finder reduces the losses over the
 ranks, so every rank gets the same curve and suggestion.
 """
@@ -26,33 +26,26 @@ import torch
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 
-# trainer attributes that belong to the environment set up once per process; the
-# search keeps them (everything else is put back as it was)
-_KEEP = frozenset({"_env_ready", "_acc", "_data_seed", "strategy", "_precision"})
-
-
 # --------------------------------------------------------------------------- saving / restoring
 class _Snapshot:
-    """The module's tensors, the optimizers' states, the trainer's attributes and the RNGs."""
+    """What a search changes outside its own trial Trainer: the module's tensors and
+    gradients (and its link to the user's trainer), the optimizers the user's trainer
+    holds, the strategy's precision, and the RNGs."""
 
     def __init__(self, trainer, module):
         self.trainer, self.module = trainer, module
-        self.attrs = dict(trainer.__dict__)
-        self.loop_fields = dict(vars(trainer.loop_state))   # the loop mutates it in place
         self.module_state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
         self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
-        self.module_dict = {k: module.__dict__.get(k, _MISSING) for k in ("_trainer", "_results", "training_step")}
+        self.module_dict = {k: module.__dict__.get(k, _MISSING)
+                            for k in ("_trainer", "_results", "training_step", "_manual_optimizers")}
         self.training = module.training
         self.optim = [(o, copy.deepcopy(o.state_dict())) for o in trainer.optimizers]
+        self.precision = trainer.strategy.precision
         self.rng = _rng_state()
 
     def restore(self) -> None:
         t, m = self.trainer, self.module
-        keep = {k: t.__dict__[k] for k in _KEEP if k in t.__dict__}
-        t.__dict__.clear()
-        t.__dict__.update(self.attrs)
-        t.__dict__.update(keep)
-        vars(t.loop_state).update(self.loop_fields)
+        t.strategy.precision = self.precision
         with torch.no_grad():
             m.load_state_dict(self.module_state)   # copies in place: the parameters stay the same objects
         for p, g in self.grads:
@@ -93,23 +86,24 @@ def _set_rng_state(s: dict) -> None:
         np.random.set_state(s["numpy"])
 
 
-def _search_settings(trainer, callback: Callback, max_steps: int) -> None:
-    """A bare run: only ``callback``, no logger/checkpoint/validation, ``max_steps`` steps."""
-    from ember.trainer.logging import Results
-    trainer.callbacks = [callback]
-    trainer._logger_arg = False
-    trainer.loggers = []
-    trainer.max_steps, trainer.max_epochs, trainer._max_time = max_steps, -1, None
-    trainer.num_sanity_val_steps, trainer.limit_val_batches = 0, 0
-    trainer.check_val_every_n_epoch, trainer.val_check_interval = None, 1.0
-    trainer.log_every_n_steps = 2**62        # no step metrics (and no per-log-point loss check)
-    trainer.fast_dev_run = 0
-    from ember.trainer.progress import LoopState
-    vars(trainer.loop_state).update(vars(LoopState()))
-    trainer.callback_metrics, trainer.logged_metrics = {}, {}
-    trainer._results = {s: Results(s) for s in trainer._results}   # the user's accumulators stay untouched
-    if "profiler" in trainer.__dict__:
-        trainer.__dict__.pop("_setup", None)    # an attached profiler stays out of the search
+def _search_trainer(trainer, callback: Callback, max_steps: int):
+    """A bare trial Trainer on the user's trainer's strategy and training settings (its own
+    loop state and metrics): only ``callback``, no logger, checkpoint, validation,
+    progress bar or summary, ``max_steps`` steps. The user's trainer is never changed."""
+    from ember.trainer import Trainer
+    env_ready = trainer.step_rules is not None   # its strategy (and precision) are set up
+    search = Trainer(strategy=trainer.strategy, precision=trainer.strategy.precision if env_ready else trainer.precision,
+                     accumulate_grad_batches=trainer.accumulate_grad_batches,
+                     gradient_clip_val=trainer.gradient_clip_val,
+                     gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+                     max_steps=max_steps, max_epochs=-1, limit_train_batches=trainer.limit_train_batches,
+                     limit_val_batches=0, num_sanity_val_steps=0, check_val_every_n_epoch=None,
+                     log_every_n_steps=2**62,     # no step metrics (and no per-log-point loss check)
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     use_distributed_sampler=trainer.use_distributed_sampler, inference_mode=trainer.inference_mode,
+                     default_root_dir=trainer.default_root_dir)
+    search.callbacks[:] = [callback]   # not even the run record
+    return search
 
 
 def _loss_of(outputs):
@@ -187,7 +181,7 @@ class _LRFinder(Callback):
         self.diverged = False
 
     def on_fit_start(self, trainer, module):
-        trainer.lr_scheduler_configs, trainer._step_schedulers_list = [], []   # the finder sets the lr itself
+        trainer.lr_scheduler_configs = []   # the finder sets the lr itself
         self.optim = [(o, copy.deepcopy(o.state_dict())) for o in trainer.optimizers]
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -269,8 +263,7 @@ def lr_find(trainer, module, train_dataloaders=None, datamodule=None, min_lr: fl
     snap = _Snapshot(trainer, module)
     finder = _LRFinder(lrs, early_stop_threshold)
     try:
-        _search_settings(trainer, finder, n)
-        trainer.fit(module, train_dataloaders=train_dataloaders, datamodule=datamodule)
+        _search_trainer(trainer, finder, n).fit(module, train_dataloaders=train_dataloaders, datamodule=datamodule)
         for o, s in finder.optim:   # optimizers the module keeps between fits
             o.load_state_dict(s)
     finally:
@@ -308,7 +301,7 @@ def _batch_holder(module, datamodule, name: str):
 
 class _Trial(Callback):
     def on_fit_start(self, trainer, module):
-        ds = getattr(trainer._train_loader, "dataset", None)
+        ds = getattr(trainer.train_dataloader, "dataset", None)
         try:
             self.dataset_len = len(ds) if ds is not None else None
         except TypeError:
@@ -364,8 +357,7 @@ def scale_batch_size(trainer, module, train_dataloaders=None, datamodule=None, m
             return tried[bs]
         set_bs(bs)
         try:
-            _search_settings(trainer, trial, steps_per_trial)
-            trainer.fit(module, datamodule=datamodule)
+            _search_trainer(trainer, trial, steps_per_trial).fit(module, datamodule=datamodule)
             ok = True
         except BaseException as exc:
             if not is_oom_error(exc):

@@ -23,7 +23,7 @@ import warnings
 from typing import Any, Callable, Optional, TypeVar
 
 __all__ = ["rank_zero_only", "rank_zero_info", "rank_zero_warn", "rank_zero_debug",
-           "rank_zero_deprecation", "rank_prefixed_message"]
+           "rank_zero_deprecation", "rank_prefixed_message", "seed_everything"]
 
 T = TypeVar("T")
 log = logging.getLogger("ember.utilities")
@@ -85,3 +85,38 @@ def rank_zero_deprecation(message: str | Warning, stacklevel: int = 4, **kwargs:
     """:func:`rank_zero_warn` with ``DeprecationWarning`` as the category."""
     kwargs.setdefault("category", DeprecationWarning)
     warnings.warn(message, stacklevel=stacklevel, **kwargs)
+
+
+def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    """Seed python, numpy and torch (all devices). Returns the seed used.
+
+    ``workers=True`` sets ``EMBER_SEED_WORKERS=1`` for the rest of the process (and the
+    ranks it starts; ``EMBER_SEED_WORKERS=0`` turns it off): the workers of every
+    DataLoader ember prepares then seed python, numpy and torch from (run seed, epoch,
+    rank, worker) and re-seed them per batch, so their random draws differ across ranks
+    and workers and repeat exactly after a mid-epoch resume (see ``ember.data.worker_seed``).
+    Worker seeds differ per rank and worker in any case."""
+    import os
+    import random
+
+    import torch
+    if seed is None:
+        seed = os.environ.get("EMBER_GLOBAL_SEED", random.randint(0, 2**31 - 1))
+    try:
+        if isinstance(seed, (bool, float)):
+            raise ValueError
+        seed = int(seed)
+    except (TypeError, ValueError):
+        from ember.errors import MisconfigurationError
+        raise MisconfigurationError(f"seed={seed!r} is not valid; use an integer (e.g. seed=42)") from None
+    os.environ["EMBER_GLOBAL_SEED"] = str(seed)
+    if workers:
+        os.environ["EMBER_SEED_WORKERS"] = "1"
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    return seed

@@ -34,7 +34,7 @@ def _strategy():
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> int:
     """Seed ``random``, numpy and torch (all devices) with ``seed``; ``device_specific``:
     ``seed + process index``; ``deterministic``: ``torch.use_deterministic_algorithms(True)``."""
-    from ember import seed_everything
+    from ember.utilities import seed_everything
     if device_specific:
         s = _strategy()
         seed += s.global_rank if s is not None else int(os.environ.get("RANK", 0))

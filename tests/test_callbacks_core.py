@@ -11,7 +11,8 @@ import torch
 from rich.console import Console
 
 from ember.callbacks import Callback, ModelSummary, RichProgressBar
-from ember.callbacks.base import HOOKS, hook_table
+from ember.callbacks.base import HOOKS, Event
+from ember.trainer.events import Dispatcher
 from conftest import LinearModule
 
 
@@ -23,12 +24,24 @@ class EpochEndOnly(Callback):
         self.calls += 1
 
 
-def test_hook_table_lists_only_overriding_callbacks():
+def test_dispatcher_calls_only_overriding_callbacks_then_the_module():
     a, b = EpochEndOnly(), Callback()
-    table = hook_table([a, b])
-    assert set(table) == set(HOOKS)
-    assert table["on_train_epoch_end"] == [a.on_train_epoch_end]
-    assert all(v == [] for k, v in table.items() if k != "on_train_epoch_end")
+    module = LinearModule()
+    calls = []
+    module.on_train_epoch_end = lambda: calls.append("module")   # an override on the instance is not one
+    d = Dispatcher("trainer", module, [a, b])
+    assert set(HOOKS) == {e.value for e in Event}
+    assert d[Event.ON_TRAIN_EPOCH_END] is not None
+    assert all(d[e] is None for e in Event if e is not Event.ON_TRAIN_EPOCH_END)
+    d(Event.ON_TRAIN_EPOCH_END)
+    assert a.calls == 1 and calls == []
+
+    class Overriding(LinearModule):
+        def on_train_epoch_end(self):
+            calls.append("module")
+    d = Dispatcher("trainer", Overriding(), [a])
+    d("on_train_epoch_end")
+    assert a.calls == 2 and calls == ["module"]   # the callbacks first, then the module
 
 
 def test_epoch_end_callback_is_not_called_per_batch(make_trainer, data):
@@ -36,7 +49,7 @@ def test_epoch_end_callback_is_not_called_per_batch(make_trainer, data):
     trainer = make_trainer(max_epochs=3, callbacks=[cb])
     trainer.fit(LinearModule(), data(n=32))
     assert cb.calls == 3
-    assert trainer._hooks["on_train_batch_end"] == [] and trainer._hooks["on_train_batch_start"] == []
+    assert trainer.events["on_train_batch_end"] is None and trainer.events["on_train_batch_start"] is None
 
 
 def test_inactive_hooks_are_honoured(make_trainer, data):
@@ -56,7 +69,7 @@ def test_inactive_hooks_are_honoured(make_trainer, data):
     trainer.fit(LinearModule(), data(n=32))
     assert (on.batch_ends, on.epoch_ends) == (8, 2)
     assert (off.batch_ends, off.epoch_ends) == (0, 2)
-    assert trainer._hooks["on_train_batch_end"] == [on.on_train_batch_end]
+    assert trainer.events.handlers("on_train_batch_end") == [on.on_train_batch_end]
 
 
 class Recorder(Callback):

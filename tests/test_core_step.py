@@ -1,12 +1,13 @@
-"""One core step: each rule of the optimizer step (docs/accelerator.md, "The optimizer
-step") is tested once, for both APIs: the Trainer, the Accelerator and a raw loop that
-spells the rule out give bit-identical weights (``torch.equal``).
+"""One core step: each rule of the optimizer step (``ember/step.py``) is tested once, for
+both APIs: the Trainer, the Accelerator and a raw loop that spells the rule out give
+bit-identical weights (``torch.equal``) and learning rates.
 
 - accumulation: windows of ``n`` micro-batches from the start of each epoch; a short
-  last window divides its losses by its own size (7 batches, n=3: 3 + 3 + 1);
+  last window divides its losses by its own size (7 batches, n=3: 3 + 3 + 1), also when
+  the data has no length (an IterableDataset: both read ahead to know the last window);
 - clipping: the accumulated, unscaled gradient of each optimizer, once per step;
 - 16-mixed: a step with inf gradients is skipped, the loss scale halves, and a
-  step-interval scheduler does not step for it.
+  step-interval scheduler does not step for it (read without a host sync).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 import ember
 from ember import Accelerator
@@ -22,16 +23,29 @@ from ember.precision import Precision
 
 from conftest import regression_data
 
-CASES = {   # rule -> (accumulation, clip norm, 16-mixed, epochs)
-    "accumulation": (3, None, False, 2),
-    "clipping": (2, 0.05, False, 1),
-    "16-mixed": (1, None, True, 1),
+CASES = {   # rule -> (accumulation, clip norm, 16-mixed, epochs, data without a length)
+    "accumulation": (3, None, False, 2, False),
+    "clipping": (2, 0.05, False, 1, False),
+    "16-mixed": (1, None, True, 1, False),
+    "accumulation, stream": (3, None, False, 2, True),
+    "16-mixed, accumulation, clipping, stream": (3, 0.05, True, 2, True),
 }
 INF_BATCH = 2   # under 16-mixed this batch's loss is inf: its step is skipped
 
 
-def loader():
-    return DataLoader(regression_data(56), batch_size=8)   # 7 batches
+class Stream(IterableDataset):
+    """The same samples as a map-style dataset, with no length."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __iter__(self):
+        return (self.ds[i] for i in range(len(self.ds)))
+
+
+def loader(stream=False):
+    ds = regression_data(56)
+    return DataLoader(Stream(ds) if stream else ds, batch_size=8)   # 7 batches
 
 
 def start_net():
@@ -56,7 +70,7 @@ def mixed16():
     return p
 
 
-def raw_loop(acc_n, clip, mixed, epochs):
+def raw_loop(acc_n, clip, mixed, epochs, stream):
     net = start_net()
     opt, sched = optim(net.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if mixed else None
@@ -88,7 +102,7 @@ def raw_loop(acc_n, clip, mixed, epochs):
     return net, sched
 
 
-def trainer_run(tmp_path, acc_n, clip, mixed, epochs):
+def trainer_run(tmp_path, acc_n, clip, mixed, epochs, stream):
     class Module(ember.TrainModule):
         def __init__(self):
             super().__init__()
@@ -106,16 +120,16 @@ def trainer_run(tmp_path, acc_n, clip, mixed, epochs):
                             precision=mixed16() if mixed else "32-true", logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp_path, devices="cpu", num_sanity_val_steps=0)
-    trainer.fit(module, loader())
+    trainer.fit(module, loader(stream))
     return module.net, module.sched
 
 
-def accelerator_run(acc_n, clip, mixed, epochs):
+def accelerator_run(acc_n, clip, mixed, epochs, stream):
     acc = Accelerator(gradient_accumulation_steps=acc_n, precision=mixed16() if mixed else "32-true",
                       devices="cpu")
     net = start_net()
     opt, sched = optim(net.parameters())
-    model, opt, dl, sched = acc.prepare(net, opt, loader(), sched)
+    model, opt, dl, sched = acc.prepare(net, opt, loader(stream), sched)
     for _ in range(epochs):
         for i, batch in enumerate(dl):
             with acc.accumulate(model):
@@ -141,5 +155,7 @@ def test_trainer_accelerator_and_raw_loop_take_the_same_steps(rule, tmp_path):
             assert torch.equal(p, q), f"{rule}: {name} differs from the raw loop by {(p - q).abs().max()}"
     steps = raw_sched.last_epoch
     assert t_sched.last_epoch == steps and a_sched.scheduler.last_epoch == steps
-    expected = {"accumulation": 2 * 3, "clipping": 4, "16-mixed": 7 - 1}[rule]
+    assert t_sched.get_last_lr() == raw_sched.get_last_lr() == a_sched.get_last_lr()
+    expected = {"accumulation": 2 * 3, "clipping": 4, "16-mixed": 7 - 1, "accumulation, stream": 2 * 3,
+                "16-mixed, accumulation, clipping, stream": 2 * 3 - 2}[rule]
     assert steps == expected

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import ember.distributed as ed
+import ember.distributed.collectives as ed
 from ember import data as edata
 
 COMBOS = [(1001, 10, 2), (7, 3, 2), (5, 4, 2), (8, 4, 2), (3, 5, 2), (1, 4, 2), (10, 3, 3), (11, 2, 4),

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import ember.distributed as ed
+import ember.distributed.collectives as ed
 from ember import Trainer, TrainModule
 from ember.callbacks import GatherMetrics
 from ember.errors import MisconfigurationError

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import ember
-from ember.trainer import state as _state
+from ember.trainer import checkpoint as _state
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "elastic_train.py")
 

@@ -62,8 +62,8 @@ def test_bad_trainer_arguments_are_named(tmp_path, kwargs, pattern):
 def test_good_argument_forms_are_accepted(tmp_path):
     t = ember.Trainer(default_root_dir=tmp_path, max_time="00:00:01:30", precision=16, devices="cpu",
                       limit_train_batches=0.0, val_check_interval=1.0, logger=False)
-    assert t._max_time == 90.0 and t.precision == "16-mixed"
-    assert ember.Trainer(default_root_dir=tmp_path, max_time={"minutes": 2})._max_time == 120.0
+    assert t.max_time == 90.0 and t.precision == "16-mixed"
+    assert ember.Trainer(default_root_dir=tmp_path, max_time={"minutes": 2}).max_time == 120.0
     assert ember.Trainer(default_root_dir=tmp_path, devices=1, strategy="single").world_size == 1
 
 

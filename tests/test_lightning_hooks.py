@@ -331,7 +331,7 @@ def test_step_signature_is_read_under_functools_wraps_layers():
     import functools
     import types
 
-    from ember.trainer.hooks import takes_batch_idx
+    from ember.trainer.loops import takes_batch_idx
 
     def deco(f):
         @functools.wraps(f)

@@ -78,11 +78,10 @@ def test_simple_profiler_phases_sum_to_fit_time(tmp_path, capsys):
     assert text.strip() == trainer.profiler.text.strip()
     saved = json.load(open(os.path.join(trainer.log_dir, "profile-simple-rank0.json")))
     assert saved["phases"]["backward"]["calls"] == 30
-    # everything wrapped was put back
+    # nothing was patched: the loop built its callables through the profiler for that fit only
     assert "training_step" not in module.__dict__
     assert "backward" not in trainer.strategy.__dict__ and "optimizer_step" not in trainer.strategy.__dict__
     assert type(train) is DataLoader
-    assert all(not hasattr(h, "__wrapped__") for hs in trainer._hooks.values() for h in hs)
 
 
 def test_pytorch_profiler_writes_tensorboard_trace(tmp_path):
@@ -115,7 +114,7 @@ def test_profiler_off_wraps_nothing(tmp_path):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             seen["step"] = "training_step" in module.__dict__
             seen["backward"] = "backward" in trainer.strategy.__dict__
-            seen["loader"] = type(trainer._train_loader)
+            seen["loader"] = type(trainer.train_dataloader)
 
     train, _ = _loaders(n=256)
     trainer = _trainer(tmp_path, callbacks=[Look()], enable_checkpointing=False)

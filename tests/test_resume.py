@@ -117,7 +117,7 @@ def test_resume_from_checkpoint_inside_accumulation_window(tmp_path, tmp_path_fa
 
 def test_resume_is_not_exact_without_saved_gradients(tmp_path, tmp_path_factory, monkeypatch):
     """Guard for the test above: dropping the pending gradients changes the result."""
-    from ember.trainer import state as st
+    from ember.trainer import checkpoint as st
     ref, _ = reference(tmp_path_factory)
     inside = tmp_path / "inside"
     with pytest.raises(RuntimeError):

@@ -131,3 +131,42 @@ def test_overflow_step_is_skipped_and_the_scheduler_waits(tmp_path, bad):
     assert probe.lr_at_step == lrs
     assert sched.last_epoch == STEPS - 1
     assert opt.param_groups[0]["lr"] == 0.1 * 0.5 ** (STEPS - 1)
+
+
+def test_accelerator_scheduler_reads_the_skip_flag_a_step_later(monkeypatch):
+    """A prepared scheduler under 16-mixed follows the same rule as the Trainer's: it does
+    not step after a skipped optimizer step, and it reads the step's flag later (before the
+    next step, or at the end of the pass), never right after the step (a host sync on a GPU)."""
+    reads = Reads()
+    item = torch.Tensor.item
+
+    def counting_item(self):
+        reads.n += 1
+        return item(self)
+
+    torch.manual_seed(0)
+    x = torch.randn(STEPS * 2, 4)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2)
+    precision = Precision.from_string("16-mixed")
+    precision.scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    acc = ember.Accelerator(precision=precision, devices="cpu")
+    net = nn.Linear(4, 1)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, dl, sched = acc.prepare(net, opt, data, sched)
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    at_end = []
+    for i, (xb, yb) in enumerate(dl):
+        if i == 0:
+            reads.n = 0   # the loader's seed was drawn when the pass started
+        with acc.accumulate(model):
+            acc.backward((model(xb).float() - yb).pow(2).mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        at_end.append(reads.n)
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    assert at_end == list(range(STEPS))            # after step k only the flags of steps 1..k-1 were read
+    assert reads.n == STEPS                        # the last one at the end of the pass
+    assert sched.scheduler.last_epoch == STEPS
+    assert sched.get_last_lr() == [0.1 * 0.5 ** STEPS]

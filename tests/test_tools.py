@@ -80,7 +80,7 @@ def test_throughput_rates_match_an_outside_measurement(make_trainer):
     assert float(trainer.callback_metrics["throughput/samples_per_sec"]) == pytest.approx(
         mon.history[-1]["throughput/samples_per_sec"])
     # the FLOP-counting hook left the hook list after the first batch
-    assert all(getattr(h, "__self__", None) is not mon for h in trainer._hooks["on_train_batch_start"])
+    assert all(getattr(h, "__self__", None) is not mon for h in trainer.events.handlers("on_train_batch_start"))
 
 
 def test_throughput_flops_equal_flop_counter_mode(make_trainer):

@@ -99,10 +99,10 @@ def test_use_distributed_sampler_false_keeps_the_users_loader(make_trainer, data
     loader = data(n=16)
     t = make_trainer(max_epochs=1, use_distributed_sampler=False, num_sanity_val_steps=0)
     t.fit(LinearModule(), loader)
-    assert t._train_loader is loader
+    assert t.train_dataloader is loader
     t = make_trainer(max_epochs=1, num_sanity_val_steps=0)
     t.fit(LinearModule(), loader)
-    assert t._train_loader is not loader   # rebuilt around ember's resumable sampler
+    assert t.train_dataloader is not loader   # rebuilt around ember's resumable sampler
 
 
 def test_benchmark_sets_cudnn_and_warns_with_deterministic(make_trainer):

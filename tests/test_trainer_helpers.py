@@ -97,7 +97,7 @@ def test_state_and_counts_from_every_hook(tmp_path):
     assert [len(dl) for dl in t.test_dataloaders] == [3] and [len(dl) for dl in t.predict_dataloaders] == [2]
     assert len(t.train_dataloader) == 8
     # the state's values are str enums: Lightning code compares them with strings or the enums
-    from ember.trainer.run_state import RunningStage, TrainerFn
+    from ember.trainer.state import RunningStage, TrainerFn
     assert t.state.fn == TrainerFn.PREDICTING == "predict" and RunningStage.SANITY_CHECKING.evaluating
     with pytest.raises(AttributeError):
         t.num_val_batches = [1]   # read-only, as Lightning's

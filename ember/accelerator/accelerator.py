@@ -25,7 +25,7 @@ from ember.errors import DistributedOperationError, MisconfigurationError, inval
 from ember.loggers.trackers import check_log_with
 from ember.precision import NULL_CONTEXT, Precision
 from ember.precision.forward import unwrap_forward, wrap_forward
-from ember.step import accumulation_window, partial_grad_norm
+from ember.step import StepRules, total_norm
 
 __all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DataLoaderShard",
            "DistributedOperationError"]
@@ -118,7 +118,7 @@ class Accelerator(Topology):
         self.debug = os.environ.get("EMBER_DEBUG", "0").lower() not in ("", "0", "false", "no") \
             if debug is None else bool(debug)
         if seed is not None:
-            from ember import seed_everything
+            from ember.utilities import seed_everything
             seed_everything(seed)
             self.seed = int(seed)
         else:  # no draw from the global RNG: a loop's random streams stay those of a raw loop
@@ -135,12 +135,11 @@ class Accelerator(Topology):
 
     def _init(self, strategy) -> None:
         self.strategy = strategy
-        self._bind_strategy()
         strategy.setup_environment()
-        self.gradient_accumulation_steps = 1
+        #: the optimizer-step rules (ember.step): accumulation, backward, unscale, clip, step,
+        #: schedulers, zero_grad; shared with the Trainer
+        self.step_rules = StepRules(strategy, 1)
         self.step_scheduler_with_optimizer = True
-        self.sync_gradients = True
-        self._loss_div = 1   # backward() divides the loss by the size of the accumulation window
         self.debug = False
         self.seed = None
         self._step = 0
@@ -157,38 +156,11 @@ class Accelerator(Topology):
         self._data_opts: dict = {}
         self._dynamo = self._profile_kwargs = None
         self.convert_outputs_to_fp32 = False
-        self._last_norm = None
         self.save_iteration: int | None = None
         self.project_configuration = None
         self.project_dir = os.getcwd()
         self.log_with = []
         self.trackers: list = []
-
-    def _bind_strategy(self) -> None:
-        """May backward / the optimizer step call the precision directly? Yes when the
-        strategy neither overrides them nor has them wrapped on the instance (profiler)."""
-        from ember.strategies.base import Strategy
-        st = self.strategy
-        self._plain_backward = type(st).backward is Strategy.backward and "backward" not in st.__dict__
-        self._plain_step = type(st).optimizer_step is Strategy.optimizer_step and "optimizer_step" not in st.__dict__
-
-    @classmethod
-    def _for_trainer(cls, strategy) -> "Accelerator":
-        """The Trainer's accelerator: same strategy object, no trackers or seeding."""
-        acc = cls.__new__(cls)
-        acc._init(strategy)
-        return acc
-
-    def attach_trainer_step(self, model: nn.Module, optimizers: list, accumulate_grad_batches: int) -> None:
-        """The Trainer's model and optimizers (set up by the strategy) become this
-        accelerator's prepared ones, so the Trainer's step runs on the same verbs as a
-        custom loop: :meth:`accumulation_step`, :meth:`backward`, :meth:`unscale_gradients`,
-        :meth:`clip_grad_norm_`, ``AcceleratedOptimizer.step``, the scheduler rule of
-        :attr:`optimizer_step_was_skipped`."""
-        self._models = [model]
-        self._optimizers = [AcceleratedOptimizer(o, self) for o in optimizers]
-        self.gradient_accumulation_steps = int(accumulate_grad_batches)
-        self.sync_gradients, self._loss_div, self._step = True, 1, 0
 
     # -- topology: device, num_processes, process_index, is_main_process, ... (Topology) ----
     precision = property(lambda self: self.strategy.precision.name, doc='str: the precision ("32-true", ...)')
@@ -203,6 +175,25 @@ class Accelerator(Topology):
     step = property(lambda self: self._step, doc="int: micro-batches seen in the current accumulation window")
 
     @property
+    def gradient_accumulation_steps(self) -> int:
+        """int: micro-batches per optimizer step (see :meth:`accumulate`)."""
+        return self.step_rules.accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.step_rules.accumulation_steps = int(value)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """bool: the current micro-batch ends its accumulation window (prepared optimizers and
+        schedulers step after it, ``zero_grad`` clears)."""
+        return self.step_rules.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.step_rules.sync_gradients = bool(value)
+
+    @property
     def mixed_precision(self) -> str:
         """Accelerate's name of the precision: ``"no"``, ``"fp16"``, ``"bf16"`` (or the ember string)."""
         return {"32-true": "no", "16-mixed": "fp16", "bf16-mixed": "bf16"}.get(self.precision, self.precision)
@@ -210,7 +201,7 @@ class Accelerator(Topology):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """True when a 16-mixed step found inf/NaN gradients and was skipped."""
-        return any(o.step_was_skipped for o in self._optimizers)
+        return any(self.step_rules.step_was_skipped(o.optimizer) for o in self._optimizers)
 
     # -- flat verbs (shared with the Trainer) --------------------------------------------
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -227,19 +218,14 @@ class Accelerator(Topology):
 
     def setup_dataloader(self, dataloader: Any, *, seed: int | None = None, shuffle: bool | None = None,
                          even: bool = True) -> Any:
-        """Shard ``dataloader`` over the data-parallel ranks (``ember.data.prepare_dataloader``;
+        """Shard ``dataloader`` over the data-parallel ranks (``ember.data.sampling.prepare_for``:
         ``even=False`` keeps every item of an IterableDataset, for evaluation). Under several
         processes, a sampler kept with the user's own generator gets rank 0's generator
-        state on every rank (``ember.data.agree_generator``: one small collective here,
-        warning when the states differed). Every rank must call it at the same point."""
-        kw = self.strategy.distributed_sampler_kwargs() or {}
+        state on every rank (one small collective here, warning when the states differed).
+        Every rank must call it at the same point."""
         if seed is None:
             seed = self.seed if self.seed is not None else 0
-        out = edata.prepare_dataloader(dataloader, seed=seed, shuffle=shuffle, even=even, **kw)
-        st = self.strategy
-        if st.world_size > 1:
-            edata.agree_generator(out, st.all_gather_object, st.broadcast, warn=st.is_global_zero)
-        return out
+        return edata.prepare_for(self.strategy, dataloader, seed=seed, shuffle=shuffle, even=even)
 
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *objs: Any, device_placement: list[bool] | None = None) -> Any:
@@ -289,7 +275,7 @@ class Accelerator(Topology):
             if mi is not None:
                 out[mi] = new_model
             for j, o in zip(js, new_opts):
-                out[j] = AcceleratedOptimizer(o, self)
+                out[j] = AcceleratedOptimizer(o, self.step_rules)
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
                 from ember.compat.accelerate import split_loader
@@ -298,6 +284,8 @@ class Accelerator(Topology):
             elif is_scheduler(o) and not isinstance(o, AcceleratedScheduler):
                 out[i] = AcceleratedScheduler(o, self)
         self._models += [out[i] for i in mods]
+        if self._models:
+            self.step_rules.model = self._models[0]   # the model an engine (DeepSpeed) steps
         self._optimizers += [out[j] for j in opts]
         self._schedulers += [out[i] for i, o in enumerate(objs) if isinstance(out[i], AcceleratedScheduler)
                              and out[i] is not o]
@@ -319,54 +307,42 @@ class Accelerator(Topology):
     # -- step -----------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` through the strategy and precision (loss scaling under
-        16-mixed); divides by the size of the current accumulation window first
+        16-mixed), divided first by the size of the current accumulation window
         (``gradient_accumulation_steps``; a short last window of a prepared dataloader:
-        its own size)."""
-        div = self._loss_div
-        if div != 1:
-            loss = loss / div
-        if self._plain_backward:   # the strategy's backward is the precision's (one call less per step)
-            self.strategy.precision.backward(loss, **kwargs)
-        else:
-            self.strategy.backward(loss, self._models[0] if self._models else None, **kwargs)
+        its own size). The rule: :meth:`ember.step.StepRules.backward`."""
+        self.step_rules.backward(loss, **kwargs)
 
     def accumulation_step(self, index: int, total: int | None) -> bool:
         """Micro-batch ``index`` (0-based, in its epoch) of ``total`` (None: unknown):
-        set :attr:`sync_gradients` and the divisor :meth:`backward` applies, by
-        :func:`accumulation_window`; return :attr:`sync_gradients`. :meth:`accumulate`
-        calls it with the prepared dataloader's position; the Trainer, per batch."""
-        self.sync_gradients, self._loss_div = accumulation_window(index, total, self.gradient_accumulation_steps)
-        return self.sync_gradients
+        set :attr:`sync_gradients` and the divisor :meth:`backward` applies (the rule:
+        :func:`ember.step.accumulation_window`); return :attr:`sync_gradients`.
+        :meth:`accumulate` calls it with the prepared dataloader's position."""
+        return self.step_rules.window(index, total)
 
     def accumulate(self, *models: nn.Module) -> ContextManager[None]:
         """Context for one micro-batch. Sets :attr:`sync_gradients` (True on every
         ``gradient_accumulation_steps``-th batch of a prepared dataloader's pass and on
         its last batch; without one, on every ``gradient_accumulation_steps``-th call)
         and the loss divisor of :meth:`backward` (the window's size: a short last window
-        of a dataloader of known length divides by its own size, as the Trainer), and,
-        on the micro-batches that do not step, skips the gradient all-reduce of
-        ``models`` (default: every prepared model). Prepared optimizers and schedulers
-        only step, and ``zero_grad`` only clears, when ``sync_gradients`` is True."""
+        divides by its own size, as the Trainer, also for a dataloader of unknown length,
+        which is read ahead far enough to know it), and, on the micro-batches that do not
+        step, skips the gradient all-reduce of ``models`` (default: every prepared model).
+        Prepared optimizers and schedulers only step, and ``zero_grad`` only clears, when
+        ``sync_gradients`` is True."""
         gas = self.gradient_accumulation_steps
         if gas == 1:
             return NULL_CONTEXT
+        rules = self.step_rules
         loader = self._active_loader
-        total = loader.num_batches if loader is not None else None
-        if total is not None:   # windows from the start of the pass; a short last one divides by its size
+        if loader is not None:   # windows from the start of the pass, as the Trainer's
             index = loader.batches_done - 1
-            self._step = 0 if self.accumulation_step(index, total) else index % gas + 1
-        elif loader is not None and loader.end_of_dataloader:
-            self._step = 0
-            self.sync_gradients, self._loss_div = True, gas
+            self._step = 0 if rules.window(index, loader.known_length) else index % gas + 1
         else:
             self._step += 1
-            self.sync_gradients = self._step % gas == 0
-            self._loss_div = gas
-            if self.sync_gradients:
+            rules.sync_gradients, rules.loss_divisor = self._step % gas == 0, gas
+            if rules.sync_gradients:
                 self._step = 0
-        if self.sync_gradients or self.strategy.world_size == 1:
-            return NULL_CONTEXT
-        return self.no_sync(*(models or self._models))
+        return rules.no_sync(*(models or self._models))
 
     def no_sync(self, *models: nn.Module) -> ContextManager[None]:
         """Context that skips the gradient all-reduce of ``models`` (DDP ``no_sync``)."""
@@ -376,48 +352,41 @@ class Accelerator(Topology):
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Under 16-mixed, divide the gradients of ``optimizer`` (default: all prepared
         optimizers) by the loss scale, once per step (a second call is a no-op)."""
-        precision = self.strategy.precision
-        if precision.scaler is None:
-            return
         opts = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
         for opt in opts:
-            precision.unscale_gradients(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
-
-    def _unscale_for(self, params: list) -> None:
-        if self.strategy.precision.scaler is None:
-            return
-        ids = {id(p) for p in params}
-        self.unscale_gradients([o for o in self._optimizers if any(
-            id(p) in ids for g in o.optimizer.param_groups for p in g["params"])])
+            self.step_rules.unscale(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the total gradient norm of ``parameters`` (unscaling them first under
-        16-mixed); returns the norm before clipping. On a micro-batch where the
-        optimizer will not step (``sync_gradients`` False) it does not clip and
-        returns the norm of the gradients accumulated so far, unclipped (Accelerate clips
-        them). Under DeepSpeed the engine clips (``gradient_clipping`` in its config)."""
-        if not self.sync_gradients:
-            return partial_grad_norm(self.strategy.precision, self.device, parameters, norm_type)
-        self._no_deepspeed_clip()
+        16-mixed; DTensor parameters of several device meshes clip together); returns the
+        norm before clipping. On a micro-batch where the optimizer will not step
+        (``sync_gradients`` False) it does not clip and returns the norm of the
+        gradients accumulated so far, unclipped (Accelerate clips them). Under DeepSpeed
+        the engine clips (``gradient_clipping`` in its config)."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        self._unscale_for(params)
-        return self.strategy.clip_grad_norm([p for p in params if p.grad is not None], max_norm, norm_type)
+        if not self.sync_gradients:
+            return self._partial_norm(params, norm_type)
+        return self.step_rules.clip_grad_norm(params, max_norm, norm_type, [o.optimizer for o in self._optimizers])
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (unscaled first; as
         :meth:`clip_grad_norm_`, only when the optimizer will step)."""
         if not self.sync_gradients:
             return None
-        self._no_deepspeed_clip()
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        self._unscale_for(params)
-        self.strategy.clip_grad_value([p for p in params if p.grad is not None], clip_value)
+        self.step_rules.clip_grad_value(params, clip_value, [o.optimizer for o in self._optimizers])
 
-    def _no_deepspeed_clip(self) -> None:
-        if self.strategy.owns_optimizer_step:
-            raise MisconfigurationError(f"under the {self.strategy.name} strategy the engine clips gradients: set "
-                                        "'gradient_clipping' in its config instead of calling clip_grad_norm_/value_")
+    def _partial_norm(self, params: list, norm_type: float) -> torch.Tensor:
+        """The norm of the gradients accumulated so far (divided by the loss scale under
+        16-mixed), as a 0-d tensor, without clipping and without a host sync."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = total_norm(grads, norm_type)
+        scaler = self.strategy.precision.scaler
+        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        return norm / scale.to(norm.device).reshape(()) if scale is not None else norm
 
     def autocast(self) -> ContextManager[None]:
         """The precision's autocast context (prepared models already run in it)."""
@@ -627,7 +596,7 @@ class Accelerator(Topology):
             held.clear()
         self._active_loader = self._finished_pass = None
         self._step = 0
-        self.sync_gradients = True
+        self.step_rules.reset_window()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -126,6 +126,7 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
     once the main process's checkpoint is in place. Sharded strategies (FSDP, DeepSpeed)
     need every rank: a main-process-only call raises instead of hanging."""
     strategy = acc.strategy
+    acc.step_rules.flush()   # a scheduler step waiting for its optimizer step's skip flag
     sharded = strategy.is_sharded or strategy.owns_optimizer_step
     if sharded and strategy.world_size > 1:
         if _guarded_by_main_process_check():

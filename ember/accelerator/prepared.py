@@ -1,65 +1,21 @@
 """The optimizer and scheduler wrappers :meth:`ember.Accelerator.prepare` hands back
-(:class:`AcceleratedOptimizer`, :class:`AcceleratedScheduler`). Prepared dataloaders
-are :class:`ember.data.loader.DataLoaderShard`."""
+(:class:`AcceleratedOptimizer`, :class:`AcceleratedScheduler`): Accelerate's names on
+the step rules of :mod:`ember.step`. Prepared dataloaders are
+:class:`ember.data.loader.DataLoaderShard`."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from ember.step import StepOptimizer
 
-# -- optimizer / scheduler ------------------------------------------------------------------
-class AcceleratedOptimizer(torch.optim.Optimizer):
-    """A prepared optimizer. ``step()`` goes through the strategy and precision (loss
-    scaling: skipped on inf/NaN under 16-mixed) and, like ``zero_grad()``, does
-    nothing on micro-batches where ``accelerator.sync_gradients`` is False.
-    It is a ``torch.optim.Optimizer`` (schedulers can be built on it); its state lives
-    in the wrapped :attr:`optimizer`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Any) -> None:  # state is the inner one's
-        self.optimizer, self._acc, self._strategy = optimizer, accelerator, accelerator.strategy
-
-    param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, v: setattr(self.optimizer, "param_groups", v), doc="the wrapped optimizer's")
-    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v),
-                     doc="the wrapped optimizer's")
-    defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v),
-                        doc="the wrapped optimizer's")
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step through the strategy and precision; nothing while accumulating."""
-        acc = self._acc
-        if not acc.sync_gradients:
-            return None
-        if acc._plain_step:   # the strategy's step is the precision's (one call less per step)
-            return self._strategy.precision.optimizer_step(self.optimizer, closure)
-        return self._strategy.optimizer_step(self.optimizer, None, closure)
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Under 16-mixed: the last step found inf/NaN gradients and was skipped."""
-        return self._strategy.precision.step_skipped(self.optimizer)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients; nothing while accumulating."""
-        if self._acc.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's state dict."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load into the wrapped optimizer."""
-        self.optimizer.load_state_dict(state_dict)
-
-    def __getattr__(self, name):
-        if name == "optimizer":
-            raise AttributeError(name)
-        return getattr(self.__dict__["optimizer"], name)
-
-    def __repr__(self) -> str:
-        return f"AcceleratedOptimizer({self.optimizer!r})"
+class AcceleratedOptimizer(StepOptimizer):
+    """A prepared optimizer (:class:`ember.step.StepOptimizer` under Accelerate's name):
+    ``step()`` goes through the strategy and precision (skipped on inf/NaN gradients
+    under 16-mixed) and, like ``zero_grad()``, does nothing on micro-batches where
+    ``accelerator.sync_gradients`` is False."""
 
 
 def is_scheduler(obj: Any) -> bool:
@@ -73,9 +29,12 @@ def is_scheduler(obj: Any) -> bool:
 class AcceleratedScheduler:
     """A prepared LR scheduler (Accelerate's rules, ``step_scheduler_with_optimizer=True``):
     it steps only when its optimizer stepped (not while accumulating, not after a
-    16-mixed step skipped on inf), and ``num_processes`` times per step: each process
+    16-mixed step skipped on inf: :meth:`ember.step.StepRules.scheduler_step`, which reads
+    the skip flag without a host sync), and ``num_processes`` times per step: each process
     sees ``1/num_processes`` of the batches, so a schedule written for the number of
-    batches of one process keeps its length. ``ReduceLROnPlateau`` steps once."""
+    batches of one process keeps its length. ``ReduceLROnPlateau`` steps once. Reading
+    the scheduler (``get_last_lr()``, any attribute, ``state_dict()``) applies a step
+    still waiting for its flag first."""
 
     def __init__(self, scheduler: Any, accelerator: Any) -> None:
         self.scheduler, self._acc = scheduler, accelerator
@@ -83,9 +42,10 @@ class AcceleratedScheduler:
         self._once = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
     def _optimizers(self) -> list:
+        """The raw optimizers this scheduler follows (prepared ones, or none)."""
         if not self._opts:
             target = getattr(self.scheduler, "optimizer", None)
-            self._opts = [o for o in self._acc._optimizers if o is target or o.optimizer is target]
+            self._opts = [o.optimizer for o in self._acc._optimizers if o is target or o.optimizer is target]
         return self._opts
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -95,30 +55,37 @@ class AcceleratedScheduler:
         if not acc.step_scheduler_with_optimizer:
             sched.step(*args, **kwargs)
             return
-        if not acc.sync_gradients:
+        rules = acc.step_rules
+        if not rules.sync_gradients:
             return
-        for opt in self._optimizers():
-            if opt.step_was_skipped:
-                return
         n = 1 if self._once else acc.strategy.world_size
-        total = getattr(sched, "total_steps", None)
-        for _ in range(n):
-            if total is not None and sched._step_count > total:
-                break  # OneCycleLR raises past its end (a last partial window)
-            sched.step(*args, **kwargs)
+
+        def apply() -> None:
+            total = getattr(sched, "total_steps", None)
+            for _ in range(n):
+                if total is not None and sched._step_count > total:
+                    break  # OneCycleLR raises past its end (a last partial window)
+                sched.step(*args, **kwargs)
+        rules.scheduler_step(self._optimizers(), apply)
+
+    def _flushed(self) -> Any:
+        rules = self._acc.step_rules
+        if rules.scheduler_step_pending:
+            rules.flush()
+        return self.scheduler
 
     def state_dict(self) -> dict:
         """The wrapped scheduler's state dict."""
-        return self.scheduler.state_dict()
+        return self._flushed().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into the wrapped scheduler."""
         self.scheduler.load_state_dict(state_dict)
 
-    def __getattr__(self, name):
-        if name == "scheduler":
+    def __getattr__(self, name: str) -> Any:
+        if name in ("scheduler", "_acc"):
             raise AttributeError(name)
-        return getattr(self.__dict__["scheduler"], name)
+        return getattr(self._flushed(), name)
 
     def __repr__(self) -> str:
         return f"AcceleratedScheduler({self.scheduler!r})"

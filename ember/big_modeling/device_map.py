@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ember.errors import MisconfigurationError
+from ember.errors import DeviceMapError, MisconfigurationError  # noqa: F401  (DeviceMapError: public here too)
 
 __all__ = ["init_empty_weights", "init_on_device", "compute_module_sizes", "get_max_memory",
            "get_balanced_memory", "infer_auto_device_map", "find_tied_parameters", "check_device_map",
@@ -25,10 +25,6 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 #: share of a device's free memory that the default budgets use (the rest is left for activations)
 HEADROOM = 0.9
-
-
-class DeviceMapError(MisconfigurationError):
-    """A device map or ``max_memory`` that cannot work for this model."""
 
 
 # -- empty init ------------------------------------------------------------------------------

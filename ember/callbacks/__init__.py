@@ -1,5 +1,5 @@
 """Built-in callbacks. Heavy ones import their dependencies lazily."""
-from ember.callbacks.base import Callback
+from ember.callbacks.base import Callback, Event
 
 _LAZY = {
     "ModelCheckpoint": "ember.callbacks.checkpoint",
@@ -16,7 +16,7 @@ _LAZY = {
     "BackboneFinetuning": "ember.callbacks.finetuning",
 }
 
-__all__ = ["Callback", *_LAZY]
+__all__ = ["Callback", "Event", *_LAZY]
 
 
 def __getattr__(name):

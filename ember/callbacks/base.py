@@ -1,9 +1,10 @@
 """The Callback base class. Every hook receives the trainer and the module as
 arguments; callbacks never import the trainer. The trainer computes, once at
 setup, which callbacks override each hook, so a hook nobody overrides costs
-nothing per step."""
+nothing per step (``ember/trainer/events.py``)."""
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:   # for type checkers and IDEs only
@@ -13,19 +14,57 @@ if TYPE_CHECKING:   # for type checkers and IDEs only
 #: properties only (callbacks, loggers and strategies never import the trainer)
 Trainer = Any
 
-HOOKS = (
-    "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",
-    "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end",
-    "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-    "on_before_optimizer_step", "on_before_zero_grad",
-    "on_validation_start", "on_validation_end", "on_validation_epoch_start", "on_validation_epoch_end",
-    "on_validation_batch_start", "on_validation_batch_end",
-    "on_test_start", "on_test_end", "on_test_epoch_start", "on_test_epoch_end",
-    "on_test_batch_start", "on_test_batch_end",
-    "on_predict_start", "on_predict_end", "on_predict_epoch_start", "on_predict_epoch_end",
-    "on_predict_batch_start", "on_predict_batch_end",
-    "on_save_checkpoint", "on_load_checkpoint", "on_exception",
-)
+
+class Event(str, enum.Enum):
+    """Every event a Trainer run fires, in the order a fit fires them (the whole order,
+    with the loop's own steps between them: ``ember/trainer/events.py``). The value is the
+    hook's name on :class:`Callback` and, where the module has it, on
+    :class:`~ember.TrainModule`."""
+
+    SETUP = "setup"
+    ON_LOAD_CHECKPOINT = "on_load_checkpoint"
+    ON_FIT_START = "on_fit_start"
+    ON_SANITY_CHECK_START = "on_sanity_check_start"
+    ON_SANITY_CHECK_END = "on_sanity_check_end"
+    ON_TRAIN_START = "on_train_start"
+    ON_TRAIN_EPOCH_START = "on_train_epoch_start"
+    ON_TRAIN_BATCH_START = "on_train_batch_start"
+    ON_BEFORE_BACKWARD = "on_before_backward"
+    ON_AFTER_BACKWARD = "on_after_backward"
+    ON_BEFORE_OPTIMIZER_STEP = "on_before_optimizer_step"
+    ON_BEFORE_ZERO_GRAD = "on_before_zero_grad"
+    ON_TRAIN_BATCH_END = "on_train_batch_end"
+    ON_VALIDATION_START = "on_validation_start"
+    ON_VALIDATION_EPOCH_START = "on_validation_epoch_start"
+    ON_VALIDATION_BATCH_START = "on_validation_batch_start"
+    ON_VALIDATION_BATCH_END = "on_validation_batch_end"
+    ON_VALIDATION_EPOCH_END = "on_validation_epoch_end"
+    ON_VALIDATION_END = "on_validation_end"
+    ON_TRAIN_EPOCH_END = "on_train_epoch_end"
+    ON_TRAIN_END = "on_train_end"
+    ON_FIT_END = "on_fit_end"
+    ON_TEST_START = "on_test_start"
+    ON_TEST_EPOCH_START = "on_test_epoch_start"
+    ON_TEST_BATCH_START = "on_test_batch_start"
+    ON_TEST_BATCH_END = "on_test_batch_end"
+    ON_TEST_EPOCH_END = "on_test_epoch_end"
+    ON_TEST_END = "on_test_end"
+    ON_PREDICT_START = "on_predict_start"
+    ON_PREDICT_EPOCH_START = "on_predict_epoch_start"
+    ON_PREDICT_BATCH_START = "on_predict_batch_start"
+    ON_PREDICT_BATCH_END = "on_predict_batch_end"
+    ON_PREDICT_EPOCH_END = "on_predict_epoch_end"
+    ON_PREDICT_END = "on_predict_end"
+    ON_SAVE_CHECKPOINT = "on_save_checkpoint"
+    ON_EXCEPTION = "on_exception"
+    TEARDOWN = "teardown"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: every hook a callback can override (the values of :class:`Event`)
+HOOKS = tuple(e.value for e in Event)
 
 
 class Callback:
@@ -168,13 +207,3 @@ class Callback:
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
         """Called when fit/validate/test/predict raises (also on Ctrl-C), before the loggers are finalized."""
-
-
-def hook_table(callbacks: list) -> dict[str, list]:
-    """hook name -> bound methods of the callbacks that override it (computed once)."""
-    table = {}
-    for name in HOOKS:
-        base = getattr(Callback, name)
-        table[name] = [getattr(cb, name) for cb in callbacks
-                       if getattr(type(cb), name, base) is not base and name not in cb.inactive_hooks]
-    return table

@@ -40,18 +40,11 @@ def _epoch_total(t) -> float:
 
 def _eval_total(t, stage: str) -> float | None:
     """Batches of a validation/test/predict pass (None when a loader has no length)."""
-    loaders = t.val_dataloaders if stage == "validate" and t.stage == "fit" else getattr(t, "_eval_loaders", [])
-    limit = t.limit_val_batches if stage == "validate" else None
-    total = 0
-    for loader in loaders:
-        try:
-            n = t._limit_batches(loader, limit)
-        except Exception:   # an exotic loader: show a count without a total
-            return None
-        if n == float("inf"):
-            return None
-        total += n
-    return total
+    counts = {"validate": t.num_val_batches, "test": t.num_test_batches,
+              "predict": t.num_predict_batches}.get(stage, [])
+    if any(n == float("inf") for n in counts):
+        return None
+    return sum(counts)
 
 
 class ProgressBar(Callback):

@@ -163,9 +163,7 @@ class ThroughputMonitor(Callback):
     def _drop_batch_start_hook(self, trainer) -> None:
         """After the FLOP count, this callback's on_train_batch_start has nothing to do: take it off
         the trainer's hook list so it costs no call per step."""
-        hooks = getattr(trainer, "_hooks", {}).get("on_train_batch_start")
-        if hooks is not None:
-            hooks[:] = [h for h in hooks if getattr(h, "__self__", None) is not self]
+        trainer.events.retire(self, "on_train_batch_start")
 
     def _log(self, trainer, step: int) -> None:
         if self._cuda:

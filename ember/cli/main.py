@@ -56,7 +56,7 @@ class _RunHelp(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         try:
-            from ember import Trainer
+            from ember.trainer import Trainer
             parser.epilog = _RUN_EPILOG + "\n" + arguments_help(Trainer, "trainer")
         except Exception:  # the Trainer failing to import must not break --help
             pass
@@ -289,7 +289,8 @@ class _CLI:
         self.output = None   # `ember predict --output`
 
     def resolve(self, cfg: dict) -> dict:
-        from ember import DataModule, Trainer, TrainModule
+        from ember.module import DataModule, TrainModule
+        from ember.trainer import Trainer
         out: dict[str, Any] = {}
         seed = cfg.get("seed_everything")
         if seed is not None and not isinstance(seed, (bool, int)):
@@ -316,7 +317,8 @@ class _CLI:
         return out
 
     def run(self, command: str, resolved: dict) -> int:
-        from ember import Trainer, seed_everything
+        from ember.trainer import Trainer
+        from ember.utilities import seed_everything
         from ember.errors import MisconfigurationError
         seed = resolved["seed_everything"]
         if seed is True:

@@ -32,6 +32,8 @@ MOVED = {
     "ember.profiler": "ember.trainer.profiler",
     "ember.report": "ember.loggers.report",
     "ember.rng_state": "ember.checkpoint.rng",
+    "ember.trainer.progress": "ember.trainer.state",
+    "ember.trainer.run_state": "ember.trainer.state",
 }
 
 

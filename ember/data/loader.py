@@ -23,8 +23,10 @@ class DataLoaderShard:
         self.base, self._acc, self._strategy = loader, accelerator, accelerator.strategy
         self.end_of_dataloader = False
         self._skip = self.batches_done = self.epoch = 0
-        self._draws = global_rng_draws(original) if original is not None else 0
+        # what the user's DataLoader takes from the global RNG per pass (none when it is used as it is)
+        self._draws = edata.global_rng_draws(original) if original is not None and original is not loader else 0
         self._restored = False
+        self._ahead: edata.LookAhead | None = None
 
     def __len__(self) -> int:
         return len(self.base)
@@ -36,6 +38,17 @@ class DataLoaderShard:
             return len(self.base)
         except TypeError:
             return None
+
+    @property
+    def known_length(self) -> int | None:
+        """Batches in the current pass as far as known now: the loader's length, or (no
+        length: an IterableDataset) the count once the pass's end is within the read-ahead
+        that gradient accumulation keeps (enough to size the last, shorter window)."""
+        n = self.num_batches
+        if n is not None:
+            return n
+        ahead = self._ahead
+        return ahead.length if ahead is not None else None
 
     @property
     def total_batch_size(self) -> int:
@@ -54,8 +67,7 @@ class DataLoaderShard:
         acc, base = self._acc, self.base
         skip, self._skip = self._skip, 0
         if not self._restored:   # a pass resumed by load_state continues the saved RNG stream as is
-            for _ in range(self._draws):   # what the user's DataLoader draws from the global RNG per pass
-                torch.empty((), dtype=torch.int64).random_()
+            edata.draw_like_a_dataloader(self._draws)   # what the user's DataLoader takes per pass
         self._restored = False
         edata.set_epoch(base, self.epoch)
         drop = skip if skip and not edata.skip_batches(base, skip) else 0  # iterable: read and drop
@@ -70,6 +82,13 @@ class DataLoaderShard:
             it = iter(base)
             for _ in range(drop):
                 next(it, None)
+            gas = acc.gradient_accumulation_steps
+            self._ahead = None
+            if gas > 1 and self.num_batches is None:
+                # no length: read gas - 1 batches ahead, so the last accumulation window's size
+                # is known when it starts (known_length), as in the Trainer
+                self._ahead = edata.LookAhead(it, gas - 1, start=skip)
+                it = iter(self._ahead)
             nxt = next(it, _END)
             while nxt is not _END:
                 cur = nxt
@@ -81,6 +100,8 @@ class DataLoaderShard:
             self.epoch += 1
             self.batches_done = 0
             acc._finished_pass = self   # an epoch-end gather_for_metrics drops this pass's padding
+            if acc.step_rules.scheduler_step_pending:
+                acc.step_rules.flush()   # the pass's last scheduler step (its skip flag is read now)
         finally:
             acc._active_loader = prev
 
@@ -111,18 +132,3 @@ class DataLoaderShard:
         if name == "base":
             raise AttributeError(name)
         return getattr(self.__dict__["base"], name)
-
-
-
-def global_rng_draws(loader: Any) -> int:
-    """How many values a plain ``DataLoader`` takes from the global torch RNG per
-    ``__iter__``: its workers' base seed (no ``generator``) and, for a
-    ``RandomSampler`` without a generator, the sampler's seed. The prepared loader
-    (whose order comes from (seed, epoch)) takes as many, so dropout and any later
-    ``torch.rand`` in the loop see the raw loop's stream."""
-    from torch.utils.data import RandomSampler
-    n = int(getattr(loader, "generator", None) is None)
-    sampler = getattr(loader, "sampler", None)
-    if isinstance(sampler, RandomSampler) and sampler.generator is None:
-        n += 1
-    return n

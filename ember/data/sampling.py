@@ -380,17 +380,18 @@ class ShardedIterable(IterableDataset):
 
 class LookAhead:
     """Iterate ``loader`` keeping ``depth`` batches ahead: once the end of the pass is
-    within ``depth`` batches, :attr:`length` (its number of batches) is known. The
-    training loop uses it on loaders of unknown length under gradient accumulation,
-    to size the last accumulation window and step on its last batch."""
+    within ``depth`` batches, :attr:`length` (its number of batches, counting ``start``
+    batches already done before this iteration) is known. The Trainer and the
+    Accelerator use it on loaders of unknown length under gradient accumulation, to size
+    the last accumulation window and step on its last batch."""
 
-    def __init__(self, loader, depth: int):
-        self.loader, self.depth = loader, max(1, int(depth))
+    def __init__(self, loader, depth: int, start: int = 0):
+        self.loader, self.depth, self.start = loader, max(1, int(depth)), int(start)
         self.length: int | None = None
 
     def __iter__(self):
         self.length = None
-        it, buf, taken = iter(self.loader), collections.deque(), 0
+        it, buf, taken = iter(self.loader), collections.deque(), self.start
         while True:
             while self.length is None and len(buf) <= self.depth:
                 try:
@@ -587,3 +588,40 @@ def dataset_length(dl: Any) -> int | None:
         return len(dl.dataset)
     except (AttributeError, TypeError):
         return None
+
+
+def prepare_for(strategy: Any, dl: Any, *, seed: int, shuffle: bool | None = None, even: bool = True) -> Any:
+    """``dl`` sharded over ``strategy``'s data-parallel ranks (:func:`prepare_dataloader`;
+    ``even=False`` keeps every item of an IterableDataset, for evaluation) for the Trainer
+    and the Accelerator alike. Under several processes, a sampler kept with the user's own
+    generator gets rank 0's generator state on every rank (:func:`agree_generator`: one
+    small collective, a warning when the states differed), so every rank must call it at
+    the same point."""
+    kw = strategy.distributed_sampler_kwargs() or {}
+    out = prepare_dataloader(dl, seed=seed, shuffle=shuffle, even=even, **kw)
+    if strategy.world_size > 1:
+        agree_generator(out, strategy.all_gather_object, strategy.broadcast, warn=strategy.is_global_zero)
+    return out
+
+
+def global_rng_draws(loader: Any) -> int:
+    """How many values a plain ``DataLoader`` takes from the global torch RNG per
+    ``__iter__``: its workers' base seed (no ``generator``) and, for a
+    ``RandomSampler`` without a generator, the sampler's seed. A prepared loader (whose
+    order comes from (seed, epoch)) takes as many per pass (:func:`draw_like_a_dataloader`),
+    in the Trainer and the Accelerator alike, so dropout and any later ``torch.rand`` see
+    the stream of a loop written by hand over the user's DataLoader."""
+    from torch.utils.data import RandomSampler
+    n = int(getattr(loader, "generator", None) is None)
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, RandomSampler) and sampler.generator is None:
+        n += 1
+    return n
+
+
+def draw_like_a_dataloader(n: int) -> None:
+    """Take ``n`` values from the global torch RNG, as a plain DataLoader's pass does (its
+    workers' base seed, a RandomSampler's seed): the user's random stream advances exactly
+    as in a loop written by hand (:func:`global_rng_draws`)."""
+    for _ in range(n):
+        torch.empty((), dtype=torch.int64).random_()

@@ -109,15 +109,6 @@ class Precision:
         host sync now (None: steps are never skipped under this precision)."""
         return None
 
-    def defer(self, action) -> None:
-        """Run ``action()`` before the next unscale or optimizer step, or at :meth:`flush`
-        (a decision that reads a :class:`SkipFlag`: by then, on CUDA, the flag has long
-        landed in host memory, so reading it does not wait). One at a time."""
-        action()
-
-    def flush(self) -> None:
-        """Run the deferred action now, if any."""
-
     def state_dict(self) -> dict:
         return {}
 
@@ -170,10 +161,10 @@ class MixedPrecision(Precision):
     - ``optimizer_step(opt)`` unscales (if not done yet) and steps unless a
       gradient is inf/NaN; :meth:`step_skipped` tells which.
     - The scale is updated once per optimizer step, after *every* optimizer
-      stepped: by :meth:`update` (the Trainer calls it at the end of its step),
-      else at the next ``backward`` or ``state_dict``. So several optimizers
-      stepping one after the other all unscale with the scale their gradients
-      were scaled with.
+      stepped: at the next ``backward``, or when the scale is read (``state_dict``,
+      ``Accelerator.scaler``) through :meth:`update`. So several optimizers stepping
+      one after the other all unscale with the scale their gradients were scaled
+      with. (The order of the whole step: ``ember/step.py``.)
     - An optimizer that does not step through this precision (e.g. one not passed
       to ``Accelerator.prepare``) is unscaled just before its own ``step()`` when it
       holds parameters of a module this precision set up, and its step is skipped
@@ -190,7 +181,6 @@ class MixedPrecision(Precision):
         self._stepping = None          # the optimizer inside optimizer_step (not guarded)
         self._found: dict[int, torch.Tensor] = {}   # id(optimizer) -> inf/NaN count of its last step
         self._params: dict[int, weakref.ref] = {}   # parameters of the modules set up here
-        self._deferred = None          # an action waiting for the next backward/step (see defer)
 
     def setup(self, device, loss_scaler: str | None = "torch"):
         """``loss_scaler`` (the strategy's choice): ``"torch"`` (``torch.amp.GradScaler``),
@@ -226,8 +216,6 @@ class MixedPrecision(Precision):
     def unscale_gradients(self, optimizer):
         """Unscale once per step: a second call before the step (hook, then clipping)
         is a no-op instead of GradScaler's error."""
-        if self._deferred is not None:
-            self.flush()
         scaler = self.scaler
         if scaler is None:
             return
@@ -238,8 +226,6 @@ class MixedPrecision(Precision):
         scaler.unscale_(optimizer)
 
     def optimizer_step(self, optimizer, closure=None) -> None:
-        if self._deferred is not None:
-            self.flush()
         scaler = self.scaler
         if scaler is None:
             return super().optimizer_step(optimizer, closure)
@@ -264,18 +250,6 @@ class MixedPrecision(Precision):
         (on CUDA copied to pinned host memory without blocking): no host sync until read."""
         found = self._found.get(id(optimizer))
         return None if found is None else SkipFlag(found)
-
-    def defer(self, action) -> None:
-        if self.scaler is None:
-            action()
-            return
-        self.flush()
-        self._deferred = action
-
-    def flush(self) -> None:
-        action, self._deferred = self._deferred, None
-        if action is not None:
-            action()
 
     def update(self) -> None:
         """Update the loss scale once every optimizer of this step has stepped (no-op

@@ -169,28 +169,6 @@ class Strategy:
         """Context that skips the gradient all-reduce (accumulation micro-batches)."""
         return NULL_CONTEXT
 
-    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float,
-                       algorithm: str = "norm") -> torch.Tensor | None:
-        """Unscale ``optimizer``'s gradients (16-mixed) and clip them: their total norm
-        (returned, before clipping) or each element (``algorithm="value"``)."""
-        self.precision.unscale_gradients(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if algorithm == "value":
-            self.clip_grad_value(params, clip_val)
-            return None
-        return self.clip_grad_norm(params, clip_val)
-
-    def clip_grad_norm(self, params: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the total norm of the gradients of ``params`` (already unscaled) to
-        ``max_norm``; return the norm before clipping, reduced over ranks when the
-        gradients are sharded DTensors (FSDP, tensor parallel)."""
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type, foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def clip_grad_value(self, params: list, clip_value: float) -> None:
-        """Clamp every gradient element of ``params`` to ``[-clip_value, clip_value]``."""
-        torch.nn.utils.clip_grad_value_(params, clip_value)
-
     # -- collectives (identity on one process) ---------------------------------
     def barrier(self, name: str | None = None) -> None:
         """Wait until every process arrives (``name`` labels it in timeout messages)."""

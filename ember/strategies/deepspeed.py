@@ -414,10 +414,6 @@ class DeepSpeedStrategy(DDPStrategy):
         # the engine reduces at step() (stage 1) or per backward (stages 2/3): nothing to skip here
         return NULL_CONTEXT
 
-    def clip_gradients(self, module, optimizer, clip_val: float, algorithm: str = "norm"):
-        raise MisconfigurationError("under DeepSpeed the engine clips gradients: set Trainer(gradient_clip_val=...) "
-                                    "or the config's gradient_clipping")
-
     # -- state dicts -----------------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full fp32 weights on CPU, on every rank (a collective under ZeRO)."""

@@ -135,17 +135,87 @@ def convert_sync_batchnorm(t, module):
     return module
 
 
-def min_reached(t) -> bool:
-    """``min_epochs`` / ``min_steps`` reached: until then a stop request (``should_stop``,
-    EarlyStopping) waits; limits (max_*, max_time, a signal) still stop."""
-    ls = t.loop_state
-    return (t.min_epochs is None or ls.epoch >= t.min_epochs) and \
-        (t.min_steps is None or ls.global_step >= t.min_steps)
+# -- callbacks and loggers: the defaults, the module's, the run folders -------------------------
+def default_callbacks(callbacks, checkpointing, progress_bar, summary) -> list:
+    from ember.callbacks.base import Callback
+    cbs = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    for cb in cbs:
+        if not isinstance(cb, Callback):
+            raise MisconfigurationError(f"callbacks: {cb!r} is not an ember.callbacks.Callback")
+    names = {type(c).__name__ for c in cbs}
+    from ember.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
+    from ember.callbacks.progress import ProgressBar
+    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in cbs):
+        cbs.append(ModelCheckpoint())
+    if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in cbs):
+        raise MisconfigurationError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; "
+                                    "remove one of the two")
+    if progress_bar and not any(isinstance(c, ProgressBar) for c in cbs):
+        cbs.append(RichProgressBar())
+    if summary and "ModelSummary" not in names:
+        cbs.insert(0, ModelSummary())
+    # checkpoint callbacks last, so they see what the other callbacks logged (as Lightning)
+    return [c for c in cbs if not isinstance(c, ModelCheckpoint)] + [c for c in cbs if isinstance(c, ModelCheckpoint)]
 
 
-def maybe_reload_dataloaders(t) -> None:
-    """At the start of an epoch (not a resumed one): every
-    ``reload_dataloaders_every_n_epochs`` epochs, call the dataloader hooks again."""
-    n, ls = t.reload_dataloaders_every_n_epochs, t.loop_state
-    if n and ls.epoch > 0 and ls.epoch % n == 0 and not ls.batches_done:
-        t._setup_data("fit", t._fit_loaders)
+def build_loggers(t) -> list:
+    from ember.loggers import Logger, TensorBoardLogger
+    arg = t._logger_arg
+    if isinstance(arg, str) or (isinstance(arg, (list, tuple)) and any(isinstance(x, str) for x in arg)):
+        from ember.trainer.checks import logger_from_name   # "tensorboard" / "csv" / "wandb"
+        arg = [logger_from_name(x, t.default_root_dir) if isinstance(x, str) else x
+               for x in (arg if isinstance(arg, (list, tuple)) else [arg])]
+    if arg is True:
+        out = [TensorBoardLogger(save_dir=t.default_root_dir)]
+    elif arg is False or arg is None:
+        out = []
+    elif isinstance(arg, Logger):
+        out = [arg]
+    elif isinstance(arg, (list, tuple)) and all(isinstance(x, Logger) for x in arg):
+        out = list(arg)
+    else:
+        raise MisconfigurationError(f"logger={arg!r} is not valid; use True (TensorBoard), False, a Logger or a list of Loggers")
+    if out and t.is_global_zero and t.module is not None and t.enable_autolog_hparams:
+        from ember.hparams import merged_hparams   # Trainer(enable_autolog_hparams=False): not logged
+        hparams = merged_hparams(t.module, t.datamodule)
+        if hparams:
+            for lg in out:
+                lg.log_hyperparams(hparams)
+    return out
+
+
+def agree_log_versions(t) -> None:
+    """Under several processes, every logger that picks its ``version_N`` folder by listing
+    the directory takes rank 0's choice (one broadcast at setup), so ``trainer.log_dir``
+    and the checkpoint folder are the same on every rank."""
+    from ember.loggers.base import FileLogger
+    folder = [lg for lg in t.loggers if isinstance(lg, FileLogger)]
+    if t.world_size == 1 or not folder:
+        return
+    versions = [lg.version for lg in folder] if t.is_global_zero else None
+    versions = t.strategy.broadcast(versions)
+    for lg, v in zip(folder, versions):
+        lg._version = v
+
+
+def configure_callbacks(t, module) -> None:
+    """``module.configure_callbacks()``: each returned callback replaces the Trainer's
+    callbacks of the same type, else is added (checkpoint callbacks stay last), as Lightning."""
+    from ember.module import TrainModule, overrides
+    if not overrides(module, TrainModule, "configure_callbacks"):
+        return
+    from ember.callbacks.base import Callback
+    from ember.callbacks.checkpoint import ModelCheckpoint
+    extra = module.configure_callbacks()
+    extra = [] if extra is None else list(extra) if isinstance(extra, (list, tuple)) else [extra]
+    for cb in extra:
+        if not isinstance(cb, Callback):
+            raise MisconfigurationError(f"{type(module).__name__}.configure_callbacks() returned "
+                                        f"{type(cb).__name__}; return Callback instances")
+    if not extra:
+        return
+    types = {type(cb) for cb in extra}
+    kept = [cb for cb in t.callbacks if type(cb) not in types and cb not in extra]
+    merged = kept + extra
+    t.callbacks[:] = [c for c in merged if not isinstance(c, ModelCheckpoint)] + \
+        [c for c in merged if isinstance(c, ModelCheckpoint)]

@@ -71,14 +71,14 @@ def _length(loader) -> int | None:
 def warn_log_interval(t) -> None:
     """``log_every_n_steps`` larger than the optimizer steps of an epoch, with a
     logger: a training epoch logs at most one point (or none). Warned once per Trainer."""
-    if getattr(t, "_warned_log_interval", False):
+    if "log_interval" in t.state.warned:
         return
     n = t.num_training_batches
     if n == float("inf"):
         return
     steps = max(1, -(-int(n) // max(t.accumulate_grad_batches, 1)))
     if t.log_every_n_steps > steps and t.is_global_zero and t.loggers:
-        t._warned_log_interval = True
+        t.state.warned.add("log_interval")
         warnings.warn(
             f"log_every_n_steps={t.log_every_n_steps} is larger than the {steps} optimizer step(s) of a training "
             f"epoch ({int(n)} batches): step metrics are logged only every {t.log_every_n_steps} steps. Set "
@@ -111,7 +111,7 @@ def warn_unsynced(t, stage: str, vals: dict, host: dict) -> None:
     itself) that differs between ranks is shown and logged as rank 0's value only.
     One all_gather of those few floats, once per stage and Trainer (every rank
     reaches the same epoch emissions)."""
-    done = t.__dict__.setdefault("_unsynced_checked", set())
+    done = t.metrics.unsynced_checked
     if stage in done or t.world_size <= 1:
         return
     done.add(stage)
@@ -130,7 +130,7 @@ def describe_missing_metric(t, name: str) -> str:
     """Why ``name`` is not in ``trainer.callback_metrics``: logged (and how: an epoch value
     appears at its stage's end, a step value once a step logged it) or never logged."""
     base = name.removesuffix("_epoch") if name.endswith("_epoch") else name.removesuffix("_step")
-    for stage, res in t._results.items():
+    for stage, res in t.metrics.results.items():
         e = res.entries.get(name) or res.entries.get(base)
         if e is None or stage == "sanity":
             continue
@@ -150,7 +150,7 @@ def describe_missing_metric(t, name: str) -> str:
 def warn_fp16_on_cpu(t) -> None:
     """``16-mixed`` on a CPU device: ember runs real fp16 autocast with a GradScaler, where
     Lightning switches to ``bf16-mixed``; say so once, with the fix."""
-    if t._precision.name == "16-mixed" and t.strategy.root_device.type == "cpu" and t.is_global_zero:
+    if t.precision == "16-mixed" and t.strategy.root_device.type == "cpu" and t.is_global_zero:
         warnings.warn(
             "precision='16-mixed' on CPU runs fp16 autocast with a GradScaler (Lightning switches to "
             "'bf16-mixed' here instead): most CPUs have slow fp16 kernels. Pass precision='bf16-mixed' for "
@@ -211,3 +211,66 @@ def agree_train_batches(t, n: float) -> float:
             "rest out. Give every rank the same number of batches (the distributed sampler does: "
             "use_distributed_sampler=True, the default)", UserWarning, stacklevel=4)
     return m if m == float("inf") else int(m)
+
+
+#: module hooks that replace part of the automatic optimizer step
+STEP_OVERRIDES = ("optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping")
+
+#: Lightning hooks ember does not call, and what to use instead (warned at setup)
+UNSUPPORTED = {
+    "backward": "ember runs backward through the strategy (loss scaling, DDP); put code that must run "
+                "around it in on_before_backward(loss) / on_after_backward()",
+    "configure_sharded_model": "rename it configure_model (Lightning's current name, which ember calls)",
+    "on_after_zero_grad": "put the code in on_before_zero_grad(optimizer) or optimizer_zero_grad",
+}
+
+
+def check_module_hooks(t, module) -> None:
+    """At setup: a Lightning hook ember does not call is warned about (never ignored
+    silently); a step override a strategy cannot honour is an error."""
+    from ember.module import TrainModule
+    for name, fix in UNSUPPORTED.items():
+        if callable(getattr(type(module), name, None)) and not hasattr(TrainModule, name):
+            warnings.warn(f"{type(module).__name__}.{name}() is never called by ember's Trainer: {fix}",
+                          UserWarning, stacklevel=4)
+    if t.strategy.owns_optimizer_step and module.automatic_optimization:
+        bad = [n for n in STEP_OVERRIDES if t.events.module_override(n) is not None]
+        if bad:
+            raise MisconfigurationError(
+                f"{type(module).__name__} overrides {', '.join(bad)}, but under the {t.strategy.name} strategy "
+                "the engine steps, clips and zeroes gradients itself; remove the override (configure "
+                "clipping and the optimizer in the engine's config) or use another strategy")
+
+
+def check_finite_at(t, when: str) -> None:
+    """The last training loss is finite (one sync, and under several processes one
+    reduction so every rank raises): called at each epoch end and before each save."""
+    import torch
+    from ember.errors import NonFiniteLossError
+    loss = t.state.last_loss
+    if loss is None or not isinstance(loss, torch.Tensor) or t.strategy.precision.scaler is not None \
+            or t.strategy.owns_optimizer_step:
+        return
+    bad = (~torch.isfinite(loss.detach().float())).float()
+    if t.world_size > 1:
+        bad = t.strategy.reduce(bad, "max")
+    if bad.item():
+        t.state.last_loss = None
+        raise NonFiniteLossError(
+            f"the training loss is not finite {when} (global step {t.global_step}, epoch {t.current_epoch}); "
+            "nothing was saved from it. Pass Trainer(detect_anomaly=True) to find the first bad step; lower "
+            "the learning rate, clip gradients (gradient_clip_val) or use a mixed precision")
+
+
+def check_epoch_trained(t, steps_before: int, batches_before: int) -> None:
+    """After a full epoch: it made at least one optimizer step (automatic optimization),
+    and its last loss is finite. global_step is the same on every rank, so every rank
+    decides alike without a collective."""
+    module, st = t.module, t.state
+    if getattr(module, "automatic_optimization", True) and st.global_step == steps_before \
+            and st.batches_done > batches_before and not st.grads_pending and st.stop_reason is None:
+        raise MisconfigurationError(
+            f"epoch {st.epoch} made no optimizer step: {type(module).__name__}.training_step returned None "
+            f"(skip the batch) on all {st.batches_done - batches_before} batch(es). Return the loss (a tensor "
+            "or {'loss': ...}) for the batches that should train")
+    check_finite_at(t, f"at the end of epoch {t.current_epoch}")

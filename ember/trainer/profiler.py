@@ -10,10 +10,8 @@ wait/warmup/active schedule of training batches and writes the traces under
 ``<log_dir>/plugins/profile/<run>/`` where TensorBoard's profiler plugin lists
 them.
 
-Neither touches the training loop: when ``fit`` starts, the profiler replaces the
-callables the loop looks up (``module.training_step``, ``strategy.backward``,
-``strategy.optimizer_step``, the train dataloader's iterator, the callback hook
-lists) by timing wrappers, and puts the originals back at teardown. With
+Neither touches the training loop: the loop builds its callables once per epoch
+through :meth:`Profiler.wrap` when a profiler is set (see :class:`Profiler`). With
 ``profiler=None`` nothing is wrapped: no cost at all.
 """
 from __future__ import annotations
@@ -27,19 +25,22 @@ from typing import Any, Callable
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError
 
-_MISSING = object()
-
-
 class Profiler(Callback):
-    """Base class: installs wrappers around the phases of ``fit``; subclasses
-    implement :meth:`start` / :meth:`stop` of a named region."""
+    """Base class: times the phases of ``fit``; subclasses implement :meth:`start` /
+    :meth:`stop` of a named region.
+
+    The Trainer drives it through public calls only: :meth:`begin` and :meth:`end` around
+    each run, and, during a fit, the loop builds its per-epoch callables through
+    :meth:`wrap` (``training_step``, ``backward``, ``optimizer_step``, ``zero_grad``,
+    validation, metric logging, every callback and module hook through the event
+    dispatcher) and iterates the train loader through :meth:`iterate`. Nothing of the
+    Trainer is patched; without a profiler none of this exists."""
 
     state_key = "Profiler"
 
     def __init__(self, dirpath: str | None = None, filename: str | None = None):
         self.dirpath, self.filename = dirpath, filename
-        self._undo: list = []
-        self._active = False
+        self.active = False
 
     # ------------------------------------------------------------ region API
     def start(self, name: str) -> None:
@@ -64,43 +65,9 @@ class Profiler(Callback):
         timed.__wrapped__ = fn
         return timed
 
-    # ------------------------------------------------------------ patching
-    def _patch(self, obj: Any, attr: str, name: str) -> None:
-        prev = obj.__dict__.get(attr, _MISSING)
-        object.__setattr__(obj, attr, self.wrap(name, getattr(obj, attr)))
-        self._undo.append((obj, attr, prev))
-
-    def _instrument_hooks(self, trainer) -> None:
-        for hook, fns in trainer._hooks.items():
-            for i, h in enumerate(fns):
-                owner = getattr(h, "__self__", None)
-                if owner is self:
-                    continue
-                fns[i] = self.wrap(f"{type(owner).__name__}.{hook}", h)
-                self._undo.append((fns, i, h))
-
-    def _instrument_loop(self, trainer) -> None:
-        from torch.utils.data import DataLoader
-        self._patch(trainer.module, "training_step", "training_step")
-        self._patch(trainer.strategy, "backward", "backward")
-        self._patch(trainer.strategy, "optimizer_step", "optimizer_step")
-        for opt in trainer.optimizers:
-            self._patch(opt, "zero_grad", "zero_grad")
-        self._patch(trainer, "_run_validation", "validation")
-        self._patch(trainer, "_emit_step", "log (step metrics)")
-        self._patch(trainer, "_emit_epoch", "log (epoch metrics)")
-        loader = trainer._train_loader
-        prof = self
-        if isinstance(loader, DataLoader):
-            cls = type(loader)
-
-            def __iter__(self_):
-                return prof._fetch(lambda: cls.__iter__(self_))
-            loader.__class__ = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__})
-            self._undo.append((loader, "__class__", cls))
-        else:
-            trainer._train_loader = _LoaderProxy(loader, self)
-            self._undo.append((trainer, "_train_loader", loader))
+    def iterate(self, loader: Any) -> Any:
+        """``loader`` with each ``next`` timed as ``"train dataloader next"``."""
+        return _Timed(loader, self)
 
     def _fetch(self, make_iter):
         it = iter(make_iter())
@@ -116,53 +83,28 @@ class Profiler(Callback):
             self.on_batch_fetched()
             yield batch
 
-    def _uninstall(self) -> None:
-        for obj, attr, prev in reversed(self._undo):
-            if isinstance(obj, list):
-                obj[attr] = prev
-            elif attr == "__class__":
-                obj.__class__ = prev
-            elif prev is _MISSING:
-                obj.__dict__.pop(attr, None)
-            else:
-                object.__setattr__(obj, attr, prev)
-        self._undo = []
-
     def _out_dir(self, trainer) -> str:
         return os.fspath(self.dirpath) if self.dirpath is not None else trainer.log_dir
 
-    def attach(self, trainer) -> None:
-        """Called once by the Trainer: the clock of a fit starts when its setup starts."""
-        setup = trainer._setup
+    # ------------------------------------------------------------ run boundaries (called by the Trainer)
+    def begin(self, trainer, stage: str) -> None:
+        """A run starts (before its setup): the clock of a fit starts here."""
+        self.active = stage == "fit"
+        if self.active:
+            self._begin(trainer)
 
-        def _setup(module, datamodule, stage, loaders):
-            self._active = stage == "fit"
-            if self._active:
-                self._begin(trainer)
-            return setup(module, datamodule, stage, loaders)
-        object.__setattr__(trainer, "_setup", _setup)
-
-    # ------------------------------------------------------------ hooks
-    def setup(self, trainer, module, stage):
-        if self._active:
-            self._instrument_hooks(trainer)
-
-    def on_fit_start(self, trainer, module):
-        if self._active:
-            self._instrument_loop(trainer)
-
-    def teardown(self, trainer, module, stage):
-        if self._active:
-            self._uninstall()
+    def end(self, trainer, stage: str) -> None:
+        """The run ended (after its teardown), normally or not."""
+        if self.active:
             self._end(trainer)
-            self._active = False
+            self.active = False
 
     def _begin(self, trainer) -> None: ...
     def _end(self, trainer) -> None: ...
 
 
-class _LoaderProxy:
-    """A train loader that is no ``DataLoader`` (a list, a generator factory...): timed iteration."""
+class _Timed:
+    """A train loader iterated through :meth:`Profiler._fetch` (length passed through)."""
 
     def __init__(self, loader, prof: Profiler):
         self._loader, self._prof = loader, prof
@@ -172,9 +114,6 @@ class _LoaderProxy:
 
     def __len__(self):
         return len(self._loader)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
 
 
 class SimpleProfiler(Profiler):
@@ -223,20 +162,21 @@ class SimpleProfiler(Profiler):
         self.start("setup")
 
     def on_fit_start(self, trainer, module):
-        if self._active:
+        if self.active:
             self.stop("setup")
-            super().on_fit_start(trainer, module)
 
     def on_fit_end(self, trainer, module):
         # the table is final here, so a report written at the end of fit (report=True) shows it
-        if self._active:
+        if self.active:
             self._finish(trainer)
 
     def on_sanity_check_start(self, trainer, module):
-        self.start("sanity check")
+        if self.active:
+            self.start("sanity check")
 
     def on_sanity_check_end(self, trainer, module):
-        self.stop("sanity check")
+        if self.active:
+            self.stop("sanity check")
 
     def _end(self, trainer) -> None:
         if not self._finished:   # fit ended by an exception
@@ -328,7 +268,7 @@ class PyTorchProfiler(Profiler):
             self._prof.step()
 
     def on_train_start(self, trainer, module):
-        if not self._active:
+        if not self.active:
             return
         import torch
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
@@ -353,9 +293,9 @@ class PyTorchProfiler(Profiler):
                 print(f"PyTorch profiler traces: {self.trace_dir}")
 
 
-def build_profiler(profiler, trainer) -> Profiler | None:
-    """``Trainer(profiler=...)``: ``None``, ``"simple"``, ``"pytorch"`` or a :class:`Profiler`.
-    Puts the profiler first among the trainer's callbacks and attaches it."""
+def build_profiler(profiler: Any) -> Profiler | None:
+    """``Trainer(profiler=...)``: ``None``, ``"simple"``, ``"pytorch"`` or a :class:`Profiler`
+    (the Trainer puts it first among its callbacks)."""
     if profiler is None:
         return None
     if not isinstance(profiler, Profiler):
@@ -363,6 +303,4 @@ def build_profiler(profiler, trainer) -> Profiler | None:
             from ember.errors import invalid_choice
             raise invalid_choice("profiler", profiler, [None, "simple", "pytorch"])
         profiler = SimpleProfiler() if profiler == "simple" else PyTorchProfiler()
-    trainer.callbacks.insert(0, profiler)
-    profiler.attach(trainer)
     return profiler

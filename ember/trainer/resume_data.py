@@ -41,7 +41,7 @@ def data_state(t) -> dict:
     """The train data's shape and order state, saved in ``trainer_state.pt["data"]``: batch
     size, dataset length, the class of the index sampler and a user sampler's generator
     (its state at the start of the current epoch, :func:`ember.data.generator_checkpoint_state`)."""
-    dl = t._train_loader
+    dl = t.state.train_dataloader
     return {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl),
             "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
             **edata.generator_checkpoint_state(dl)}
@@ -54,7 +54,7 @@ def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -
     warning (``EMBER_ALLOW_DATA_CHANGE=1``, as rank 0 read it)."""
     if not saved:
         return
-    dl, ls = t._train_loader, t.loop_state
+    dl, ls = t.state.train_dataloader, t.state
     if ls.batches_done > 0:
         _check_shape(dl, saved, path, ls, allow_change)
         sampler = edata.index_sampler(dl)

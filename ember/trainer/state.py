@@ -1,624 +1,248 @@
-"""Everything the Trainer stores in and restores from a checkpoint, the default
-callbacks and loggers, preemption signals and the non-finite loss check.
+"""All the loop state of a Trainer, in one object: :class:`TrainerState` (``trainer.state``).
 
-What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.md):
+It holds what the Trainer is doing (Lightning's ``fn`` / ``stage`` / ``status``), where
+a fit stands (epoch, batch, global step, the accumulation phase), why and whether it
+stops (a stop request, the agreed stop reason, a preemption or interrupt signal, the
+deadline), the bookkeeping of the current epoch and evaluation pass, and it names the
+optimizer-step rules whose bookkeeping (the accumulation window, a scheduler step
+deferred until its skip flag is on the host) belongs to the loop too.
 
-- loop position: epoch, global step, batches done in the epoch (the sampler skips
-  that many batches of indices on resume, no data is read), a partial gradient
-  accumulation window (the accumulated gradients of every rank);
-- optimizers (through the strategy), schedulers, the GradScaler;
-- callback states, the module's ``on_save_checkpoint`` additions, datamodule state;
-- per-rank RNG states (python, numpy, torch, cuda) and the sampler seed;
-- the epoch accumulators of the values logged during training and the latest
-  ``callback_metrics``, so epoch means and monitors agree with an uninterrupted run.
+The loops read and write its fields directly (plain attribute access, no call per
+step); callbacks and modules read it through the Trainer's public properties
+(``current_epoch``, ``global_step``, ``stop_reason``, ``should_stop``, ...) or
+``trainer.state`` itself. :meth:`TrainerState.state_dict` is the loop part of a
+checkpoint (``trainer_state.pt["loop"]``); the rest of the checkpoint is the state of
+the objects it names (``ember/trainer/checkpoint.py``).
 """
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import warnings
-
-import torch
-
-from ember.errors import CheckpointError, MisconfigurationError, NonFiniteLossError
-
-STATE_VERSION = 1
-#: set EMBER_PREEMPTION_EXIT=0 to make ``fit`` return after a preemption save instead
-#: of ending the process with ``SystemExit(0)``
-_EXIT_ENV = "EMBER_PREEMPTION_EXIT"
-
-
-# ----------------------------------------------------------------------------- defaults
-def default_callbacks(callbacks, checkpointing, progress_bar, summary) -> list:
-    from ember.callbacks.base import Callback
-    cbs = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-    for cb in cbs:
-        if not isinstance(cb, Callback):
-            raise MisconfigurationError(f"callbacks: {cb!r} is not an ember.callbacks.Callback")
-    names = {type(c).__name__ for c in cbs}
-    from ember.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
-    from ember.callbacks.progress import ProgressBar
-    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in cbs):
-        cbs.append(ModelCheckpoint())
-    if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in cbs):
-        raise MisconfigurationError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; "
-                                    "remove one of the two")
-    if progress_bar and not any(isinstance(c, ProgressBar) for c in cbs):
-        cbs.append(RichProgressBar())
-    if summary and "ModelSummary" not in names:
-        cbs.insert(0, ModelSummary())
-    # checkpoint callbacks last, so they see what the other callbacks logged (as Lightning)
-    return [c for c in cbs if not isinstance(c, ModelCheckpoint)] + [c for c in cbs if isinstance(c, ModelCheckpoint)]
-
-
-def build_loggers(t) -> list:
-    from ember.loggers import Logger, TensorBoardLogger
-    arg = t._logger_arg
-    if isinstance(arg, str) or (isinstance(arg, (list, tuple)) and any(isinstance(x, str) for x in arg)):
-        from ember.trainer.checks import logger_from_name   # "tensorboard" / "csv" / "wandb"
-        arg = [logger_from_name(x, t.default_root_dir) if isinstance(x, str) else x
-               for x in (arg if isinstance(arg, (list, tuple)) else [arg])]
-    if arg is True:
-        out = [TensorBoardLogger(save_dir=t.default_root_dir)]
-    elif arg is False or arg is None:
-        out = []
-    elif isinstance(arg, Logger):
-        out = [arg]
-    elif isinstance(arg, (list, tuple)) and all(isinstance(x, Logger) for x in arg):
-        out = list(arg)
-    else:
-        raise MisconfigurationError(f"logger={arg!r} is not valid; use True (TensorBoard), False, a Logger or a list of Loggers")
-    if out and t.is_global_zero and t.module is not None and t.enable_autolog_hparams:
-        from ember.hparams import merged_hparams   # Trainer(enable_autolog_hparams=False): not logged
-        hparams = merged_hparams(t.module, t.datamodule)
-        if hparams:
-            for lg in out:
-                lg.log_hyperparams(hparams)
-    return out
-
-
-def agree_log_versions(t) -> None:
-    """Under several processes, every logger that picks its ``version_N`` folder by listing
-    the directory takes rank 0's choice (one broadcast at setup), so ``trainer.log_dir``
-    and the checkpoint folder are the same on every rank."""
-    from ember.loggers.base import FileLogger
-    folder = [lg for lg in t.loggers if isinstance(lg, FileLogger)]
-    if t.world_size == 1 or not folder:
-        return
-    versions = [lg.version for lg in folder] if t.is_global_zero else None
-    versions = t.strategy.broadcast(versions)
-    for lg, v in zip(folder, versions):
-        lg._version = v
-
-
-# ----------------------------------------------------------------------------- save
-def _cpu(v):
-    return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-
-
-def _results_state(results) -> list:
-    """The epoch accumulators of the training stage (torchmetrics objects excluded)."""
-    out = []
-    for e in results.entries.values():
-        if e.metric is not None:
-            continue
-        out.append({"name": e.name, "on_step": e.on_step, "on_epoch": e.on_epoch, "prog_bar": e.prog_bar,
-                    "logger": e.logger, "reduce_fx": e.reduce_fx, "sync_dist": e.sync_dist,
-                    "last": _cpu(e.last), "total": _cpu(e.total), "weight": e.weight, "updated": e.updated})
-    return out
-
-
-def _pending_grads(t):
-    """Gradients of a partly accumulated window (None at a window boundary)."""
-    if not t.loop_state.grads_pending or t.loop_state.epoch_finished:
-        return None
-    if t.strategy.is_sharded or t.strategy.owns_optimizer_step:
-        warnings.warn(f"checkpoint saved inside a gradient accumulation window under the {t.strategy.name} "
-                      "strategy: the partly accumulated gradients are not saved, so a resume from it is not "
-                      "exact. Save at optimizer steps (ModelCheckpoint(every_n_train_steps=...)) instead.",
-                      stacklevel=4)
-        return None
-    module = t.strategy.unwrap_module(t.model)
-    return {n: _cpu(p.grad) for n, p in module.named_parameters() if p.grad is not None}
-
-
-def trainer_state(t) -> dict:
-    from ember.checkpoint import io as cio
-    from ember.trainer.resume_data import data_state
-    from ember.trainer.optim import flush_scheduler_steps
-    flush_scheduler_steps(t)   # a scheduler step deferred from the last optimizer step (16-mixed)
-    loop = t.loop_state.state_dict()
-    mid_epoch = loop["batches_done"] > 0
-    per_rank = {"rng": cio.collect_rng_states(),
-                "results": _results_state(t._results["train"]) if mid_epoch else [],
-                "grads": _pending_grads(t)}
-    gathered = t.strategy.all_gather_object(per_rank) if t.world_size > 1 else [per_rank]
-    metrics = {k: float(v) for k, v in t.callback_metrics.items()}
-    return {
-        "version": STATE_VERSION,
-        "loop": {**loop, "accumulate_grad_batches": t.accumulate_grad_batches,
-                 "num_training_batches": t.num_training_batches if t.num_training_batches != float("inf") else -1},
-        "schedulers": [c["scheduler"].state_dict() for c in t.lr_scheduler_configs],
-        "precision": t.strategy.precision.state_dict(),
-        "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks},
-        "rng": [g["rng"] for g in gathered],
-        "results": [g["results"] for g in gathered],
-        "grads": [g["grads"] for g in gathered] if any(g["grads"] is not None for g in gathered) else None,
-        "callback_metrics": metrics,
-        "data_seed": t._data_seed,
-        "data": data_state(t),   # batch size, dataset length, a user sampler's generator
-        "datamodule": t.datamodule.state_dict() if t.datamodule is not None else {},
-    }
-
-
-def checkpoint_meta(t) -> dict:
-    from ember.checkpoint.trust import optimizer_names
-    from ember.hparams import datamodule_meta
-    m = t.module
-    return {"strategy": t.strategy.name, "world_size": t.world_size, "precision": t.precision,
-            "module_class": f"{type(m).__module__}.{type(m).__qualname__}",
-            "hparams": dict(m.hparams), "epoch": t.current_epoch, "global_step": t.global_step,
-            "optimizers": optimizer_names(t.optimizers), **datamodule_meta(t.datamodule)}
-
-
-def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
-    if t.model is None:
-        raise MisconfigurationError("trainer.save_checkpoint() needs a fitted module: call fit() first")
-    from ember.checkpoint.trust import check_save_target
-    path = os.fspath(path)
-    check_save_target(path, "trainer.save_checkpoint")   # every rank, read-only: no collective
-    check_finite_at(t, f"before saving checkpoint {path}")
-    state = {} if weights_only else trainer_state(t)
-    if not weights_only:
-        for cb in t.callbacks:
-            cb.on_save_checkpoint(t, t.module, state)
-        t.module.on_save_checkpoint(state)
-    t.strategy.save_checkpoint(path, t.model, t.optimizers, state, checkpoint_meta(t), weights_only=weights_only)
-
-
-# ----------------------------------------------------------------------------- find / check
-def _loggers_of(t) -> list:
-    """The Trainer's loggers, or those it will build (before ``fit`` built them)."""
-    from ember.loggers import Logger
-    if t.loggers:
-        return list(t.loggers)
-    arg = t._logger_arg
-    if arg is True:
-        from ember.loggers import TensorBoardLogger
-        return [TensorBoardLogger(save_dir=t.default_root_dir)]
-    if isinstance(arg, Logger):
-        return [arg]
-    if isinstance(arg, (list, tuple)):
-        return [x for x in arg if isinstance(x, Logger)]
-    return []
-
-
-def _version_key(name: str):
-    m = re.fullmatch(r"version_(\d+)", name)
-    return (1, int(m.group(1)), "") if m else (0, 0, name)
-
-
-def _candidate_dirs(t) -> list[str]:
-    """This run's checkpoint folders, most preferred first: the ModelCheckpoint dirpaths;
-    else the first logger's ``checkpoints`` folder: of its version when one was given,
-    else of each existing version of its name, newest version first; without a logger,
-    ``default_root_dir/checkpoints``. Other runs under the same root never count."""
-    dirs = [cb.dirpath for cb in t.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-    if not dirs:
-        loggers = [lg for lg in _loggers_of(t) if getattr(lg, "root_dir", None)]
-        if not loggers:
-            dirs = [os.path.join(t.default_root_dir, "checkpoints")]
-        else:
-            lg = loggers[0]
-            version = getattr(lg, "_version", None)
-            if version is not None:
-                dirs = [os.path.join(lg.log_dir, "checkpoints")]
-            elif os.path.isdir(lg.root_dir):
-                versions = sorted(os.listdir(lg.root_dir), key=_version_key, reverse=True)
-                dirs = [os.path.join(lg.root_dir, v, "checkpoints") for v in versions]
-    return list(dict.fromkeys(os.path.normpath(d) for d in dirs))
-
-
-def _saved_step(path: str) -> int | None:
-    from ember.checkpoint import io as cio
-    from ember.checkpoint.trust import member, read_meta
-    try:
-        step = read_meta(member(path, cio.META_NAME)).get("global_step")
-    except CheckpointError:
-        return None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def find_last(t) -> str | None:
-    """This run's newest complete checkpoint: the highest ``global_step`` in
-    ``meta.json`` (not the modification time) in the first of :func:`_candidate_dirs`
-    that has one; a real ``last`` directory (a preemption save) wins a tie, a ``last``
-    symlink counts as (and is returned for) the checkpoint it points to. Staging ``*.tmp`` folders and
-    weights-only files never count. Reads only files (rank 0 can run it and broadcast)."""
-    from ember.checkpoint import io as cio
-    for d in _candidate_dirs(t):
-        best, best_key = None, None
-        for c in cio.list_checkpoints(d):
-            if os.path.islink(c):
-                continue   # 'last' -> the checkpoint it names, which is listed itself
-            step = _saved_step(c)
-            if step is None:
-                continue
-            key = (step, os.path.basename(c) == "last")
-            if best_key is None or key > best_key:
-                best, best_key = c, key
-        if best is not None:
-            link = os.path.join(d, "last")
-            if os.path.islink(link) and os.path.realpath(link) == os.path.realpath(best):
-                return link   # as before: 'last' names the checkpoint it links to
-            return best
-    return None
-
-
-def _best_from_last(t) -> str | None:
-    """best_model_path recorded by a ModelCheckpoint in the newest checkpoint."""
-    from ember.checkpoint import io as cio
-    from ember.checkpoint.trust import inside
-    last = find_last(t)
-    if last is None or not os.path.isfile(os.path.join(last, cio.STATE_NAME)):
-        return None
-    try:
-        state = cio.load_torch(os.path.join(last, cio.STATE_NAME))
-    except CheckpointError:
-        return None
-    keys = [cb.state_key for cb in t.checkpoint_callbacks]
-    for key, s in (state.get("callbacks") or {}).items():
-        if key.startswith("ModelCheckpoint") and (not keys or key in keys) and isinstance(s, dict) \
-                and isinstance(s.get("best_model_path"), str) and s["best_model_path"]:
-            best = s["best_model_path"]
-            # only a checkpoint of the same run folder (a crafted state may name any path)
-            if os.path.exists(best) and inside(os.path.dirname(os.path.normpath(best)), os.path.dirname(last)) \
-                    and inside(os.path.dirname(last), os.path.dirname(os.path.normpath(best))):
-                return best
-    return None
-
-
-def elastic_restart() -> bool:
-    """True in a worker group that torchrun's elastic agent restarted
-    (``TORCHELASTIC_RESTART_COUNT`` > 0) under ``ember launch --max-restarts N`` (which
-    sets ``EMBER_ELASTIC_RESUME=1``): the environment, the same on every rank."""
-    if os.environ.get("EMBER_ELASTIC_RESUME", "") not in ("1", "true"):
-        return False
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    except ValueError:
-        return False
-
-
-def elastic_resume_path(t) -> str | None:
-    """``"last"`` after an elastic restart (:func:`elastic_restart`) when this run has a
-    complete checkpoint; else None (a group that failed before its first checkpoint
-    starts afresh). Under several processes only rank 0 looks (the Trainer broadcasts
-    its answer after setup): another node may see the run folder otherwise."""
-    if not elastic_restart() or find_last(t) is None:
-        return None
-    return "last"
-
-
-def resolve_ckpt_path(t, ckpt_path, stage: str = "fit") -> str:
-    """Turn ``ckpt_path`` (a path, "last" or "best") into a path and check it before any
-    work: missing, incomplete and truncated checkpoints raise CheckpointError here."""
-    if ckpt_path == "best":
-        cb = t.checkpoint_callback
-        path = getattr(cb, "best_model_path", "") if cb is not None else ""
-        path = path or _best_from_last(t)
-        if not path:
-            raise CheckpointError("ckpt_path='best': no best checkpoint is known (no ModelCheckpoint with a "
-                                  "monitor has saved one in this Trainer or in the newest checkpoint under "
-                                  f"{t.default_root_dir!r})")
-    elif ckpt_path == "last":
-        path = find_last(t)
-        if path is None:
-            searched = _candidate_dirs(t) or [os.path.join(t.default_root_dir, "checkpoints")]
-            raise CheckpointError(f"ckpt_path='last': no complete checkpoint found; searched {searched}")
-        if t.is_global_zero:
-            print(f"ember: ckpt_path='last' resumes {path} (global_step {_saved_step(path)}, the newest "
-                  "complete checkpoint of this run)", file=sys.stderr, flush=True)
-    elif isinstance(ckpt_path, (str, os.PathLike)):
-        path = os.fspath(ckpt_path)
-    else:
-        raise MisconfigurationError(f"ckpt_path={ckpt_path!r} is not valid; use a path, 'last', 'best' or None")
-    precheck(path, need_state=(stage == "fit"))
-    return path
-
-
-def precheck(path: str, need_state: bool) -> None:
-    """Cheap checks (no tensors loaded): exists, complete, file sizes as recorded,
-    and holds a trainer state when a fit resumes from it."""
-    from ember.checkpoint import io as cio
-    if not os.path.exists(path):
-        missing = getattr(cio, "_missing_message", None)
-        raise CheckpointError(missing(path) if missing else f"checkpoint not found: {path} does not exist")
-    if os.path.isfile(path):
-        if need_state:
-            raise CheckpointError(f"{path} holds weights only (no trainer state), so fit cannot resume from it; "
-                                  "load it with Module.load_from_checkpoint and start a new fit, or pass it "
-                                  "to validate/test/predict")
-        return
-    meta_file = os.path.join(path, cio.META_NAME)
-    if not os.path.isfile(meta_file):
-        if os.path.isfile(os.path.join(path, cio.INDEX_NAME)):   # a sharded weights export
-            if need_state:
-                raise CheckpointError(f"{path} is a weights export (no trainer state), so fit cannot resume "
-                                      "from it; load it with Module.load_from_checkpoint and start a new fit")
-            return
-        cio.read_checkpoint(path, load_state=False)   # raises the detailed "incomplete" error
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {cio.META_NAME})")
-    cio.read_meta_checked(path)   # limits, format version, files inside the directory, sizes
-    if need_state and not os.path.isfile(os.path.join(path, cio.STATE_NAME)):
-        raise CheckpointError(f"{path} holds weights only (no {cio.STATE_NAME}), so fit cannot resume from it; "
-                              "load it with Module.load_from_checkpoint and start a new fit, or pass it to "
-                              "validate/test/predict")
-
-
-# ----------------------------------------------------------------------------- restore
-def _warn_setup_changes(t, meta: dict, path: str) -> None:
-    changes = []
-    for key, now in (("world_size", t.world_size), ("precision", t.precision)):
-        if key in meta and meta[key] != now:
-            changes.append(f"{key} {meta[key]!r} -> {now!r}")
-    if changes:
-        warnings.warn(f"resuming from {path} with a different setup ({', '.join(changes)}): training continues, "
-                      "but not bit-exactly as an uninterrupted run would", stacklevel=5)
-
-
-def _restore_results(t, saved: list) -> None:
-    from ember.trainer.logging import _Entry
-    results = t._results["train"]
-    results.reset()
-    device = t.strategy.root_device
-    for s in saved:
-        e = _Entry(s["name"], s["on_step"], s["on_epoch"], s["prog_bar"], s["logger"], s["reduce_fx"],
-                   s["sync_dist"], None)
-        e.last = s["last"].to(device) if isinstance(s["last"], torch.Tensor) else s["last"]
-        e.total = s["total"].to(device) if isinstance(s["total"], torch.Tensor) else s["total"]
-        e.weight, e.updated = s["weight"], s["updated"]
-        results.entries[e.name] = e
-
-
-def _restore_grads(t, grads: dict, path: str) -> None:
-    module = t.strategy.unwrap_module(t.model)
-    params = dict(module.named_parameters())
-    unknown = [n for n in grads if n not in params]
-    if unknown:
-        raise CheckpointError(f"{path}: accumulated gradients for unknown parameters {unknown[:10]}")
-    for n, g in grads.items():
-        p = params[n]
-        p.grad = g.to(device=p.device, dtype=p.dtype)
-    t.loop_state.grads_pending = True
-
-
-def _restore_callbacks_first(t, path: str) -> None:
-    """Callbacks marked ``restore_before_optimizers`` (finetuning callbacks, which add
-    parameter groups) get their state before the optimizers' states are loaded."""
-    from ember.checkpoint import io as cio
-    early = [cb for cb in t.callbacks if getattr(cb, "restore_before_optimizers", False)]
-    sfile = os.path.join(os.fspath(path), cio.STATE_NAME)
-    if not early or not os.path.isfile(sfile):
-        return
-    cb_states = (cio.load_torch(sfile) or {}).get("callbacks", {})
-    for cb in early:
-        if cb.state_key in cb_states:
-            cb.load_state_dict(cb_states[cb.state_key])
-
-
-def restore(t, path: str, full: bool, early: CheckpointError | None = None) -> None:
-    """Load ``path`` into the fit (``full``: weights, optimizers, loop and trainer state)
-    or the module (validate/test/predict).
-
-    Under several processes the ranks agree on the outcome twice, each time with one
-    ``all_gather_object`` (``ember.checkpoint.agree``): before the strategy's load (its
-    own collectives and broadcasts follow) on the checks of the files as each node sees
-    them (``early``: this rank's error from the checks made before setup), with rank 0's
-    ``EMBER_ALLOW_DATA_CHANGE`` sent along; and after it, on everything the load and the
-    trainer-state checks raised. A checkpoint one rank refuses is refused by every rank
-    with the first failing rank's message."""
-    from ember.trainer.resume_data import allow_data_change
-    if t.world_size == 1:
-        _restore(t, path, full, allow_data_change())
-        return
-    from ember.checkpoint.agree import agree_outcome, collective_failed
-    error = early
-    # a rank that does not see the path at all leaves it to the strategy's load, which
-    # reads on rank 0 only where it can (FSDP's full-weights load) and fails on that rank
-    # otherwise (then agreed after the load)
-    if error is None and (t.is_global_zero or os.path.exists(path)):
-        try:
-            precheck(path, need_state=full)
-        except Exception as err:   # agreed below, so no rank goes on alone
-            error = err
-    allow = agree_outcome(t.strategy, error, rank0_value=allow_data_change())
-    error = None
-    try:
-        _restore(t, path, full, allow)
-    except Exception as err:
-        if collective_failed(err):
-            raise
-        error = err
-    agree_outcome(t.strategy, error)
-
-
-def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
-    from ember.checkpoint import io as cio
-    if full:
-        _restore_callbacks_first(t, path)
-    try:
-        state = t.strategy.load_checkpoint(path, t.model, t.optimizers if full else [], weights_only=not full)
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as err:
-        raise CheckpointError(f"{path} does not fit this module/optimizer setup: {type(err).__name__}: {err}") from err
-    t._resumed = full
-    t._ckpt_path = path   # trainer.ckpt_path
-    if not full:
-        return
-    if not state or "loop" not in state:
-        raise CheckpointError(f"{path} holds weights only (no trainer state); pass it to validate/test/predict, "
-                              "or load it with Module.load_from_checkpoint and start a new fit")
-    if state.get("version", 0) > STATE_VERSION:
-        raise CheckpointError(f"{path} was written by a newer ember (trainer state version {state['version']}, "
-                              f"this one reads <= {STATE_VERSION}); upgrade ember to resume from it")
-    n_opt = len(state.get("optimizers", []))
-    if n_opt != len(t.optimizers):
-        raise CheckpointError(f"{path} has {n_opt} optimizer state(s) but configure_optimizers returned "
-                              f"{len(t.optimizers)}")
-    scheds = state.get("schedulers", [])
-    if len(scheds) != len(t.lr_scheduler_configs):
-        raise CheckpointError(f"{path} has {len(scheds)} scheduler state(s) but configure_optimizers returned "
-                              f"{len(t.lr_scheduler_configs)}")
-    _warn_setup_changes(t, state.get("meta") or {}, path)
-    loop = state["loop"]
-    try:
-        t.loop_state.load_state_dict(loop)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: the loop position in {cio.STATE_NAME} is unreadable ({err!r})") from err
-    from ember.trainer.resume_data import restore_data
-    restore_data(t, state.get("data"), path, allow_data_change)   # refuses a changed batch size / dataset mid-epoch
-    for cfg, s in zip(t.lr_scheduler_configs, scheds):
-        cfg["scheduler"].load_state_dict(s)
-    t.strategy.precision.load_state_dict(state.get("precision", {}))
-    t.callback_metrics.update({k: torch.tensor(v) for k, v in (state.get("callback_metrics") or {}).items()})
-    cb_states = state.get("callbacks", {})
-    for cb in t.callbacks:
-        cb.on_load_checkpoint(t, t.module, state)
-        if cb.state_key in cb_states:
-            cb.load_state_dict(cb_states[cb.state_key])
-    if t.datamodule is not None and state.get("datamodule"):
-        t.datamodule.load_state_dict(state["datamodule"])
-    t.module.on_load_checkpoint(state)
-    t._data_seed = state.get("data_seed", t._data_seed)
-    s = getattr(t._train_loader, "sampler", None)
-    if s is not None and hasattr(s, "seed"):
-        s.seed = t._data_seed
-    if getattr(t._train_loader, "ember_seed", None) is not None:
-        t._train_loader.ember_seed = t._data_seed   # worker seeds follow the run seed (ember.data.worker_seed)
-    same_world = len(state.get("rng") or []) == t.world_size
-    rank = t.global_rank
-    results = state.get("results") or []
-    if t.loop_state.batches_done and same_world and results:
-        _restore_results(t, results[rank])
-    grads = state.get("grads")
-    if grads and t.loop_state.batches_done:
-        if not same_world or loop.get("accumulate_grad_batches") != t.accumulate_grad_batches:
-            warnings.warn(f"{path} was saved inside a gradient accumulation window with another world size or "
-                          "accumulate_grad_batches; the partly accumulated gradients are dropped", stacklevel=4)
-        elif grads[rank] is not None:
-            _restore_grads(t, grads[rank], path)
-    rng = state.get("rng") or []
-    if rng:
-        cio.restore_rng_states(rng[rank % len(rng)])
-
-
-# ----------------------------------------------------------------------------- non-finite loss
-def check_finite_at(t, when: str) -> None:
-    """The last training loss is finite (one sync, and under several processes one
-    reduction so every rank raises): called at each epoch end and before each save."""
-    loss = getattr(t, "_last_loss", None)
-    if loss is None or not isinstance(loss, torch.Tensor) or t.strategy.precision.scaler is not None \
-            or t.strategy.owns_optimizer_step:
-        return
-    bad = (~torch.isfinite(loss.detach().float())).float()
-    if t.world_size > 1:
-        bad = t.strategy.reduce(bad, "max")
-    if bad.item():
-        t._last_loss = None
-        raise NonFiniteLossError(
-            f"the training loss is not finite {when} (global step {t.global_step}, epoch {t.current_epoch}); "
-            "nothing was saved from it. Pass Trainer(detect_anomaly=True) to find the first bad step; lower "
-            "the learning rate, clip gradients (gradient_clip_val) or use a mixed precision")
-
-
-def check_epoch_trained(t, steps_before: int, batches_before: int) -> None:
-    """After a full epoch: it made at least one optimizer step (automatic optimization),
-    and its last loss is finite. global_step is the same on every rank, so every rank
-    decides alike without a collective."""
-    module, ls = t.module, t.loop_state
-    if getattr(module, "automatic_optimization", True) and ls.global_step == steps_before \
-            and ls.batches_done > batches_before and not ls.grads_pending and ls.stop_reason is None:
-        raise MisconfigurationError(
-            f"epoch {ls.epoch} made no optimizer step: {type(module).__name__}.training_step returned None "
-            f"(skip the batch) on all {ls.batches_done - batches_before} batch(es). Return the loss (a tensor "
-            "or {'loss': ...}) for the batches that should train")
-    check_finite_at(t, f"at the end of epoch {t.current_epoch}")
-
-
-# ----------------------------------------------------------------------------- preemption
-_SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
-
-
-def install_signal_handlers(t) -> None:
-    t._prev_handlers = {}
-    t._signal_received = None
-    t._preempted = False
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handler(signum, frame):
-        t._signal_received = signum
-        t._signal_pending = True
-
-    for s in _SIGNALS:
-        try:
-            t._prev_handlers[s] = signal.signal(s, handler)
-        except (ValueError, OSError):
-            pass
-    # under several processes the ranks agree at log points (progress.agree_stop); one process
-    # acts at the next optimizer step
-    t._signal_pending = False
-    from ember.trainer import peer_stop   # under torchrun: the launcher's SIGTERM after a failed rank
-    t._sigterm_watcher = peer_stop.start()
-
-
-def uninstall_signal_handlers(t) -> None:
-    watcher, t._sigterm_watcher = getattr(t, "_sigterm_watcher", None), None
-    if watcher is not None:
-        watcher.stop()
-    for s, h in getattr(t, "_prev_handlers", {}).items():
-        try:
-            signal.signal(s, h)
-        except (ValueError, OSError, TypeError):
-            pass
-    t._prev_handlers = {}
-    t._signal_pending = False
-
-
-def save_for_preemption(t, received: int) -> None:
-    """Act on SIGTERM/SIGUSR1 once every rank agreed on it (``progress.agree_stop``, at an
-    optimizer step): save ``last``, say so, requeue on SLURM, and mark the fit to end."""
-    name = signal.Signals(received).name
-    cb = t.checkpoint_callback
-    if cb is not None and hasattr(cb, "save_last_now"):
-        path = cb.save_last_now(t)
-    else:
-        path = os.path.join(t.log_dir, "checkpoints", "last")
-        save_checkpoint(t, path)
-    exits = os.environ.get(_EXIT_ENV, "1") != "0"
-    if t.is_global_zero:
-        print(f"ember: received {name} at step {t.global_step}; saved checkpoint {path}. Resume with "
-              f"trainer.fit(..., ckpt_path='last'). " + ("Exiting with code 0." if exits else "Stopping the fit."),
-              file=sys.stderr, flush=True)
-        job = os.environ.get("SLURM_JOB_ID")
-        if received == getattr(signal, "SIGUSR1", None) and job:
-            try:
-                subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
-            except (OSError, subprocess.SubprocessError) as err:
-                print(f"ember: scontrol requeue {job} failed: {err}", file=sys.stderr, flush=True)
-    t.interrupted = True
-    t._preempted = True
-
-
-def exit_if_preempted(t) -> None:
-    """After teardown: end the process with code 0 when the fit stopped for a
-    preemption signal (the checkpoint is saved), unless EMBER_PREEMPTION_EXIT=0."""
-    if getattr(t, "_preempted", False) and sys.exc_info()[1] is None and os.environ.get(_EXIT_ENV, "1") != "0":
-        t._preempted = False
-        raise SystemExit(0)
+import enum
+from typing import Any
+
+
+class _StrEnum(str, enum.Enum):
+    def __str__(self) -> str:
+        return self.value
+
+
+class TrainerStatus(_StrEnum):
+    """Whether a run is going on, and how the last one ended."""
+
+    INITIALIZING = "initializing"   # the Trainer was created; nothing ran yet
+    RUNNING = "running"
+    FINISHED = "finished"
+    INTERRUPTED = "interrupted"     # the run raised (KeyboardInterrupt included) or was preempted
+
+    @property
+    def stopped(self) -> bool:
+        return self in (TrainerStatus.FINISHED, TrainerStatus.INTERRUPTED)
+
+
+class TrainerFn(_StrEnum):
+    """The Trainer entry point that runs (or ran last)."""
+
+    FITTING = "fit"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+
+class RunningStage(_StrEnum):
+    """The part of a run that runs: ``fit`` goes through ``sanity_check``, ``train`` and
+    ``validate``; the other entry points have one stage each."""
+
+    TRAINING = "train"
+    SANITY_CHECKING = "sanity_check"
+    VALIDATING = "validate"
+    TESTING = "test"
+    PREDICTING = "predict"
+
+    @property
+    def evaluating(self) -> bool:
+        return self in (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+
+#: the stage each entry point starts in
+FN_STAGE = {"fit": RunningStage.TRAINING, "validate": RunningStage.VALIDATING, "test": RunningStage.TESTING,
+            "predict": RunningStage.PREDICTING}
+
+#: why a fit stopped (``trainer.stop_reason``); None while it runs
+STOP_REASONS = ("max_epochs", "max_steps", "max_time", "early_stopping", "timer", "should_stop",
+                "preempted", "interrupted", "exception")
+
+#: the stop requests ranks agree on, in priority order (the highest code any rank asks for wins)
+REQUESTS = ("should_stop", "early_stopping", "timer", "max_time")
+REQUEST_CODE = {r: i + 1 for i, r in enumerate(REQUESTS)}
+
+#: the fields of :meth:`TrainerState.state_dict` (``trainer_state.pt["loop"]``)
+LOOP_FIELDS = ("epoch", "batch_idx", "batches_done", "global_step", "grads_pending", "epoch_finished",
+               "stop_request", "stop_agreed", "stop_reason")
+
+
+class TrainerState:
+    """Where a Trainer stands: every field the loops keep, in one place.
+
+    Run status (Lightning's ``trainer.state``):
+        fn: the entry point that runs (or ran last): ``"fit"``, ``"validate"``, ``"test"``, ``"predict"``.
+        stage: the part of it that runs (``"train"``, ``"sanity_check"``, ``"validate"``, ...);
+            None between runs.
+        status: ``"initializing"``, ``"running"``, ``"finished"`` or ``"interrupted"``.
+
+    Loop position (checkpointed):
+        epoch: the current epoch (0-based).
+        batch_idx: index in the epoch of the current (or last) training batch.
+        batches_done: training batches finished in the current epoch; a resumed epoch
+            starts at this batch.
+        global_step: optimizer steps taken.
+        grads_pending: an accumulation window is open (gradients accumulated, no step yet).
+        epoch_finished: the epoch's batches are all done and its epoch-end work runs (a
+            checkpoint saved then records the start of the next epoch).
+
+    Control (checkpointed: the stop reason):
+        stop_request: this rank's request to stop (``should_stop``, EarlyStopping, Timer,
+            max_time), not yet agreed by the other ranks.
+        stop_agreed: the request is the same on every rank (decided after a collective):
+            the ranks act on it at the next optimizer step.
+        stop_reason: why the fit stopped, agreed by every rank (:data:`STOP_REASONS`); None
+            while it runs.
+        signal: the preemption signal received (SIGTERM/SIGUSR1), None before one.
+        signal_pending: a signal arrived and was not yet acted on.
+        interrupt: Ctrl-C (SIGINT) presses not yet acted on (0, 1, 2...).
+        preempted: the fit saved ``last`` for a preemption and ends.
+        deadline: ``time.monotonic()`` value of ``max_time``'s end (None: no limit).
+
+    The current epoch and pass:
+        val_ran_at_batch_end: a mid-epoch validation ran after the epoch's last batch.
+        steps_since_log: manual optimization steps since the last log point.
+        last_loss: the latest training loss (a tensor on its device; checked at epoch
+            ends and before saves, never per step).
+        dataloader: the evaluation dataloader being iterated (None outside a pass).
+        eval_batch_idx: the evaluation batch in progress (None after a pass's steps).
+        pass_batches: batches the current evaluation pass runs.
+
+    The run:
+        resumed: this fit restored a checkpoint.
+        ckpt_path: the checkpoint the current (or last) run restored (None: none);
+            ckpt_path_pinned: set by the user (``trainer.ckpt_path = ...``).
+        data_seed: the seed of the data order (the same on every rank).
+        fit_started: ``time.monotonic()`` when the current fit started.
+        exception: the exception that ended the last fit, if any.
+
+        active: a run (fit / validate / test / predict) is in progress.
+        warned: the one-time warnings this Trainer already gave.
+
+    The run's data (ember/trainer/data.py):
+        train_dataloader, val_dataloaders: the prepared loaders of the current (or last) fit.
+        eval_dataloaders: those of the current validate / test / predict;
+            run_dataloaders: per entry point, those of its last run.
+        fit_dataloaders: what ``fit`` was given (reload_dataloaders_every_n_epochs).
+        num_training_batches: training batches per epoch (agreed across ranks; ``inf``: no length).
+        val_every_n_batches: a mid-epoch validation every N training batches (None: at epoch ends).
+        rng_draws: per prepared loader (by id), what the user's DataLoader takes from the global
+            RNG per pass, taken again at each pass (ember/trainer/data.py, ``start_pass``).
+
+    Named objects:
+        step_rules: the optimizer-step rules (:class:`ember.step.StepRules`), whose
+            bookkeeping (the accumulation window, a scheduler step waiting for its skip
+            flag) is loop state too.
+    """
+
+    def __init__(self) -> None:
+        self.fn: TrainerFn | None = None
+        self.stage: RunningStage | None = None
+        self.status = TrainerStatus.INITIALIZING
+        self.epoch = 0
+        self.batch_idx = 0
+        self.batches_done = 0
+        self.global_step = 0
+        self.grads_pending = False
+        self.epoch_finished = False
+        self.stop_request: str | None = None
+        self.stop_agreed = False
+        self.stop_reason: str | None = None
+        self.signal: int | None = None
+        self.signal_pending = False
+        self.interrupt = 0
+        self.preempted = False
+        self.deadline: float | None = None
+        self.val_ran_at_batch_end = False
+        self.steps_since_log = 0
+        self.last_loss: Any = None
+        self.dataloader: Any = None
+        self.eval_batch_idx: int | None = None
+        self.pass_batches: int | float | None = None
+        self.resumed = False
+        self.ckpt_path: str | None = None
+        self.ckpt_path_pinned = False
+        self.data_seed: int | None = None
+        self.fit_started: float | None = None
+        self.exception: BaseException | None = None
+        self.step_rules: Any = None
+        self.warned: set[str] = set()
+        # the run's data (ember/trainer/data.py)
+        self.train_dataloader: Any = None
+        self.val_dataloaders: list = []
+        self.eval_dataloaders: list = []
+        self.run_dataloaders: dict[str, list] = {}
+        self.fit_dataloaders: dict = {}
+        self.num_training_batches: int | float = 0
+        self.val_every_n_batches: int | None = None
+        self.rng_draws: dict[int, int] = {}
+        self.active = False
+
+    # -- Lightning's trainer.state ---------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """The last run ended normally."""
+        return self.status == TrainerStatus.FINISHED
+
+    @property
+    def stopped(self) -> bool:
+        """The last run ended, normally or not."""
+        return self.status.stopped
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The loop part of a checkpoint. A checkpoint saved after an epoch's last batch
+        records the start of the next epoch (an epoch stopped mid-way records its next
+        batch); a resumed fit runs on, so no stop request is saved."""
+        out = {f: getattr(self, f) for f in LOOP_FIELDS}
+        if self.epoch_finished:
+            out.update(epoch=self.epoch + 1, batch_idx=0, batches_done=0, epoch_finished=False,
+                       grads_pending=False)
+        out["stop_request"], out["stop_agreed"] = None, False
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the loop position from :meth:`state_dict` (older checkpoints hold only
+        ``epoch``, ``global_step`` and ``batches_done``). The saved stop reason says why that
+        fit stopped; this one runs on."""
+        self.epoch = int(state["epoch"])
+        self.global_step = int(state["global_step"])
+        self.batches_done = int(state.get("batches_done", 0))
+        self.batch_idx = int(state.get("batch_idx", max(self.batches_done - 1, 0)))
+        self.grads_pending = False   # set again when the saved gradients are restored
+        self.epoch_finished = False
+        self.stop_request, self.stop_agreed, self.stop_reason = None, False, None
+
+    # -- transitions ------------------------------------------------------------------------
+    def start_fit(self) -> None:
+        """A fit starts: no stop is requested or agreed yet."""
+        self.stop_request = self.stop_reason = None
+        self.stop_agreed = False
+        self.interrupt = 0
+
+    def reset_epoch(self) -> None:
+        """After an exception: a later ``fit()`` restarts the broken epoch at its first batch."""
+        self.batches_done, self.batch_idx, self.epoch_finished, self.grads_pending = 0, 0, False, False
+
+    def request_stop(self, reason: str = "should_stop", agreed: bool = False) -> None:
+        """Record a stop request (:data:`REQUESTS`); see ``Trainer.request_stop``."""
+        if reason not in REQUEST_CODE:
+            from ember.errors import invalid_choice
+            raise invalid_choice("request_stop(reason)", reason, list(REQUEST_CODE))
+        self.stop_request, self.stop_agreed = reason, agreed
+
+    def __repr__(self) -> str:
+        return (f"TrainerState(fn={self.fn!s}, stage={self.stage!s}, status={self.status!s}, epoch={self.epoch}, "
+                f"global_step={self.global_step}, batches_done={self.batches_done}, stop_reason={self.stop_reason})")

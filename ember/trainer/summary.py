@@ -56,7 +56,7 @@ def _describe_stop(t) -> str:
     if reason == "max_steps":
         return f"reached max_steps={t.max_steps}"
     if reason == "max_time":
-        return f"reached max_time ({_duration(t._max_time or 0)})"
+        return f"reached max_time ({_duration(t.max_time or 0)})"
     if reason == "early_stopping":
         es = _early_stopper(t)
         if es is None:
@@ -67,13 +67,13 @@ def _describe_stop(t) -> str:
     if reason == "timer":
         return "the Timer callback's time budget was used up"
     if reason == "preempted":
-        sig = getattr(t, "_signal_received", None)
+        sig = t.state.signal
         name = f" {signal.Signals(sig).name}" if sig else ""
         return f"preemption signal{name} (the last checkpoint was saved)"
     if reason == "interrupted":
         return "interrupted (Ctrl-C)"
     if reason == "exception":
-        exc = getattr(t, "_fit_exception", None)
+        exc = t.state.exception
         return "an exception" + (f": {type(exc).__name__}: {exc}" if exc is not None else "")
     if reason == "should_stop":
         return "trainer.should_stop was set"
@@ -136,7 +136,7 @@ def last_checkpoint(t) -> str | None:
     if path:
         return path
     try:
-        from ember.trainer.state import find_last
+        from ember.trainer.checkpoint import find_last
         return find_last(t)
     except Exception:   # a message must never fail
         return None

@@ -1,6 +1,11 @@
-"""The Trainer: arguments, setup, and the fit / validate / test / predict entry
-points. The loops (and the documented event order) are in ``loops.py``; the
-checkpoint state in ``state.py``."""
+"""The Trainer: arguments, setup, and the fit / validate / test / predict entry points.
+
+It is composed, not assembled from mixins: its loop state is one object
+(:attr:`Trainer.state`, ``ember/trainer/state.py``), its optimizer step the shared rules
+of ``ember/step.py`` (:attr:`Trainer.step_rules`), its hooks one dispatcher
+(:attr:`Trainer.events`, ``ember/trainer/events.py``, where the event order is written),
+its logged values one object (:attr:`Trainer.metrics`). The loops are in ``loops.py``; a
+checkpoint's contents in ``checkpoint.py``; see docs/architecture.md."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -10,25 +15,27 @@ from typing import Any
 
 import torch
 
-from ember.callbacks.base import Callback, hook_table
+from ember.callbacks.base import Callback
 from ember.errors import CheckpointError, DistributedOperationError, MisconfigurationError, invalid_choice
 from ember.module import DataModule, TrainModule, overrides
-from ember.trainer import checks as _checks
+from ember.step import StepOptimizer, StepRules
 from ember.trainer import arguments as _args
-from ember.trainer.arguments import _check_limit, _parse_max_time
-from ember.trainer import hooks as _hooks
-from ember.trainer import state as _state
+from ember.trainer import checkpoint as _ckpt
+from ember.trainer import checks as _checks
 from ember.trainer import summary as _summary
+from ember.trainer.arguments import _check_limit, _parse_max_time
+from ember.trainer.data import count_batches, setup_data
+from ember.trainer.events import Dispatcher, Event
 from ember.trainer.logging import Results
-from ember.trainer.metrics import MetricsMixin
-from ember.trainer.loops import EvalLoop, FitLoop, limit_batches
-from ember.trainer.optim import ManualOptimizer, configure_optimizers, flush_scheduler_steps, step_schedulers
-from ember.trainer.progress import LoopProperties, LoopState
-from ember.trainer.run_state import (FN_STAGE, RunningStage, RunProperties, TrainerFn, TrainerState,
-                                     TrainerStatus)
+from ember.trainer.loops import EvalLoop, FitLoop
+from ember.trainer.metrics import Metrics
+from ember.trainer.optim import configure_optimizers
+from ember.trainer.predict import run_predict
+from ember.trainer.state import FN_STAGE, RunningStage, TrainerFn, TrainerState, TrainerStatus
+from ember.trainer.stopping import SignalHandlers, exit_if_preempted
 
 
-class Trainer(MetricsMixin, LoopProperties, RunProperties):
+class Trainer:
     """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
 
     See ``ember/trainer/loops.py`` for the order of events and docs/trainer.md.
@@ -145,7 +152,7 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             enable_autolog_hparams=enable_autolog_hparams, deterministic=deterministic)
         if max_epochs is None and max_steps == -1 and max_time is None:
             max_epochs = 1000   # as Lightning: stop eventually
-        self.max_epochs, self.max_steps, self._max_time = max_epochs, max_steps, _parse_max_time(max_time)
+        self.max_epochs, self.max_steps, self.max_time = max_epochs, max_steps, _parse_max_time(max_time)
         self.accumulate_grad_batches = accumulate_grad_batches
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.val_check_interval, self.check_val_every_n_epoch = val_check_interval, check_val_every_n_epoch
@@ -162,97 +169,228 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
         self._ac_policy = check_block_policy("activation_checkpointing", activation_checkpointing)
         self.detect_anomaly = detect_anomaly
         if seed is not None:
-            from ember import seed_everything
+            from ember.utilities import seed_everything
             seed_everything(seed)
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
             if benchmark is None:   # benchmark=True wins (with a warning), as Lightning
                 torch.backends.cudnn.benchmark = False
-        self.callbacks = _state.default_callbacks(
+        self.callbacks = _args.default_callbacks(
             callbacks, enable_checkpointing, enable_progress_bar, enable_model_summary)
         from ember.trainer.profiler import build_profiler
         from ember.callbacks.run_record import RunRecord
-        self.profiler = build_profiler(profiler, self)   # None: nothing is wrapped, no cost
+        self.profiler = build_profiler(profiler)   # None: nothing is wrapped, no cost
+        if self.profiler is not None:
+            self.callbacks.insert(0, self.profiler)
         if not barebones:
             self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
         self.report_path: str | None = None
         _checks.check_logger_arg(logger)
         self._logger_arg = logger
-        self.loggers = []
-        # state: the loop position and control, in one object (trainer/progress.py)
-        self.loop_state = LoopState()
-        self._callback_metrics: dict[str, torch.Tensor] = {}
-        self.logged_metrics: dict[str, float] = {}
+        self.loggers: list = []
+        #: all the loop state, in one object (ember/trainer/state.py); Lightning's trainer.state
+        self.state = TrainerState()
+        #: what was logged, what callbacks monitor, what the loggers got (ember/trainer/metrics.py)
+        self.metrics = Metrics(self, _args.BarebonesResults if barebones else Results)
+        #: the handlers of every event of a run (ember/trainer/events.py), built at setup
+        self.events = Dispatcher(self, None, [])
+        #: the optimizer-step rules (ember/step.py), built when the strategy is set up
+        self.step_rules: StepRules | None = None
+        #: Ctrl-C and preemption signals during fit (ember/trainer/stopping.py)
+        self.signal_handlers = SignalHandlers(self)
         self.module: TrainModule | None = None
         self.model = None
         self.datamodule: DataModule | None = None
         self.optimizers: list = []
         self.lr_scheduler_configs: list[dict] = []
-        self._step_schedulers_list: list = []
-        self._manual_optimizers: list = []
-        self._results = {s: (_args.BarebonesResults if barebones else Results)(s)
-                         for s in ("train", "validate", "test", "sanity")}
-        self._fit_loaders: dict = {}   # what fit() was given (reload_dataloaders_every_n_epochs)
-        self._eval_log_steps: dict = {}   # logger step of per-batch validation/test values
-        self._env_ready = False
-        self._resumed = False
-        self._signal_pending = False
-        self._signal_received = None
-        self._last_loss = None   # the latest training loss, checked at epoch ends and before saves
-        self._val_ran_at_batch_end = False
-        self._manual_steps_since_log = 0
-        self._deadline = None
-        self._train_loader = None
-        self._val_loaders: list = []
-        self.current_dataloader = None
-        self._current_pass_batches = None
-        self._eval_batch_idx = None   # the evaluation batch in progress (per-batch gather_for_metrics)
-        self.stage = None
-        self.state = TrainerState()   # Lightning's trainer.state (run_state.py); set at stage boundaries
-        self._ckpt_path, self._ckpt_path_user = None, False
-        self._run_loaders: dict = {}   # validate/test/predict: the dataloaders of the last such run
+        #: the optimizers of automatic optimization, stepping through the rules (ember.step.StepOptimizer)
+        self.step_optimizers: list = []
         self.interrupted = False
-        self.num_training_batches = 0
-        self._hooks = hook_table([])
-        self._backward_hooks = None   # manual_backward's on_before/after_backward (set per epoch)
-        self._lr_scheduler_step = None   # the module's lr_scheduler_step override (set at setup)
+        self._env_ready = False
 
-    # ------------------------------------------------------------------ properties
-    world_size = property(lambda self: self.strategy.world_size)
-    global_rank = property(lambda self: self.strategy.global_rank)
-    local_rank = property(lambda self: self.strategy.local_rank)
-    node_rank = property(lambda self: self.strategy.node_rank)
-    is_global_zero = property(lambda self: self.strategy.is_global_zero)
-    precision = property(lambda self: self._precision.name)
-    logger = property(lambda self: self.loggers[0] if self.loggers else None)
-    lightning_module = property(lambda self: self.module)
+    # ------------------------------------------------------------------ where it runs
+    world_size = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
+    global_rank = property(lambda self: self.strategy.global_rank, doc="int: this process's rank")
+    local_rank = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
+    node_rank = property(lambda self: self.strategy.node_rank, doc="int: this machine's rank")
+    is_global_zero = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
+    precision = property(lambda self: self._precision.name, doc='str: the precision ("32-true", ...)')
+    logger = property(lambda self: self.loggers[0] if self.loggers else None, doc="the first logger, or None")
+    lightning_module = property(lambda self: self.module, doc="the module (Lightning's name)")
+
+    @property
+    def num_nodes(self) -> int:
+        """Machines this Trainer runs on."""
+        return int(getattr(self.strategy, "num_nodes", 1))
+
+    @property
+    def device_ids(self) -> list[int]:
+        """Device indices used on this machine: the CUDA indices, or ``0..N-1`` for N CPU processes."""
+        s = self.strategy
+        if s.world_size <= 1:
+            return [s.root_device.index or 0]
+        ids = getattr(s, "gpu_ids", None)
+        if ids:
+            return list(ids)
+        env = getattr(s, "cluster_environment", None)
+        n = getattr(env, "local_world_size", None) or s.world_size // self.num_nodes
+        return list(range(int(n)))
+
+    @property
+    def num_devices(self) -> int:
+        """Devices (processes) this Trainer uses per machine."""
+        return len(self.device_ids)
 
     @property
     def log_dir(self) -> str:
+        """The first logger's folder (its version folder), else ``default_root_dir``."""
         if self.loggers:
             return self.loggers[0].log_dir
         return self.default_root_dir
 
+    # ------------------------------------------------------------------ the loop's state
     @property
-    def val_dataloaders(self) -> list:
-        """The validation dataloaders of the current fit (prepared for the strategy)."""
-        return list(self._val_loaders)
+    def loop_state(self) -> TrainerState:
+        """:attr:`state` (the name of earlier releases)."""
+        return self.state
 
     @property
-    def checkpoint_callbacks(self) -> list:
-        from ember.callbacks.checkpoint import ModelCheckpoint
-        return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+    def stage(self) -> str | None:
+        """The entry point that runs now (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``);
+        None between runs. ``state.fn`` keeps the last one."""
+        st = self.state
+        return st.fn.value if st.active and st.fn is not None else None
 
     @property
-    def checkpoint_callback(self):
-        cbs = self.checkpoint_callbacks
-        return cbs[0] if cbs else None
+    def current_epoch(self) -> int:
+        """The current epoch (0-based); after a fit that finished its epochs, their number."""
+        return self.state.epoch
+
+    @current_epoch.setter
+    def current_epoch(self, v: int) -> None:
+        self.state.epoch = v
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken."""
+        return self.state.global_step
+
+    @global_step.setter
+    def global_step(self, v: int) -> None:
+        self.state.global_step = v
+
+    @property
+    def batch_idx(self) -> int:
+        """Index in the epoch of the current (or last) training batch."""
+        return self.state.batch_idx
+
+    @property
+    def batches_done(self) -> int:
+        """Training batches finished in the current epoch."""
+        return self.state.batches_done
+
+    @property
+    def num_training_batches(self) -> int | float:
+        """Training batches per epoch (``limit_train_batches`` applied; ``inf``: no length)."""
+        return self.state.num_training_batches
+
+    @property
+    def is_last_batch(self) -> bool:
+        """Whether the current training batch is the last one of the epoch."""
+        return self.state.batch_idx + 1 >= self.state.num_training_batches
+
+    @property
+    def epoch_finished(self) -> bool:
+        """Whether every batch of the current epoch is done and its epoch-end work runs."""
+        return self.state.epoch_finished
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the last fit stopped, agreed by every rank: one of ``max_epochs``, ``max_steps``,
+        ``max_time``, ``early_stopping``, ``timer``, ``should_stop``, ``preempted``,
+        ``interrupted``, ``exception``; None while it runs."""
+        return self.state.stop_reason
+
+    @property
+    def should_stop(self) -> bool:
+        """Set it to True (in any hook) to stop the fit. The request takes effect at the next
+        optimizer step that is a check point: every step on one process; under several
+        processes the ranks agree every ``log_every_n_steps`` steps, after a validation and
+        at epoch ends (see ``ember/trainer/loops.py``). A stop mid-epoch is recorded as
+        mid-epoch: a resume continues at the next batch."""
+        return self.state.stop_request is not None
+
+    @should_stop.setter
+    def should_stop(self, v: bool) -> None:
+        st = self.state
+        if not v:
+            st.stop_request, st.stop_agreed = None, False
+        elif st.stop_request is None:
+            st.stop_request = "should_stop"
+
+    def request_stop(self, reason: str = "should_stop", agreed: bool = False) -> None:
+        """Ask the fit to stop for ``reason`` (``should_stop``, ``early_stopping``, ``timer`` or
+        ``max_time``): as ``trainer.should_stop = True``, with the reason recorded in
+        :attr:`stop_reason`. Agreed with the other ranks as described under :attr:`should_stop`;
+        ``agreed=True`` says every rank makes this same request at the same step (it was decided
+        after a collective), so the ranks act on it at the next optimizer step."""
+        self.state.request_stop(reason, agreed)
+
+    @property
+    def received_sigterm(self) -> bool:
+        """Whether this run received SIGTERM (ember then saves ``last`` and ends the fit, see
+        docs/checkpointing.md)."""
+        import signal
+        return self.state.signal is not None and self.state.signal == getattr(signal, "SIGTERM", None)
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """The checkpoint the current (or last) run restored from; None when it restored none.
+        Setting it (as in Lightning) makes the next runs restore from that path when they are
+        given no ``ckpt_path``, until it is set back to None."""
+        return self.state.ckpt_path
+
+    @ckpt_path.setter
+    def ckpt_path(self, path: str | None) -> None:
+        self.state.ckpt_path = path
+        self.state.ckpt_path_pinned = path is not None
+
+    def _stage_is(self, stage: RunningStage) -> bool:
+        return self.state.stage == stage
+
+    def _set_stage(self, stage: RunningStage, on: bool) -> None:
+        if on:
+            self.state.stage = stage
+        elif self.state.stage == stage:
+            self.state.stage = None
+
+    training = property(lambda self: self._stage_is(RunningStage.TRAINING),
+                        lambda self, v: self._set_stage(RunningStage.TRAINING, v),
+                        doc="Whether the training stage of ``fit`` runs (``state.stage == 'train'``).")
+    sanity_checking = property(lambda self: self._stage_is(RunningStage.SANITY_CHECKING),
+                               lambda self, v: self._set_stage(RunningStage.SANITY_CHECKING, v),
+                               doc="Whether the sanity check before training runs (``state.stage == "
+                                   "'sanity_check'``): hooks and callbacks may skip work then.")
+    validating = property(lambda self: self._stage_is(RunningStage.VALIDATING),
+                          lambda self, v: self._set_stage(RunningStage.VALIDATING, v),
+                          doc="Whether a validation pass runs (inside ``fit`` or ``validate()``).")
+    testing = property(lambda self: self._stage_is(RunningStage.TESTING),
+                       lambda self, v: self._set_stage(RunningStage.TESTING, v),
+                       doc="Whether ``test()`` runs.")
+    predicting = property(lambda self: self._stage_is(RunningStage.PREDICTING),
+                          lambda self, v: self._set_stage(RunningStage.PREDICTING, v),
+                          doc="Whether ``predict()`` runs.")
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether a validation, test or sanity-check pass runs."""
+        return self.state.stage is not None and self.state.stage.evaluating
 
     @property
     def estimated_stepping_batches(self) -> int:
         """Total optimizer steps this fit will take (for warmup/decay schedules)."""
-        n = self.num_training_batches   # inf: an IterableDataset of unknown length
+        n = self.state.num_training_batches   # inf: an IterableDataset of unknown length
         per_epoch = n if n == float("inf") else max(1, -(-n // self.accumulate_grad_batches))
         if self.max_epochs is None or self.max_epochs < 0:
             total = float("inf")
@@ -263,6 +401,164 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
         if total == float("inf"):
             raise MisconfigurationError("estimated_stepping_batches is infinite: set max_epochs or max_steps")
         return int(total)
+
+    # ------------------------------------------------------------------ data
+    @property
+    def train_dataloader(self) -> Any:
+        """The training DataLoader of the current (or last) fit, as prepared for the strategy; None before."""
+        return self.state.train_dataloader
+
+    @property
+    def val_dataloaders(self) -> list:
+        """The validation DataLoaders (prepared for the strategy): those of ``validate()``
+        while it runs, else those of the current (or last) fit."""
+        st = self.state
+        if st.fn == TrainerFn.VALIDATING and st.active:
+            return list(st.eval_dataloaders)
+        return list(st.val_dataloaders)
+
+    @property
+    def test_dataloaders(self) -> list:
+        """The DataLoaders of the current (or last) ``test()``, one per dataloader given."""
+        return list(self.state.run_dataloaders.get("test", ()))
+
+    @property
+    def predict_dataloaders(self) -> list:
+        """The DataLoaders of the current (or last) ``predict()``, one per dataloader given."""
+        return list(self.state.run_dataloaders.get("predict", ()))
+
+    @property
+    def current_dataloader(self) -> Any:
+        """The evaluation DataLoader being iterated (None outside an evaluation pass)."""
+        return self.state.dataloader
+
+    @property
+    def num_val_batches(self) -> list:
+        """Validation batches per val dataloader (``limit_val_batches`` applied): those of
+        ``validate()`` while it runs (or ran last), else those of fit's validation."""
+        st = self.state
+        if st.fn == TrainerFn.VALIDATING:
+            return [count_batches(dl, self.limit_val_batches) for dl in st.run_dataloaders.get("validate", ())]
+        return [count_batches(dl, self.limit_val_batches) for dl in st.val_dataloaders]
+
+    @property
+    def num_sanity_val_batches(self) -> list:
+        """Batches per val dataloader of the sanity check before training:
+        ``min(num_sanity_val_steps, num_val_batches)`` (-1: all of them)."""
+        n = float("inf") if self.num_sanity_val_steps == -1 else self.num_sanity_val_steps
+        return [min(n, count_batches(dl, self.limit_val_batches)) for dl in self.state.val_dataloaders]
+
+    @property
+    def num_test_batches(self) -> list:
+        """Test batches per test dataloader (``limit_test_batches`` applied)."""
+        return [count_batches(dl, self.limit_test_batches) for dl in self.state.run_dataloaders.get("test", ())]
+
+    @property
+    def num_predict_batches(self) -> list:
+        """Predict batches per predict dataloader (``limit_predict_batches`` applied)."""
+        return [count_batches(dl, self.limit_predict_batches)
+                for dl in self.state.run_dataloaders.get("predict", ())]
+
+    @property
+    def padding_to_drop(self) -> int:
+        """Samples ``gather_for_metrics`` drops now: inside an evaluation step, the sampler's
+        padding on the last batch of a full pass only; after the steps (epoch-end hooks),
+        all of it from the end of the concatenated pass (see ``ember.data.sampling.batch_padding``)."""
+        from ember.data.sampling import ShardedIterable, batch_padding
+        st = self.state
+        loader = st.dataloader
+        if loader is None:
+            return 0
+        if st.eval_batch_idx is not None and isinstance(getattr(loader, "dataset", None), ShardedIterable) \
+                and self.world_size > 1:
+            raise MisconfigurationError(
+                "gather_for_metrics inside an evaluation step on an IterableDataset: its ranks may run "
+                "different numbers of batches, and a per-batch gather would wait for a batch that never "
+                "comes. Gather once after the steps instead (in on_validation_epoch_end, or with the "
+                "GatherMetrics callback), or evaluate on a map-style dataset")
+        return batch_padding(loader, st.eval_batch_idx, st.pass_batches)
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """What callbacks monitor: every emitted value, and during fit the latest value of
+        each training metric logged with ``on_step=True`` (on its device: read here, at
+        the reader's own pace, not copied per step)."""
+        return self.metrics.callback_metrics()
+
+    @callback_metrics.setter
+    def callback_metrics(self, value: dict) -> None:
+        self.metrics.emitted = dict(value)
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        """What was sent to the loggers, as floats."""
+        return self.metrics.logged_metrics
+
+    @logged_metrics.setter
+    def logged_metrics(self, value: dict) -> None:
+        self.metrics.logged_metrics = dict(value)
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """What the progress bar shows, as floats: the latest value of each ``prog_bar``
+        step metric and, for each ``prog_bar`` epoch metric, the value that was logged
+        (equal to ``callback_metrics[name]``); read by the progress bar on its timer."""
+        return self.metrics.progress_bar_metrics()
+
+    def log_metric(self, name: str, value: Any, logger: bool = True) -> None:
+        """Record an already-reduced value (used by callbacks such as GatherMetrics)."""
+        self.metrics.log_metric(name, value, logger)
+
+    def describe_missing_metric(self, name: str) -> str:
+        """Why ``name`` is not in :attr:`callback_metrics` (never logged, or logged but
+        without a value yet), for callbacks' error messages."""
+        return _checks.describe_missing_metric(self, name)
+
+    # ------------------------------------------------------------------ callbacks
+    @property
+    def checkpoint_callbacks(self) -> list:
+        """The :class:`~ember.callbacks.ModelCheckpoint` callbacks of this Trainer."""
+        from ember.callbacks.checkpoint import ModelCheckpoint
+        return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The first :class:`~ember.callbacks.ModelCheckpoint`, or None."""
+        cbs = self.checkpoint_callbacks
+        return cbs[0] if cbs else None
+
+    @property
+    def early_stopping_callbacks(self) -> list:
+        """The :class:`~ember.callbacks.EarlyStopping` callbacks of this Trainer."""
+        from ember.callbacks.early_stopping import EarlyStopping
+        return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        """The first :class:`~ember.callbacks.EarlyStopping` callback, or None."""
+        cbs = self.early_stopping_callbacks
+        return cbs[0] if cbs else None
+
+    @property
+    def progress_bar_callback(self) -> Any:
+        """The :class:`~ember.callbacks.ProgressBar` callback, or None."""
+        from ember.callbacks.progress import ProgressBar
+        return next((c for c in self.callbacks if isinstance(c, ProgressBar)), None)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only (Lightning prints on local rank 0 of each machine).
+        While a progress bar is live on a terminal the text goes through its console, above
+        the bar, so the bar is not torn; otherwise (and with ``file=``) it is the built-in
+        ``print``. Not for per-step use in a hot loop: each call writes to the terminal."""
+        if not self.strategy.is_global_zero:
+            return
+        bar = self.progress_bar_callback
+        if "file" not in kwargs and bar is not None and bar.is_live:
+            sep = kwargs.get("sep")
+            bar.print((" " if sep is None else sep).join(map(str, args)))   # one line above the bar
+            return
+        print(*args, **kwargs)
 
     # ------------------------------------------------------------------ entry points
     def fit(self, module: TrainModule | None = None, train_dataloaders: Any = None, val_dataloaders: Any = None,
@@ -279,16 +575,16 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
                  verbose: bool = True, *, model: TrainModule | None = None) -> list[dict]:
         """Run one validation pass; returns one dict of epoch metrics per dataloader and
         (``verbose``, rank 0) prints them as a table. ``module`` defaults to the fitted one."""
-        self._verbose, module = verbose, _one_module(module, model)
-        return self._run("validate", module, datamodule, ckpt_path, val=dataloaders)
+        module = _one_module(module, model)
+        return self._run("validate", module, datamodule, ckpt_path, verbose, val=dataloaders)
 
     def test(self, module: TrainModule | None = None, dataloaders: Any = None,
              datamodule: DataModule | None = None, ckpt_path: str | None = None,
              verbose: bool = True, *, model: TrainModule | None = None) -> list[dict]:
         """Run the test loop (``test_step``); returns one dict of metrics per dataloader and
         (``verbose``, rank 0) prints them as a table."""
-        self._verbose, module = verbose, _one_module(module, model)
-        return self._run("test", module, datamodule, ckpt_path, test=dataloaders)
+        module = _one_module(module, model)
+        return self._run("test", module, datamodule, ckpt_path, verbose, test=dataloaders)
 
     def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
                 datamodule: DataModule | None = None, ckpt_path: str | None = None,
@@ -301,10 +597,11 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
 
     def save_checkpoint(self, path: str, weights_only: bool = False) -> None:
         """Write a checkpoint folder at ``path`` (atomically); ``weights_only``: no trainer state."""
-        _state.save_checkpoint(self, path, weights_only=weights_only)
+        _ckpt.save_checkpoint(self, path, weights_only=weights_only)
 
     # ------------------------------------------------------------------ running
-    def _run(self, stage, module, datamodule, ckpt_path, **loaders):
+    def _run(self, stage: str, module: Any, datamodule: Any, ckpt_path: Any, verbose: bool = True,
+             **loaders: Any) -> Any:
         module = module if module is not None else self.module
         if module is None:
             raise MisconfigurationError(f"trainer.{stage}() needs a module (none was fitted before)")
@@ -317,31 +614,32 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
                 raise MisconfigurationError(f"trainer.{stage}(): got a DataModule both in place of the dataloaders "
                                             "and as datamodule=; pass it once")
             datamodule, loaders = loaders[first], {**loaders, first: None}
-        if ckpt_path is None and self._ckpt_path_user:
-            ckpt_path = self._ckpt_path   # trainer.ckpt_path = ... (Lightning's user-managed path)
-        elastic = ckpt_path is None and stage == "fit" and _state.elastic_restart()
+        st = self.state
+        if ckpt_path is None and st.ckpt_path_pinned:
+            ckpt_path = st.ckpt_path   # trainer.ckpt_path = ... (Lightning's user-managed path)
+        elastic = ckpt_path is None and stage == "fit" and _ckpt.elastic_restart()
         if elastic and (self.world_size == 1 or self.global_rank == 0):
-            ckpt_path = _state.elastic_resume_path(self)   # "last" when rank 0 sees a checkpoint
+            ckpt_path = _ckpt.elastic_resume_path(self)   # "last" when rank 0 sees a checkpoint
         by_name = ckpt_path in ("last", "best") or elastic   # rank 0's answer, broadcast after setup
         early = None   # under several processes a refusal waits for the agreement in restore
         if ckpt_path is not None and not (by_name and self.world_size > 1 and self.global_rank != 0):
             # errors before any work; "last"/"best" only on rank 0 (the rank is known from the
             # environment before setup): the other ranks take rank 0's path, broadcast below
             try:
-                ckpt_path = _state.resolve_ckpt_path(self, ckpt_path, stage)
+                ckpt_path = _ckpt.resolve_ckpt_path(self, ckpt_path, stage)
             except CheckpointError as err:
                 if self.world_size == 1:
                     raise
                 early = err   # the files as this node sees them: every rank refuses, or none
-        self.stage = stage
-        self.state.status, self.state.fn, self.state.stage = TrainerStatus.RUNNING, TrainerFn(stage), FN_STAGE[stage]
-        if not self._ckpt_path_user:
-            self._ckpt_path = None   # set when this run restores a checkpoint
-        self.interrupted = self._resumed = False
-        self._fit_t0 = self._fit_exception = None
+        st.status, st.fn, st.stage, st.active = TrainerStatus.RUNNING, TrainerFn(stage), FN_STAGE[stage], True
+        if not st.ckpt_path_pinned:
+            st.ckpt_path = None   # set when this run restores a checkpoint
+        self.interrupted = st.resumed = False
+        st.fit_started = st.exception = None
         if stage == "fit":
-            self.loop_state.stop_request = self.loop_state.stop_reason = None
-            self.loop_state.stop_agreed = False
+            st.start_fit()
+        if self.profiler is not None:
+            self.profiler.begin(self, stage)   # its clock starts with the setup of a fit
         anomaly = torch.is_anomaly_enabled()
         if self.detect_anomaly:
             torch.autograd.set_detect_anomaly(True)   # for this run only; restored below
@@ -353,47 +651,48 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
                 # modification times may differ between nodes)
                 ckpt_path = self.strategy.broadcast(ckpt_path)
             if ckpt_path is not None:
-                _state.restore(self, ckpt_path, full=(stage == "fit"), early=early)
+                _ckpt.restore(self, ckpt_path, full=(stage == "fit"), early=early)
                 _summary.restored(self, ckpt_path)
             if stage == "fit":
                 return self._fit()
             if stage == "predict":
-                return self._predict()
-            return self._evaluate(stage)
+                return run_predict(self)
+            return self._evaluate(stage, verbose)
         except BaseException as exc:
             self.interrupted = isinstance(exc, KeyboardInterrupt)
-            self.state.status = TrainerStatus.INTERRUPTED
+            st.status = TrainerStatus.INTERRUPTED
             if stage == "fit":   # a later fit() restarts the broken epoch from its first batch
-                self.loop_state.stop_reason = "interrupted" if self.interrupted else "exception"
-                self.loop_state.reset_epoch()
+                st.stop_reason = "interrupted" if self.interrupted else "exception"
+                st.reset_epoch()
                 for opt in self.optimizers:
                     opt.zero_grad(set_to_none=True)
-            for h in self._hooks["on_exception"]:
-                h(self, module, exc)
+            self.events(Event.ON_EXCEPTION, exc)
             for lg in self.loggers if self.is_global_zero else []:
                 lg.finalize("interrupted" if self.interrupted else "failed")
             self.strategy.on_exception(exc) if hasattr(self.strategy, "on_exception") else None
-            if stage == "fit" and self._fit_t0 is not None:
-                self._fit_exception = exc
-                _summary.fit_ended(self, self._fit_t0, failed=True)   # never raises
+            if stage == "fit" and st.fit_started is not None:
+                st.exception = exc
+                _summary.fit_ended(self, st.fit_started, failed=True)   # never raises
             if self.interrupted:
                 _summary.on_keyboard_interrupt(self)   # message + SystemExit(130), outside interactive sessions
             raise
         finally:
             torch.autograd.set_detect_anomaly(anomaly)
-            _state.uninstall_signal_handlers(self)
-            self._call_hook("teardown", stage)
+            self.signal_handlers.uninstall()
+            self.events(Event.TEARDOWN, stage)
             if self.datamodule is not None:
                 self.datamodule.teardown(stage)
             self.strategy.teardown()
-            self.stage = self.state.stage = None
-            if self.state.status == TrainerStatus.RUNNING:
-                self.state.status = TrainerStatus.INTERRUPTED if self.loop_state.stop_reason == "preempted" \
+            st.stage, st.active = None, False
+            if st.status == TrainerStatus.RUNNING:
+                st.status = TrainerStatus.INTERRUPTED if st.stop_reason == "preempted" \
                     and stage == "fit" else TrainerStatus.FINISHED
-            _state.exit_if_preempted(self)   # SystemExit(0) after a preemption save (docs/checkpointing.md)
+            if self.profiler is not None:
+                self.profiler.end(self, stage)
+            exit_if_preempted(self)   # SystemExit(0) after a preemption save (docs/checkpointing.md)
 
-    def _setup(self, module, datamodule, stage, loaders):
-        from ember.accelerator import Accelerator
+    def _setup(self, module: TrainModule, datamodule: DataModule | None, stage: str, loaders: dict) -> None:
+        st = self.state
         first = self.module is not module
         self.module, self.datamodule = module, datamodule
         module._trainer = self
@@ -401,22 +700,26 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             datamodule.trainer = self
         if not self._env_ready:
             self.strategy.precision = self._precision
-            self._acc = Accelerator._for_trainer(self.strategy)   # sets the environment up (processes, device)
+            self.strategy.setup_environment()   # processes, process group, device
+            self.step_rules = st.step_rules = StepRules(self.strategy, self.accumulate_grad_batches)
             self._env_ready = True
             _checks.warn_fp16_on_cpu(self)
-            if self.seed is None:
-                # one sampler seed for every rank, drawn from the (seeded) global RNG
-                self._data_seed = int(self.strategy.broadcast(int(torch.randint(0, 2**31 - 1, (1,)).item())))
+            if self.seed is not None:
+                st.data_seed = self.seed
             else:
-                self._data_seed = self.seed
-        self._needs_transfer = self.strategy.root_device.type != "cpu"
-        self.loggers = _state.build_loggers(self) if stage == "fit" or not self.loggers else self.loggers
+                # the seed of the data order: no draw from the user's random streams (torch's
+                # initial seed, which seed_everything sets), the same on every rank (rank 0's)
+                seed = torch.initial_seed() % (2**31 - 1)
+                st.data_seed = int(self.strategy.broadcast(seed)) if self.world_size > 1 else seed
+        self.loggers = _args.build_loggers(self) if stage == "fit" or not self.loggers else self.loggers
         if stage != "fit":   # as Lightning: validate/test/predict report their own metrics only
-            self._callback_metrics = {}
-        _state.agree_log_versions(self)   # rank 0 picks the run folders, before callbacks read log_dir
-        _hooks.configure_callbacks(self, module)   # the module's callbacks join (or replace) the Trainer's
-        self._hooks = hook_table(self.callbacks)
-        _hooks.check_module_hooks(self, module)
+            self.metrics.emitted = {}
+        _args.agree_log_versions(self)   # rank 0 picks the run folders, before callbacks read log_dir
+        _args.configure_callbacks(self, module)   # the module's callbacks join (or replace) the Trainer's
+        prof = self.profiler
+        self.events = Dispatcher(self, module, self.callbacks,
+                                 wrap=prof.wrap if prof is not None and prof.active else None)
+        _checks.check_module_hooks(self, module)
         module_prepare = overrides(module, TrainModule, "prepare_data")
         if datamodule is not None or module_prepare:
             error = None
@@ -429,8 +732,7 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             _prepare_data_agreed(self.strategy, error)
         if datamodule is not None:
             datamodule.setup(stage)
-        self._call_hook("setup", stage)   # callbacks', then the module's setup(stage)
-        self._lr_scheduler_step = self._module_hook("lr_scheduler_step")
+        self.events(Event.SETUP, stage)   # callbacks', then the module's setup(stage)
         if first or self.model is None:
             with self.strategy.module_init_context():
                 module.configure_model()
@@ -439,186 +741,60 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             apply_activation_checkpointing(module, self._ac_policy)
             if self._compile:
                 compile_blocks(module, self._compile if isinstance(self._compile, dict) else None)
-            _args.convert_sync_batchnorm(self, module)   # sync_batchnorm under several processes
-            self.model = self._acc.setup_module(module)
-        self._setup_data(stage, loaders)   # before optimizers: schedules may use estimated_stepping_batches
+            module = _args.convert_sync_batchnorm(self, module)   # sync_batchnorm under several processes
+            from ember.big_modeling import check_prepare
+            placed = any(hasattr(m, "hf_device_map") for m in module.modules()) and \
+                check_prepare(module, self.strategy.name)   # placed by a device map: stays (one process)
+            self.model = module if placed else self.strategy.setup_module(module)
+        setup_data(self, stage, loaders)   # before optimizers: schedules may use estimated_stepping_batches
         if stage == "fit":
-            cfg = configure_optimizers(module)
-            self.optimizers, self.lr_scheduler_configs = cfg
+            self.optimizers, self.lr_scheduler_configs = configure_optimizers(module)
             if hasattr(self.strategy, "configure_from_trainer"):   # DeepSpeed fills its "auto" config values
                 self.strategy.configure_from_trainer(
                     accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
-                    micro_batch_size=getattr(self._train_loader, "batch_size", None),
+                    micro_batch_size=getattr(st.train_dataloader, "batch_size", None),
                     gradient_clip_algorithm=self.gradient_clip_algorithm)
-            self.model, self.optimizers = self._acc.setup_optimizers(self.model, self.optimizers)
-            self._acc.attach_trainer_step(self.model, self.optimizers, self.accumulate_grad_batches)
-            self._step_schedulers_list = [c for c in self.lr_scheduler_configs if c["interval"] == "step"]
-            self._manual_optimizers = [ManualOptimizer(o, self) for o in self.optimizers]
+            self.model, self.optimizers = self.strategy.setup_optimizers(self.model, list(self.optimizers))
+            rules = self.step_rules
+            rules.model, rules.accumulation_steps = self.model, self.accumulate_grad_batches
+            rules.reset_window()
+            self.step_optimizers = [StepOptimizer(o, rules) for o in self.optimizers]
 
-    def _setup_data(self, stage, loaders):
-        dm = self.datamodule
-
-        def pick(given, name, arg):
-            ev = name != "train_dataloader"   # an evaluation loader with no batches is warned about
-            if given is not None:
-                return _checks.check_loader(given, arg, warn_empty=ev)
-            if dm is not None and overrides(dm, DataModule, name):
-                return _checks.check_loader(getattr(dm, name)(), f"{type(dm).__name__}.{name}()", returned=True,
-                                            warn_empty=ev)
-            if dm is None and overrides(self.module, TrainModule, name) if hasattr(TrainModule, name) else \
-                    (dm is None and hasattr(self.module, name)):
-                return _checks.check_loader(getattr(self.module, name)(), f"{type(self.module).__name__}.{name}()",
-                                            returned=True, warn_empty=ev)
-            return None
-
-        def as_list(x):
-            return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
-
-        prep = self._acc.setup_dataloader if self.use_distributed_sampler else (lambda dl, **_: dl)
-        if stage == "fit":
-            self._fit_loaders = loaders
-            train = pick(loaders.get("train"), "train_dataloader", "train_dataloaders")
-            if train is None:
-                raise MisconfigurationError("trainer.fit() needs training data: pass train_dataloaders=, a datamodule, "
-                                            "or define train_dataloader() on the module")
-            if self.overfit_batches:   # the same first batches for training and validation, in order
-                self._train_loader = prep(train, seed=self._data_seed, shuffle=False)
-                if callable(getattr(self.module, "validation_step", None)):
-                    loaders = {**loaders, "val": [self._train_loader]}
-            else:
-                self._train_loader = prep(train, seed=self._data_seed)
-            self.num_training_batches = self._limit_batches(self._train_loader, self.limit_train_batches)
-            if self.world_size > 1:   # the epoch's length, validation points: the same on every rank
-                self.num_training_batches = _checks.agree_train_batches(self, self.num_training_batches)
-            if self.num_training_batches == 0:
-                raise MisconfigurationError("the train dataloader has no batches (limit_train_batches or an empty dataset)")
-            self._val_loaders = [prep(v, seed=self._data_seed, shuffle=False, even=False)
-                                 for v in as_list(pick(loaders.get("val"), "val_dataloader", "val_dataloaders"))]
-            if self.limit_val_batches == 0:
-                self._val_loaders = []
-            elif self._val_loaders and not callable(getattr(self.module, "validation_step", None)):
-                import warnings   # as Lightning: validation data without a validation_step skips validation
-                warnings.warn(f"fit() was given validation data but {type(self.module).__name__} has no "
-                              "validation_step: validation is skipped (define validation_step to run it)", stacklevel=4)
-                self._val_loaders = []
-            vci = self.val_check_interval
-            if isinstance(vci, float):
-                n = self.num_training_batches
-                self._val_every_n_batches = None if vci >= 1.0 or n == float("inf") else max(1, int(n * vci))
-            else:
-                self._val_every_n_batches = vci
-        elif stage in ("validate", "test"):
-            name = "val_dataloader" if stage == "validate" else "test_dataloader"
-            given = loaders.get("val") if stage == "validate" else loaders.get("test")
-            ls = as_list(pick(given, name, "dataloaders"))
-            if not ls:
-                raise MisconfigurationError(f"trainer.{stage}() needs data: pass dataloaders=, a datamodule, or define {name}()")
-            self._eval_loaders = self._run_loaders[stage] = [prep(v, seed=self._data_seed, shuffle=False, even=False)
-                                                             for v in ls]
-        else:
-            ls = as_list(pick(loaders.get("predict"), "predict_dataloader", "dataloaders"))
-            if not ls:
-                raise MisconfigurationError("trainer.predict() needs data: pass dataloaders=, a datamodule, or define predict_dataloader()")
-            self._eval_loaders = self._run_loaders[stage] = [prep(v, seed=self._data_seed, shuffle=False, even=False)
-                                                             for v in ls]
-
-    def _limit_batches(self, loader, limit) -> int:
-        try:
-            n = len(loader)
-        except TypeError:
-            n = float("inf")
-        n = limit_batches(n, limit, "limit")
-        return n if n == float("inf") else int(n)
-
-    def _prepare_batch(self, batch, transfer=None):
-        if transfer is not None:   # the module's batch-transfer hooks (hooks.batch_transfer)
-            batch = transfer(batch)
-        elif self._needs_transfer:
-            batch = self.strategy.batch_to_device(batch)
-        p = self.strategy.precision
-        return p.convert_input(batch) if p.needs_input_cast else batch
-
-    def _fit(self):
-        t0 = self._fit_t0 = time.monotonic()
+    def _fit(self) -> None:
+        st = self.state
+        t0 = st.fit_started = time.monotonic()
         _checks.warn_finished(self)
         _checks.warn_log_interval(self)
-        self._deadline = time.monotonic() + self._max_time if self._max_time else None
-        _state.install_signal_handlers(self)
-        self._call_hook("on_fit_start")
-        if self.num_sanity_val_steps and self._val_loaders and not self._resumed:
-            self.state.stage = RunningStage.SANITY_CHECKING
-            self._call_hook("on_sanity_check_start")
-            EvalLoop(self, "sanity").run(self._val_loaders, self.limit_val_batches)   # num_sanity_val_batches
-            self._call_hook("on_sanity_check_end")
-            self.state.stage = RunningStage.TRAINING
+        st.deadline = time.monotonic() + self.max_time if self.max_time else None
+        self.signal_handlers.install()
+        self.events(Event.ON_FIT_START)
+        if self.num_sanity_val_steps and st.val_dataloaders and not st.resumed:
+            # as Lightning: the sanity check leaves the random streams as they were, so a run
+            # trains the same with or without it
+            from ember.checkpoint.rng import collect_rng_states, restore_rng_states
+            rng = collect_rng_states()
+            st.stage = RunningStage.SANITY_CHECKING
+            self.events(Event.ON_SANITY_CHECK_START)
+            EvalLoop(self, "sanity").run(st.val_dataloaders, self.limit_val_batches)   # num_sanity_val_batches
+            self.events(Event.ON_SANITY_CHECK_END)
+            st.stage = RunningStage.TRAINING
+            restore_rng_states(rng, "the state before the sanity check")
         FitLoop(self).run()
-        flush_scheduler_steps(self)   # the last optimizer step's deferred scheduler step (16-mixed)
-        self._call_hook("on_fit_end")
+        self.step_rules.flush()   # the last optimizer step's deferred scheduler step (16-mixed)
+        self.events(Event.ON_FIT_END)
         for lg in self.loggers if self.is_global_zero else []:
             lg.finalize("interrupted" if self.interrupted else "success")
         _summary.fit_ended(self, t0)
-        return None
 
-    def _run_validation(self):
-        self.state.stage = RunningStage.VALIDATING
-        EvalLoop(self, "validate").run(self._val_loaders, self.limit_val_batches)
-        self.state.stage = RunningStage.TRAINING
-
-    def _evaluate(self, stage):
-        self._call_hook("on_fit_start") if False else None
-        out = EvalLoop(self, stage).run(self._eval_loaders,
+    def _evaluate(self, stage: str, verbose: bool) -> list[dict]:
+        out = EvalLoop(self, stage).run(self.state.eval_dataloaders,
                                         self.limit_val_batches if stage == "validate" else self.limit_test_batches)
         for lg in self.loggers if self.is_global_zero else []:
             lg.save()
-        if getattr(self, "_verbose", True):
+        if verbose:
             _summary.print_results(self, stage, out)
         return out
 
-    def _predict(self):
-        from ember.trainer.predict import run_predict
-        return run_predict(self)
-
-    # ------------------------------------------------------------------ hooks
-    def _module_hook(self, name):
-        """The module's hook if its class overrides it, else None."""
-        m = self.module
-        return getattr(m, name) if overrides(m, TrainModule, name) else None
-
-    def _call_hook(self, name, *args):
-        for h in self._hooks.get(name, ()):
-            h(self, self.module, *args)
-        mh = self._module_hook(name) if hasattr(TrainModule, name) else None
-        if mh is not None:
-            mh(*args)
-
-    def _before_optimizer_step(self, opt):
-        # the hook sees true gradients (as Lightning): unscale them first under loss scaling
-        self._acc.unscale_gradients()
-        for h in self._hooks["on_before_optimizer_step"]:
-            h(self, self.module, opt)
-        mh = self._module_hook("on_before_optimizer_step")
-        if mh is not None:
-            mh(opt)
-
-    def _step_schedulers(self, interval):
-        step_schedulers(self, interval)
-
-    def _current_padding(self) -> int:
-        """Samples ``gather_for_metrics`` drops now: inside an evaluation step, the sampler's
-        padding on the last batch of a full pass only; after the steps (epoch-end hooks),
-        all of it from the end of the concatenated pass (see ``ember.data.batch_padding``)."""
-        from ember.data.sampling import ShardedIterable, batch_padding
-        loader = self.current_dataloader
-        if loader is None:
-            return 0
-        if self._eval_batch_idx is not None and isinstance(getattr(loader, "dataset", None), ShardedIterable) \
-                and self.world_size > 1:
-            raise MisconfigurationError(
-                "gather_for_metrics inside an evaluation step on an IterableDataset: its ranks may run "
-                "different numbers of batches, and a per-batch gather would wait for a batch that never "
-                "comes. Gather once after the steps instead (in on_validation_epoch_end, or with the "
-                "GatherMetrics callback), or evaluate on a map-style dataset")
-        return batch_padding(loader, self._eval_batch_idx, self._current_pass_batches)
 
 def _one_module(module: Any, model: Any) -> Any:
     """``fit(module)`` or Lightning's ``fit(model=...)``; both is an error."""
@@ -627,7 +803,7 @@ def _one_module(module: Any, model: Any) -> Any:
     return module if model is None else model
 
 
-def _prepare_data_agreed(strategy, error: "BaseException | None") -> None:
+def _prepare_data_agreed(strategy: Any, error: "BaseException | None") -> None:
     """In place of a barrier after ``prepare_data`` (run by each node's local rank 0):
     one all-gather of the outcomes, so a failure raises on every rank (the failing rank
     its own error, the others a DistributedOperationError naming it) instead of the others
