@@ -6,7 +6,11 @@ nothing outside it. Every rule lives here:
 
 - ``meta.json`` is size- and depth-limited before it is parsed; its ``files`` entries
   are plain relative names inside the directory (:func:`read_meta`, :func:`member`);
-- symlinks are resolved and must stay inside the checkpoint (:func:`member`);
+- symlinks are resolved and must stay inside the checkpoint (:func:`member`); a file
+  that is read must be a regular file (:func:`member_file`: no FIFO, device, folder);
+  every path a checkpoint's own files name (``meta.json`` ``files``, a DCP ``.metadata``
+  storage entry's ``relative_path``, a safetensors index's ``weight_map``) is resolved
+  with these two, so a load never reads outside the folder;
 - the DCP ``.metadata`` pickle of a sharded checkpoint is read with an allow-list
   unpickler that builds only DCP's own metadata records, and DCP byte items load
   with ``weights_only=True`` (:func:`dcp_reader`, :func:`dcp_planner`);
@@ -29,6 +33,7 @@ import json
 import os
 import pickle
 import re
+import stat
 import warnings
 from typing import Any
 
@@ -76,13 +81,43 @@ def member(root: str | os.PathLike, name: Any, where: str = "") -> str:
     return full
 
 
+def member_file(root: str | os.PathLike, name: Any, where: str = "") -> str:
+    """:func:`member`, and it must be a regular file (symlinks resolved, inside ``root``):
+    a FIFO, a device or a folder is refused before it is opened (opening a FIFO blocks)."""
+    full = member(root, name, where)
+    try:
+        st = os.stat(full)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {os.fspath(root)} is incomplete: "
+                              f"{where + ' lists ' if where else ''}{name!r}, which is missing") from None
+    except OSError as err:
+        raise CheckpointError(f"refusing checkpoint {os.fspath(root)}: {name!r} cannot be read "
+                              f"({type(err).__name__}: {err})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"refusing checkpoint {os.fspath(root)}: {where + ' lists ' if where else ''}"
+                              f"{name!r}, which is not a regular file ({_kind(st.st_mode)})")
+    return full
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a plain file"
+
+
 def check_tree(root: str | os.PathLike) -> None:
-    """Every entry under ``root`` (a DCP folder) stays inside it: no symlink out."""
+    """Every entry under ``root`` (a DCP folder) stays inside it (no symlink out) and
+    every file is a regular file (no FIFO or device, which would block or never end)."""
     root = os.fspath(root)
     for dirpath, dirs, files in os.walk(root):
         for n in dirs + files:
             rel = os.path.relpath(os.path.join(dirpath, n), root).replace(os.sep, "/")
-            member(root, rel)
+            if n in files:
+                member_file(root, rel)
+            else:
+                member(root, rel)
 
 
 # -- meta.json ------------------------------------------------------------------------
@@ -279,21 +314,43 @@ def dcp_reader(folder: str | os.PathLike):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    root = os.fspath(folder)
+
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             path = self._get_metadata_path(kwargs.get("rank"))
+            member_file(root, os.path.basename(path))
             try:
                 with self.fs.create_stream(path, "rb") as f:
                     md = _DCPMetadataUnpickler(f).load()
             except pickle.UnpicklingError as err:
                 raise CheckpointError(f"refusing {path}: {err}; unpickling it could run code") from None
+            check_dcp_storage(md, root)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
 
-    check_tree(folder)
-    return SafeFileSystemReader(os.fspath(folder))
+        def set_up_storage_reader(self, metadata, *args, **kwargs):
+            check_dcp_storage(metadata, root)    # also metadata another rank read and sent
+            return super().set_up_storage_reader(metadata, *args, **kwargs)
+
+    check_tree(root)
+    return SafeFileSystemReader(root)
+
+
+def check_dcp_storage(md: Any, folder: str | os.PathLike) -> None:
+    """Every storage entry of DCP metadata ``md`` names a regular file inside ``folder``
+    (its ``relative_path``: not absolute, no ``..``, no symlink out, no FIFO), so a load
+    reads only this checkpoint's shards."""
+    storage = getattr(md, "storage_data", None)
+    if storage is None:
+        return
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"refusing {os.path.join(os.fspath(folder), '.metadata')}: its storage_data is a "
+                              f"{type(storage).__name__}, not a mapping")
+    for name in {getattr(info, "relative_path", None) for info in storage.values()}:
+        member_file(folder, name, ".metadata")
 
 
 def dcp_planner(allow_partial_load: bool = False):
