@@ -238,7 +238,10 @@ def next_auto_dir(acc: Any) -> str:
     if limit is not None and acc.is_main_process and os.path.isdir(root):
         nums = sorted(int(m.group(1)) for n in os.listdir(root) if (m := _AUTO_RE.match(n)))
         for n in nums[: max(0, len(nums) + 1 - int(limit))]:
-            shutil.rmtree(os.path.join(root, f"checkpoint_{n}"), ignore_errors=True)
+            try:
+                cio.remove_checkpoint(os.path.join(root, f"checkpoint_{n}"))
+            except (CheckpointError, OSError) as err:   # never delete what is not a checkpoint
+                warnings.warn(f"ProjectConfiguration(total_limit={limit}): {err}", UserWarning, stacklevel=3)
     return path
 
 

@@ -369,6 +369,22 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     return path
 
 
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete checkpoint directory ``path``, or refuse (CheckpointError naming it) when it
+    is not recognisably one (:func:`ember.checkpoint.trust.not_a_checkpoint`: it holds
+    other files, or a ``meta.json`` that is not ember's). ``meta.json`` goes first, so a
+    deletion cut short leaves a folder that no longer counts as a checkpoint."""
+    path = os.path.normpath(os.fspath(path))
+    why = checks.not_a_checkpoint(path, staging=True)
+    if why:
+        raise CheckpointError(f"refusing to delete {path}: it is not an ember checkpoint ({why})")
+    meta = os.path.join(path, META_NAME)
+    if os.path.lexists(meta):
+        os.remove(meta)
+        _fsync_path(path, directory=True)
+    shutil.rmtree(path)
+
+
 def _set_modes(root: str) -> None:
     """One mode for every file of a checkpoint (safetensors writes 0600, the rest 0644)."""
     for dirpath, _dirs, names in os.walk(root):

@@ -23,7 +23,8 @@ nothing outside it. Every rule lives here:
   ``Accelerator.save_state`` adds after its commit are in neither list (they are read
   with the tensor-only loader, like every file here).
 
-It also holds the checks of what a save may replace (:func:`check_save_target`) and
+It also holds the one check of what a save may replace or delete
+(:func:`not_a_checkpoint`, used by :func:`check_save_target`) and
 how an ``OSError`` while writing is reported (:func:`write_error`).
 """
 from __future__ import annotations
@@ -375,9 +376,52 @@ def dcp_planner(allow_partial_load: bool = False):
 
 
 # -- saving ------------------------------------------------------------------------------
+#: the entries a checkpoint directory (or its ``NAME.tmp`` staging folder) holds: the
+#: weights, the trainer state, ``meta.json``, a sharded strategy's ``model/`` folder
+#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files
+_CHECKPOINT_ENTRY = re.compile(r"(model\.safetensors|trainer_state\.pt|meta\.json|model|deepspeed"
+                               r"|model_\d+\.safetensors|rng_state_\d+\.pt(\.tmp)?)")
+
+
+def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
+    """Why the directory ``path`` is not recognisably an ember checkpoint, or ``""`` when
+    it is one, so that ember may replace or delete it: a ``meta.json`` carrying ember's
+    format marker (an integer ``format_version``), and nothing but the files a checkpoint
+    holds. ``staging``: a ``NAME.tmp`` folder of an unfinished save (``meta.json`` is
+    written last, so it may be missing). An empty directory counts as one (nothing to lose).
+    This one check guards every replace and delete of a save: ``save_checkpoint``'s
+    target and its staging folder, the superseded checkpoints ``ModelCheckpoint`` deletes,
+    the automatic checkpoints ``Accelerator`` rotates."""
+    path = os.fspath(path)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return f"{path} is {'a symlink' if os.path.islink(path) else 'not a directory'}"
+    names = sorted(os.listdir(path))
+    others = [n for n in names if not _CHECKPOINT_ENTRY.fullmatch(n)]
+    if others:
+        return (f"{path} holds {others[:5]}{' ...' if len(others) > 5 else ''}, which no ember checkpoint "
+                "holds")
+    if not names or (staging and cio.META_NAME not in names):
+        return ""
+    if cio.META_NAME not in names:
+        return f"{path} has no {cio.META_NAME}"
+    meta_file = os.path.join(path, cio.META_NAME)
+    try:
+        if not os.path.isfile(meta_file) or os.path.islink(meta_file):
+            raise CheckpointError(f"{meta_file} is not a plain file")
+        fv = read_meta(meta_file).get("format_version")
+    except CheckpointError as err:
+        return f"its {cio.META_NAME} is not ember's ({err})"
+    if isinstance(fv, bool) or not isinstance(fv, int):
+        return f"its {cio.META_NAME} has no ember format_version (it is another program's {cio.META_NAME})"
+    return ""
+
+
 def check_save_target(path: str | os.PathLike, what: str) -> None:
-    """Refuse to replace anything at ``path`` that is not an ember checkpoint: a plain
-    file, or a non-empty directory without ``meta.json`` (a log folder, a dataset)."""
+    """Refuse to replace anything at ``path`` that is not recognisably an ember checkpoint
+    (:func:`not_a_checkpoint`): a plain file, a non-empty directory without ember's
+    ``meta.json`` (a log folder), or one that holds other files too (a dataset folder
+    with its own ``meta.json`` and ``images/``); and a ``NAME.tmp`` that is not a staging
+    folder of an ember save."""
     path = os.path.normpath(os.fspath(path))
     if os.path.islink(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a symlink that does not point to a checkpoint; "
@@ -385,24 +429,16 @@ def check_save_target(path: str | os.PathLike, what: str) -> None:
     if os.path.lexists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a file, not a checkpoint directory; refusing to "
                               "replace it. Remove it or choose another path")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, cio.META_NAME)):
-        contents = sorted(os.listdir(path))
-        raise CheckpointError(f"{what}({path!r}): {path} is a non-empty directory that is not an ember "
-                              f"checkpoint (no {cio.META_NAME}; it holds {contents[:5]}"
-                              f"{' ...' if len(contents) > 5 else ''}); refusing to replace it. Choose "
-                              "another path, e.g. a subfolder")
+    if os.path.isdir(path):
+        why = not_a_checkpoint(os.path.realpath(path))
+        if why:
+            raise CheckpointError(f"{what}({path!r}): {path} is not an ember checkpoint ({why}); refusing to "
+                                  "replace it. Choose another path, e.g. a subfolder")
     tmp = cio.tmp_path(path)
-    if os.path.lexists(tmp) and not _is_staging(tmp):
-        raise CheckpointError(f"{what}({path!r}): {tmp} exists and is not a staging folder of an ember save; "
-                              "refusing to delete it. Remove it or choose another path")
-
-
-def _is_staging(tmp: str) -> bool:
-    """A ``NAME.tmp`` ember may delete: a directory holding only checkpoint files."""
-    if os.path.islink(tmp) or not os.path.isdir(tmp):
-        return False
-    known = {cio.WEIGHTS_NAME, cio.STATE_NAME, cio.META_NAME, cio.DCP_WEIGHTS_DIR, "deepspeed"}
-    return all(n in known or n.startswith(("model", "rank", "shard", ".")) for n in os.listdir(tmp))
+    if os.path.lexists(tmp) and not_a_checkpoint(tmp, staging=True):
+        raise CheckpointError(f"{what}({path!r}): {tmp} exists and is not a staging folder of an ember save "
+                              f"({not_a_checkpoint(tmp, staging=True)}); refusing to delete it. Remove it or "
+                              "choose another path")
 
 
 def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
