@@ -488,13 +488,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_HELD: dict[str, "DirLock"] = {}      # lock path -> the DirLock of this process holding it
+
+
 class DirLock:
     """A lock file ``dirpath/.ember-lock`` holding the owner's pid and host.
 
-    :meth:`acquire` raises CheckpointError while another live process holds it; the
-    lock of a dead process on this host (a crash, ``kill -9``) is taken over. A lock
-    from another host is honoured until removed by hand (ember cannot tell whether
-    that process lives)."""
+    :meth:`acquire` raises CheckpointError while another live process holds it. The
+    owner holds the file with ``flock`` for as long as it runs, so the kernel frees it
+    when that process ends however it ends (``kill -9``, the OOM killer): the lock of a
+    process that is gone is taken over, whatever the file holds, even nothing at all (a
+    process killed between creating and writing it: a warning says so). Only one process
+    can hold the ``flock``, so two processes taking over one stale lock at once cannot
+    both win. A lock recorded by another host is honoured until removed by hand (its
+    ``flock`` may not reach this host on every shared file system, and ember cannot tell
+    whether that process lives). Where the file system has no ``flock``, a lock whose
+    owner cannot be shown alive on this host (dead, or an empty or unreadable file) is
+    taken over with a warning, without that guarantee."""
 
     def __init__(self, dirpath: str | os.PathLike):
         import socket
@@ -502,6 +512,7 @@ class DirLock:
         self.path = os.path.join(os.fspath(dirpath), LOCK_NAME)
         self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "token": uuid.uuid4().hex}
         self.held = False
+        self._fd: int | None = None
 
     def _read(self) -> dict | None:
         try:
@@ -513,8 +524,80 @@ class DirLock:
         except (OSError, ValueError):
             return {}
 
+    def _in_use(self, what: str, other: dict) -> CheckpointError:
+        pid, host = other.get("pid"), other.get("host")
+        who = f"process {pid} on host {host!r}" if pid is not None else "a process that is writing it now"
+        return CheckpointError(
+            f"{what}: {os.path.dirname(self.path)} is in use by another run ({who}, see {self.path}); two runs "
+            "writing one checkpoint folder would overwrite each other's checkpoints. Give this run another "
+            "dirpath / logger version, or remove the lock file if that process is gone")
+
     def acquire(self, what: str = "ModelCheckpoint") -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        mine = _HELD.get(os.path.realpath(self.path))
+        if mine is not None and mine.held and mine is not self and mine._fd is not None:   # this process's earlier run
+            self._fd, mine._fd, mine.held = mine._fd, None, False
+            self._write()
+            return
+        try:
+            import fcntl
+        except ImportError:       # no flock (Windows): the file's content decides
+            return self._acquire_by_content(what)
+        for _ in range(20):
+            try:
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE), True
+            except FileExistsError:
+                try:
+                    fd, created = os.open(self.path, os.O_RDWR), False
+                except FileNotFoundError:
+                    continue              # released meanwhile
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:       # a live process holds it
+                os.close(fd)
+                raise self._in_use(what, self._read() or {}) from None
+            except OSError:               # this file system has no flock
+                os.close(fd)
+                if created:
+                    os.remove(self.path)
+                return self._acquire_by_content(what)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:                  # its owner released it (removed the file) meanwhile
+                os.close(fd)
+                continue
+            if not created:               # left behind: nobody holds its flock
+                other = self._read() or {}
+                pid, host = other.get("pid"), other.get("host")
+                if isinstance(host, str) and host != self.owner["host"]:
+                    os.close(fd)          # another host's lock: honoured
+                    raise self._in_use(what, other)
+                if host == self.owner["host"] and isinstance(pid, int) and pid != os.getpid() \
+                        and _pid_alive(pid):
+                    os.close(fd)          # a live process of this host that holds no flock
+                    raise self._in_use(what, other)
+                if not (isinstance(pid, int) and isinstance(host, str)):
+                    self._warn_stale(other)
+            self._fd = fd
+            self._write()
+            return
+        raise CheckpointError(f"{what}: could not take the lock {self.path}")
+
+    def _warn_stale(self, other) -> None:
+        warnings.warn(f"{self.path}: the lock file is empty or unreadable ({other!r}) and no process holds it "
+                      "(its owner was killed while taking it?); taking it over", UserWarning, stacklevel=4)
+
+    def _write(self) -> None:
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(self.owner).encode(), 0)
+        self.held = True
+        _HELD[os.path.realpath(self.path)] = self
+
+    def _acquire_by_content(self, what: str) -> None:
+        """Without flock: the pid and host in the file decide."""
+        import time
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
@@ -522,16 +605,20 @@ class DirLock:
                 other = self._read()
                 if other is None:
                     continue   # released meanwhile
+                if not other:   # empty or unreadable: maybe being written right now
+                    time.sleep(1.0)
+                    other = self._read()
+                    if other is None:
+                        continue
                 pid, host = other.get("pid"), other.get("host")
-                ours = host == self.owner["host"] and isinstance(pid, int)
-                if ours and (pid == os.getpid() or not _pid_alive(pid)):
+                if not isinstance(pid, int) or not isinstance(host, str):
+                    self._warn_stale(other)
+                    self._take_over()
+                    return
+                if host == self.owner["host"] and (pid == os.getpid() or not _pid_alive(pid)):
                     self._take_over()   # a dead process of this host, or this process's earlier run
                     return
-                raise CheckpointError(
-                    f"{what}: {os.path.dirname(self.path)} is in use by another run (process {pid} on host "
-                    f"{host!r}, see {self.path}); two runs writing one checkpoint folder would overwrite each "
-                    "other's checkpoints. Give this run another dirpath / logger version, or remove the lock "
-                    "file if that process is gone") from None
+                raise self._in_use(what, other) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(self.owner, f)
             self.held = True
@@ -548,9 +635,14 @@ class DirLock:
     def release(self) -> None:
         if self.held and (self._read() or {}).get("token") == self.owner["token"]:
             try:
-                os.remove(self.path)
+                os.remove(self.path)      # before the flock goes: a waiter then finds no file
             except OSError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if _HELD.get(os.path.realpath(self.path)) is self:
+            del _HELD[os.path.realpath(self.path)]
         self.held = False
 
 
