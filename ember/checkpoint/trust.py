@@ -416,6 +416,28 @@ def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
     return ""
 
 
+def checkpoint_containing(path: str | os.PathLike) -> str:
+    """The ember checkpoint directory that ``path`` (symlinks resolved) is or lies in,
+    or ``""``: a folder with ember's ``meta.json`` (integer ``format_version``), or its
+    ``NAME.tmp`` staging folder. Outputs that are not checkpoints never go there."""
+    real = os.path.realpath(os.fspath(path))
+    d = real
+    while True:
+        meta_file = os.path.join(d, cio.META_NAME)
+        if os.path.isdir(d) and (os.path.isfile(meta_file) or d.endswith(cio.TMP_SUFFIX)):
+            try:
+                fv = read_meta(meta_file).get("format_version") if os.path.isfile(meta_file) else None
+            except CheckpointError:
+                fv = None
+            if (isinstance(fv, int) and not isinstance(fv, bool)) or \
+                    (d.endswith(cio.TMP_SUFFIX) and not not_a_checkpoint(d, staging=True) and os.listdir(d)):
+                return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return ""
+        d = parent
+
+
 def check_save_target(path: str | os.PathLike, what: str) -> None:
     """Refuse to replace anything at ``path`` that is not recognisably an ember checkpoint
     (:func:`not_a_checkpoint`): a plain file, a non-empty directory without ember's
