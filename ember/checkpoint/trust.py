@@ -343,7 +343,8 @@ def dcp_reader(folder: str | os.PathLike):
 def check_dcp_storage(md: Any, folder: str | os.PathLike) -> None:
     """Every storage entry of DCP metadata ``md`` names a regular file inside ``folder``
     (its ``relative_path``: not absolute, no ``..``, no symlink out, no FIFO), so a load
-    reads only this checkpoint's shards."""
+    reads only this checkpoint's shards. A missing file is left to the size checks
+    (``meta.json``'s ``files``, the commit's ``verify_dcp_shards``), which name its rank."""
     storage = getattr(md, "storage_data", None)
     if storage is None:
         return
@@ -351,7 +352,8 @@ def check_dcp_storage(md: Any, folder: str | os.PathLike) -> None:
         raise CheckpointError(f"refusing {os.path.join(os.fspath(folder), '.metadata')}: its storage_data is a "
                               f"{type(storage).__name__}, not a mapping")
     for name in {getattr(info, "relative_path", None) for info in storage.values()}:
-        member_file(folder, name, ".metadata")
+        if os.path.lexists(member(folder, name, ".metadata")):   # a missing shard: the size checks name it
+            member_file(folder, name, ".metadata")
 
 
 def dcp_planner(allow_partial_load: bool = False):
@@ -378,9 +380,10 @@ def dcp_planner(allow_partial_load: bool = False):
 # -- saving ------------------------------------------------------------------------------
 #: the entries a checkpoint directory (or its ``NAME.tmp`` staging folder) holds: the
 #: weights, the trainer state, ``meta.json``, a sharded strategy's ``model/`` folder
-#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files
+#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files, and the
+#: hidden temporary file a writer killed mid-write leaves (safetensors' ``.tmpXXXXXX``)
 _CHECKPOINT_ENTRY = re.compile(r"(model\.safetensors|trainer_state\.pt|meta\.json|model|deepspeed"
-                               r"|model_\d+\.safetensors|rng_state_\d+\.pt(\.tmp)?)")
+                               r"|model_\d+\.safetensors|rng_state_\d+\.pt(\.tmp)?|\.tmp\w{1,16})")
 
 
 def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
