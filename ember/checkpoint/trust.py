@@ -1,6 +1,6 @@
 """What makes an untrusted checkpoint safe to open, and a save safe to start.
 
-The threat model (docs/checkpoint_format.md, "Untrusted checkpoints"): a checkpoint
+The threat model (docs/checkpoint_format.md, "Threat model"): a checkpoint
 directory may come from anyone. Opening it must run no code and read or write
 nothing outside it. Every rule lives here:
 
