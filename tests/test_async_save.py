@@ -271,6 +271,15 @@ def test_ddp_rank0_writes_in_the_background_and_errors_reach_every_rank(tmp_path
         assert differences(wa, wb, name) == [] and differences(sa["optimizers"], sb["optimizers"]) == []
     assert r0["fail"].startswith("CheckpointError") and "state['bad']" in r0["fail"]
     assert r1["fail"].startswith("CheckpointError") and "failed on rank 0" in r1["fail"]
+    # save_top_k=1 + save_last with rank 0's step-2 write held until step 3: the step-1
+    # checkpoint stays, and 'last' names it, until step 2 is committed (at the step-3 save)
+    for r in (r0, r1):     # from step 3 on there is always a complete checkpoint, and 'last' names one
+        for step, complete, last in r["topk"]["seen"]:
+            assert step < 3 or (complete and last in complete), r["topk"]
+    assert r0["topk"]["final"] == [4] and r0["topk"]["last"] == 4     # rank 0 deletes, after fit's last commit
+    seen = {step: (complete, last) for step, complete, last in r0["topk"]["seen"]}
+    assert seen[3] == ([1], 1), r0["topk"]      # rank 0's step-2 write held: step 1 stays, 'last' names it
+    assert seen[4][0] in ([2], [2, 3]) and seen[4][1] == 2, r0["topk"]
 
 
 def test_snapshot_keeps_dict_types_and_shared_tensors():

@@ -71,6 +71,17 @@ def test_exception_drops_a_pending_async_save(results):
         assert r["committed"] is False and r["warned"] is True
 
 
+def test_async_save_with_top_k_keeps_a_complete_checkpoint(results):
+    """A save's commit waits for the next save: until then the checkpoint it supersedes
+    stays and 'last' names it (it used to be deleted, and 'last' moved, at once)."""
+    r = results("async_topk")
+    seen = {step: (complete, last) for step, complete, last in r["seen"]}
+    assert seen[2] == ([], None)                       # the step-1 save is not committed yet
+    for step in (3, 4):                                # the step-(k-2) save is committed, k-1 pending
+        assert seen[step] == ([step - 2], step - 2), r["seen"]
+    assert r["final"] == [4] and r["last"] == 4
+
+
 def test_accumulation_keeps_gradients_sharded_by_default(results):
     r = results("accumulation")
     # mid-window, every parameter already holds its reduce-scattered shard of the gradient

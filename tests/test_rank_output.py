@@ -105,7 +105,7 @@ def test_ranks_forward_only_to_a_rank0_on_the_same_machine():
     lines = []
     recv = rank_output.LineReceiver(lines.append)
     try:
-        same_name_other_boot = (f"{socket.gethostname()}/another-boot-id", recv.address[1])
+        same_name_other_boot = (f"{socket.gethostname()}/another-boot-id", *recv.address[1:])
         before = _sys.stdout
         assert rank_output.connect(same_name_other_boot, 1) is None and _sys.stdout is before
         fwd = rank_output.connect(recv.address, 1)

@@ -239,7 +239,10 @@ def next_auto_dir(acc: Any) -> str:
     if limit is not None and acc.is_main_process and os.path.isdir(root):
         nums = sorted(int(m.group(1)) for n in os.listdir(root) if (m := _AUTO_RE.match(n)))
         for n in nums[: max(0, len(nums) + 1 - int(limit))]:
-            shutil.rmtree(os.path.join(root, f"checkpoint_{n}"), ignore_errors=True)
+            try:
+                cio.remove_checkpoint(os.path.join(root, f"checkpoint_{n}"))
+            except (CheckpointError, OSError) as err:   # never delete what is not a checkpoint
+                warnings.warn(f"ProjectConfiguration(total_limit={limit}): {err}", UserWarning, stacklevel=3)
     return path
 
 
@@ -255,7 +258,8 @@ def _count(what: str, saved: int, have: int, path: str) -> None:
                               f"now: prepare the same objects, in the same order, before load_state()")
 
 
-def _load_extra_model(strategy, model, path: str, name: str, size, strict: bool) -> None:
+def _read_extra_model(strategy, model, path: str, name: str, size, strict: bool) -> dict:
+    """The weights of an extra prepared model, read and checked (not loaded)."""
     fp = cio.checks.member(path, name)   # inside the checkpoint: no symlink out of it
     if not os.path.isfile(fp):
         raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
@@ -264,7 +268,7 @@ def _load_extra_model(strategy, model, path: str, name: str, size, strict: bool)
                               f"the checkpoint recorded {size}")
     weights = cio.load_safetensors(fp)
     cio.check_compatible(strategy.unwrap_module(model), weights, fp, strict=strict)
-    strategy.load_module_state_dict(model, weights, strict=strict)
+    return weights
 
 
 def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = True) -> dict:
@@ -340,16 +344,24 @@ def _load_state(acc: Any, path: str, strict: bool) -> dict:
                                   "resume it with Trainer.fit(ckpt_path=...)")
         _count("models", int(info.get("num_models", 0)), len(models), path)
         _count("optimizers", len(state.get("optimizers", [])), len(raw_opts), path)
+        # every file read and checked before anything is loaded
         if models:
             if weights is None:
                 raise CheckpointError(f"{path} holds sharded (DCP) weights; load it with the strategy that wrote "
                                       f"it ({meta.get('strategy')})")
             cio.check_compatible(strategy.unwrap_module(models[0]), weights, path, strict=strict)
-            strategy.load_module_state_dict(models[0], weights, strict=strict)
         files = info.get("model_files") or {}
-        for i, m in enumerate(models[1:], 1):
-            name = f"model_{i}.safetensors"
-            _load_extra_model(strategy, m, path, name, files.get(name), strict)
+        extra = [_read_extra_model(strategy, m, path, f"model_{i}.safetensors", files.get(f"model_{i}.safetensors"),
+                                   strict) for i, m in enumerate(models[1:], 1)]
+        from ember.checkpoint.trust import check_optimizers
+        check_optimizers(raw_opts, state.get("optimizers"), meta, path)
+        _count("schedulers", len(state.get("schedulers", [])), len(acc._schedulers), path)
+        _count("dataloaders", len(state.get("dataloaders", [])), len(acc._dataloaders), path)
+        _count("registered objects", len(state.get("custom_objects", [])), len(acc._custom_objects), path)
+        if models:
+            strategy.load_module_state_dict(models[0], weights, strict=strict)
+        for m, w in zip(models[1:], extra):
+            strategy.load_module_state_dict(m, w, strict=strict)
         for o, s in zip(raw_opts, state.get("optimizers", [])):
             strategy.load_optimizer_state_dict(o, s, models[0] if models else None)
     _count("schedulers", len(state.get("schedulers", [])), len(acc._schedulers), path)

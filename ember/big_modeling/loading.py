@@ -18,7 +18,7 @@ from torch import nn
 from ember.big_modeling.device_map import (_as_dtype, check_device_map, get_balanced_memory,
                                            infer_auto_device_map, init_empty_weights, owner_entry, torch_device)
 from ember.big_modeling.hooks import DiskRef, _meta_like, dispatch_model
-from ember.checkpoint.io import ALIAS_KEY, INDEX_NAME, WEIGHTS_NAME
+from ember.checkpoint.io import ALIAS_KEY, INDEX_NAME, WEIGHTS_NAME, read_index
 from ember.errors import CheckpointError, MisconfigurationError
 
 __all__ = ["load_checkpoint_in_model", "load_checkpoint_and_dispatch", "checkpoint_key_map", "load_pretrained"]
@@ -39,14 +39,7 @@ def _shards(checkpoint: str) -> tuple[list[str], str | None]:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
     if path.endswith(".json"):
-        try:
-            with open(path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (ValueError, KeyError, TypeError, OSError) as err:
-            raise CheckpointError(f"{path} is not a safetensors index (JSON with 'weight_map'): {err}") from err
-        folder = os.path.dirname(path)
-        files = [os.path.join(folder, f) for f in dict.fromkeys(weight_map.values())]
-        return files, path
+        return read_index(path)[1], path     # every shard inside the index's folder
     if path.endswith(".safetensors"):
         return [path], None
     raise CheckpointError(f"{path}: only safetensors checkpoints are loaded here (a .safetensors file, its "

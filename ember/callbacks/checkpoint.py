@@ -174,6 +174,11 @@ class ModelCheckpoint(Callback):
         if trainer.stop_reason in _MID_EPOCH_STOPS and not trainer.epoch_finished \
                 and trainer.batches_done and trainer.global_step != self._last_global_step_saved:
             self._save(trainer)
+        # a background save still in flight is committed now (every rank: the same state),
+        # so 'last', the deletions and the loggers' after_save_checkpoint happen before the
+        # loggers are finalized
+        if trainer.strategy.save_pending:
+            trainer.strategy.wait_for_checkpoint()
 
     # -- names --------------------------------------------------------------------------------
     def format_checkpoint_name(self, metrics: dict, epoch: int, step: int) -> str:
@@ -268,16 +273,17 @@ class ModelCheckpoint(Callback):
             keep = self._is_better(score, others[self._worst(others)])
         if keep:
             # the bookkeeping is updated before the write, so the checkpoint records itself
-            # and the files it replaces (deleted after the write, or on resume if a crash
-            # came in between)
-            before = (dict(self.best_k_models), self._stale)
+            # and the files it supersedes (deleted once it is committed, or on resume if a
+            # crash came in between)
+            before = (dict(self.best_k_models), list(self._stale))
             kept = dict(others, **{path: score if score is not None else float(step)})
             drop = []
             while self.save_top_k > 0 and len(kept) > self.save_top_k:
                 worst = self._worst({p: s for p, s in kept.items() if p != path})
                 kept.pop(worst)
                 drop.append(worst)
-            self.best_k_models, self._stale = kept, drop
+            self.best_k_models = kept
+            self._stale = [p for p in dict.fromkeys([*self._stale, *drop]) if p not in kept]
             self._update_best()
             if self.save_last:
                 self.last_model_path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + ext)
@@ -287,11 +293,26 @@ class ModelCheckpoint(Callback):
                 self.best_k_models, self._stale = before
                 self._update_best()
                 raise
-        if self.save_last:
-            self._update_last(trainer, path if keep else None, ext)
-        self._remove_stale(trainer)
-        if trainer.is_global_zero and keep:
-            aliases = ["latest"] + (["best"] if path == self.best_model_path else [])
+        elif self.save_last:
+            self._update_last(trainer, None, ext)    # writes 'last' itself: a save of its own
+        # what the new checkpoint supersedes goes only once it is committed, on every rank's
+        # part (a background save: at the next save, load or the end of fit), so a kill at
+        # any moment leaves a complete checkpoint that ckpt_path="last" resumes
+        stale, best = list(self._stale), path == self.best_model_path
+        trainer.strategy.after_commit(lambda: self._committed(trainer, path if keep else None, ext, stale,
+                                                              score, best))
+
+    def _committed(self, trainer, path, ext, stale, score, best) -> None:
+        """After ``path`` (None: nothing kept) is committed: point ``last`` at it, delete
+        the checkpoints it supersedes, tell the loggers. Local file operations only."""
+        if path is not None and self.save_last:
+            self._update_last(trainer, path, ext)
+        for p in stale:
+            if p not in self.best_k_models:
+                self._remove(trainer, p)
+        self._stale = [p for p in self._stale if p not in stale]
+        if trainer.is_global_zero and path is not None:
+            aliases = ["latest"] + (["best"] if best else [])
             for lg in trainer.loggers:
                 lg.after_save_checkpoint(path, aliases=aliases, score=score)
 
@@ -404,10 +425,16 @@ class ModelCheckpoint(Callback):
             last = os.path.join(self.dirpath, name)
             if os.path.islink(last) and os.path.realpath(last) == os.path.realpath(path):
                 return  # 'last' still points here
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
+        from ember.checkpoint import io as cio
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                cio.remove_checkpoint(path)        # only what is recognisably an ember checkpoint
+            elif path.endswith(".safetensors") or os.path.islink(path):
+                os.remove(path)
+            else:
+                raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint ember wrote")
+        except (CheckpointError, OSError) as err:
+            warnings.warn(f"ModelCheckpoint: {err}; it is kept", UserWarning, stacklevel=2)
 
     def _update_best(self):
         if not self.best_k_models:

@@ -6,10 +6,81 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import os
+from typing import Sequence
+
 from ember.callbacks.base import Callback
-from ember.errors import invalid_choice
+from ember.errors import MisconfigurationError, invalid_choice
 
 _INTERVALS = ("batch", "epoch", "batch_and_epoch")
+
+
+def check_output_path(path: str | os.PathLike, overwrite: bool = False, inputs: Sequence = (),
+                      what: str = "output") -> str:
+    """Check, before anything is predicted, that predictions may be written to ``path``;
+    return it (absolute). Raises MisconfigurationError naming ``what`` and the path when:
+
+    - ``path`` is an existing folder, or lies under a file (its parent cannot be made);
+    - it is or lies inside an ember checkpoint (``trust.checkpoint_containing``: a
+      checkpoint's own files are never replaced by predictions, ``overwrite`` or not);
+    - it is one of ``inputs`` (the weights or checkpoint being loaded) or lies inside one;
+    - it exists and ``overwrite`` is False.
+
+    Symlinks are resolved for these checks; the write itself (:func:`save_predictions`)
+    replaces a symlink, never the file it points to."""
+    from ember.checkpoint.trust import checkpoint_containing
+    raw = os.fspath(path)
+    path = os.path.abspath(raw)
+    if os.path.isdir(path):
+        raise MisconfigurationError(f"{what} {raw!r} is a folder; give a file name, e.g. {os.path.join(raw, 'predictions.pt')!r}")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise MisconfigurationError(f"{what} {raw!r}: {parent} is a file, so no file can be written under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MisconfigurationError(f"{what} {raw!r}: {parent} is not writable")
+    ckpt = checkpoint_containing(path)
+    if ckpt:
+        raise MisconfigurationError(f"{what} {raw!r} lies inside the checkpoint {ckpt}; predictions are never "
+                                    "written into a checkpoint (it would no longer load). Choose a path outside it")
+    real = os.path.realpath(path)
+    for given in inputs:
+        if given is None or not isinstance(given, (str, os.PathLike)) or not os.path.exists(given):
+            continue
+        src = os.path.realpath(os.fspath(given))
+        if real == src or real.startswith(src.rstrip(os.sep) + os.sep):
+            raise MisconfigurationError(f"{what} {raw!r} is the input {os.fspath(given)!r} (or inside it); "
+                                        "predictions never replace the weights they were computed with. "
+                                        "Choose another path")
+    if os.path.lexists(path) and not overwrite:
+        raise MisconfigurationError(f"{what} {raw!r} exists; refusing to overwrite it. Choose another path, or "
+                                    "ask for it to be replaced (ember predict --overwrite, "
+                                    "BasePredictionWriter(overwrite=True))")
+    return path
+
+
+def save_predictions(obj: Any, path: str | os.PathLike, overwrite: bool = False, inputs: Sequence = (),
+                     what: str = "output") -> str:
+    """``torch.save(obj)`` to ``path`` atomically (a temporary file in the same folder,
+    then a rename: a reader sees the old file or the new one, never a part), after the
+    checks of :func:`check_output_path`. Returns the path written."""
+    import uuid
+
+    import torch
+    path = check_output_path(path, overwrite, inputs, what)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+    return path
 
 
 def _batch_indices(loader) -> list | None:
@@ -33,9 +104,15 @@ class BasePredictionWriter(Callback):
             ``"epoch"`` (``write_on_epoch_end`` once with all of this process's
             predictions) or ``"batch_and_epoch"`` (both).
 
+        output: a file the writer writes (optional): checked before anything is
+            predicted with the rules of :func:`check_output_path` (never an existing file
+            unless ``overwrite``, never inside a checkpoint or over the weights loaded).
+        overwrite: allow :meth:`save` to replace an existing file.
+
     Under several processes each rank sees its own share: write one file per rank
     (``trainer.global_rank``). ``batch_indices`` are the dataset indices of the
-    batch's samples on this rank (``None`` when the loader shuffles).
+    batch's samples on this rank (``None`` when the loader shuffles). Write with
+    :meth:`save`: atomically, with the same rules as ``ember predict --output``.
 
     Example::
 
@@ -45,16 +122,19 @@ class BasePredictionWriter(Callback):
                 self.path = path
 
             def write_on_epoch_end(self, trainer, module, predictions, batch_indices):
-                torch.save({"predictions": predictions, "indices": batch_indices},
-                           f"{self.path}.rank{trainer.global_rank}.pt")
+                self.save(trainer, {"predictions": predictions, "indices": batch_indices},
+                          f"{self.path}.rank{trainer.global_rank}.pt")
     """
 
     state_key = "BasePredictionWriter"
 
-    def __init__(self, write_interval: str = "batch"):
+    def __init__(self, write_interval: str = "batch", output: "str | os.PathLike | None" = None,
+                 overwrite: bool = False):
         if write_interval not in _INTERVALS:
             raise invalid_choice("write_interval", write_interval, list(_INTERVALS))
         self.write_interval = write_interval
+        self.output = os.fspath(output) if output is not None else None
+        self.overwrite = bool(overwrite)
         self._on_batch = write_interval in ("batch", "batch_and_epoch")
         self._on_epoch = write_interval in ("epoch", "batch_and_epoch")
         self._predictions: list[list] = []
@@ -74,6 +154,21 @@ class BasePredictionWriter(Callback):
         and the matching ``batch_indices`` (``write_interval`` "epoch" / "batch_and_epoch")."""
         raise NotImplementedError(f"{type(self).__name__}(write_interval={self.write_interval!r}) must implement "
                                   "write_on_epoch_end")
+
+    def save(self, trainer, obj: Any, path: "str | os.PathLike | None" = None) -> str:
+        """Write ``obj`` (``torch.save``) to ``path`` (default: ``output``) atomically, after
+        the checks of :func:`check_output_path` (the checkpoint being predicted from counts
+        as an input). Returns the path written."""
+        path = path if path is not None else self.output
+        if path is None:
+            raise MisconfigurationError(f"{type(self).__name__}.save(): give a path (or output= at init)")
+        return save_predictions(obj, path, self.overwrite, [getattr(trainer, "ckpt_path", None)],
+                                f"{type(self).__name__}: output")
+
+    def on_predict_start(self, trainer, module):
+        if self.output is not None:   # before anything is predicted (a checkpoint is restored by now)
+            check_output_path(self.output, self.overwrite, [getattr(trainer, "ckpt_path", None)],
+                              f"{type(self).__name__}(output=...)")
 
     def on_predict_epoch_start(self, trainer, module):
         self._predictions, self._indices, self._loader = [], [], None

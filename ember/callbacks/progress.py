@@ -162,7 +162,7 @@ class RichProgressBar(ProgressBar):
         address = None
         if trainer.is_global_zero and self._receiver is None and self._live():
             try:
-                self._receiver = rank_output.LineReceiver(self.print)
+                self._receiver = rank_output.LineReceiver(self.print, peers=trainer.world_size - 1)
             except OSError:   # no loopback socket: the other ranks print as before
                 self._receiver = None
         if trainer.is_global_zero and self._receiver is not None:

@@ -14,15 +14,57 @@ they appear above the bar, whole and once.
   went); only warnings, which Python writes to stderr, are forwarded.
 - If the socket fails (rank 0 gone, connection refused) the rank writes to its own
   stdout again: no line is lost or held back.
+
+The socket listens on loopback, where any local process can reach it, so rank 0 trusts
+nothing it did not authenticate:
+
+- a per-run secret, made by rank 0 and broadcast with the address at setup, must be
+  the first line of a connection (within :data:`HANDSHAKE_S` seconds), else it is
+  closed and nothing it sent is shown;
+- forwarded text is shown with its control characters neutralised (an escape
+  sequence, a carriage return, a bidi override is printed as ``\\x1b``, ``\\x0d``, ...,
+  so it cannot move the cursor, erase or forge lines, set the title or the clipboard);
+- a line longer than :data:`MAX_LINE` bytes is cut (what is held per connection never
+  exceeds that), and at most ``peers`` authenticated plus :data:`MAX_PENDING`
+  connections waiting for their handshake are open at once (others are closed at once);
+- teardown waits, for all of them together, at most ``wait`` seconds, and only while
+  authenticated ranks are still sending: never on an idle or unauthenticated peer.
 """
 from __future__ import annotations
 
+import hmac
 import io
+import secrets
 import socket
 import sys
 import threading
+import time
 import warnings
 from typing import Callable, TextIO
+
+#: the longest line shown whole, in bytes; longer lines are cut (and the rest dropped)
+MAX_LINE = 64 * 1024
+#: seconds a new connection has to send the run's secret
+HANDSHAKE_S = 2.0
+#: connections that may wait for their handshake at once
+MAX_PENDING = 8
+#: at teardown, a rank silent for this long is not waited for (its later lines go to its own stdout)
+IDLE_S = 0.25
+_HELLO = "ember-rank-output"
+_BIDI = {0x200E, 0x200F, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069}
+
+
+def neutralise(text: str) -> str:
+    """``text`` with every control character (C0 but tab, DEL, C1) and bidi control
+    written as a visible escape (``\\x1b``), so a terminal shows it instead of acting on it."""
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if (o < 0x20 and ch != "\t") or 0x7F <= o <= 0x9F or o in _BIDI:
+            out.append(f"\\x{o:02x}" if o <= 0xFF else f"\\u{o:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def machine() -> str:
@@ -77,6 +119,11 @@ class LineForwarder(io.TextIOBase):
             if "\n" in self._buf:
                 done, self._buf = self._buf.rsplit("\n", 1)
                 self._send(done.split("\n"))
+            while len(self._buf) >= MAX_LINE // 4:   # a long partial line goes in pieces (rank 0 cuts at MAX_LINE)
+                piece, self._buf = self._buf[:MAX_LINE // 4], self._buf[MAX_LINE // 4:]
+                self._send([piece])
+                if self._sock is None:
+                    break
         return len(s)
 
     def send_lines(self, lines: list[str]) -> None:
@@ -123,25 +170,29 @@ class LineForwarder(io.TextIOBase):
 
 class LineReceiver:
     """Rank 0's end: a loopback listening socket and a daemon thread per connection
-    that calls ``emit(line)`` for each line received."""
+    that calls ``emit(line)`` for each line received, once the connection sent the
+    run's secret; ``peers``: how many ranks may connect (the connections are bounded)."""
 
-    def __init__(self, emit: Callable[[str], None]) -> None:
+    def __init__(self, emit: Callable[[str], None], peers: int = 64) -> None:
         self._emit = emit
+        self._secret = secrets.token_hex(16)
+        self._peers = max(1, int(peers))
         self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._srv.bind(("127.0.0.1", 0))
         self._srv.listen(64)
         self._srv.settimeout(0.2)
         self._stop = threading.Event()
-        self._readers: list[threading.Thread] = []
-        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._pending: set = set()        # connections waiting for their handshake
+        self._authed: dict = {}           # connection -> when it last sent data (monotonic)
         self._accept = threading.Thread(target=self._accept_loop, name="ember-rank-output", daemon=True)
         self._accept.start()
 
     @property
-    def address(self) -> tuple[str, int]:
-        """``(machine, port)``: the other ranks connect when they run on the same
-        :func:`machine` (host name and boot id)."""
-        return machine(), self._srv.getsockname()[1]
+    def address(self) -> tuple[str, int, str]:
+        """``(machine, port, secret)``: the other ranks connect when they run on the same
+        :func:`machine` (host name and boot id) and open with the secret."""
+        return machine(), self._srv.getsockname()[1], self._secret
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -151,47 +202,146 @@ class LineReceiver:
                 continue
             except OSError:
                 return
-            conn.settimeout(None)
-            self._conns.append(conn)
+            with self._lock:
+                full = len(self._pending) >= MAX_PENDING or len(self._authed) >= self._peers
+                if not full:
+                    self._pending.add(conn)
+            if full:             # bounded: anything more is closed at once
+                _close(conn)
+                continue
             th = threading.Thread(target=self._read, args=(conn,), name="ember-rank-output-reader", daemon=True)
             th.start()
-            self._readers.append(th)
+
+    def _handshake(self, conn: socket.socket) -> bytes | None:
+        """The bytes after a correct first line, or None (wrong, late, or too long)."""
+        conn.settimeout(HANDSHAKE_S)
+        deadline = time.monotonic() + HANDSHAKE_S
+        buf = b""
+        want = f"{_HELLO} {self._secret}\n".encode()
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or len(buf) > len(want):
+                return None
+            conn.settimeout(left)
+            chunk = conn.recv(len(want) + 1)
+            if not chunk:
+                return None
+            buf += chunk
+        first, rest = buf.split(b"\n", 1)
+        return rest if hmac.compare_digest(first + b"\n", want) else None
 
     def _read(self, conn: socket.socket) -> None:
+        rest = None
         try:
-            with conn.makefile("r", encoding="utf-8", errors="replace", newline="\n") as f:
-                for line in f:
-                    try:
-                        self._emit(line.rstrip("\n"))
-                    except Exception:   # noqa: BLE001 - a display error must not stop the reading
-                        pass
-        except (OSError, ValueError):
+            rest = self._handshake(conn)
+        except OSError:
+            pass
+        with self._lock:
+            self._pending.discard(conn)
+            if rest is not None and len(self._authed) < self._peers:
+                self._authed[conn] = time.monotonic()
+            else:
+                rest = None
+        if rest is None:
+            _close(conn)
+            return
+        try:
+            conn.settimeout(None)
+            self._lines(conn, rest)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._authed.pop(conn, None)
+            _close(conn)
+
+    def _lines(self, conn: socket.socket, buf: bytes) -> None:
+        """Emit each line; never hold more than :data:`MAX_LINE` bytes of one."""
+        skipping = False
+        while True:
+            while True:
+                nl = buf.find(b"\n")
+                if nl < 0:
+                    break
+                line, buf = buf[:nl], buf[nl + 1:]
+                if skipping:
+                    skipping = False
+                else:
+                    self._show(line)
+            if len(buf) > MAX_LINE:
+                if not skipping:
+                    self._show(buf[:MAX_LINE], cut=True)
+                skipping, buf = True, b""
+            chunk = conn.recv(65536)
+            if not chunk:
+                if buf and not skipping:
+                    self._show(buf)
+                return
+            buf += chunk
+            self._authed[conn] = time.monotonic()     # still sending: teardown waits for its last lines
+
+    def _show(self, line: bytes, cut: bool = False) -> None:
+        text = neutralise(line.decode("utf-8", "replace"))
+        if cut:
+            text += f" ... [line cut at {MAX_LINE} bytes]"
+        try:
+            self._emit(text)
+        except Exception:   # noqa: BLE001 - a display error must not stop the reading
             pass
 
     def close(self, wait: float) -> None:
-        """Stop accepting; wait up to ``wait`` seconds for the other ranks to close their
-        end (so their last lines are shown), then close every socket."""
+        """Stop accepting; wait, at most ``wait`` seconds in all, while authenticated ranks
+        are still sending (so their last lines are shown; one silent for :data:`IDLE_S`
+        is not waited for), then close every socket. Idle connections that never
+        authenticated are closed at once."""
+        import select
+        deadline = time.monotonic() + max(0.0, wait)
         self._stop.set()
         self._accept.join(timeout=1)
-        for th in list(self._readers):
-            th.join(timeout=wait)
-        for c in self._conns + [self._srv]:
+        with self._lock:
+            pending = list(self._pending)
+        for c in pending:     # idle, never authenticated: closed now (one that sent data finishes its handshake)
             try:
-                c.close()
-            except OSError:
-                pass
+                ready = select.select([c], [], [], 0)[0]
+            except (OSError, ValueError):
+                ready = []
+            if not ready:
+                _close(c)
+        while True:
+            now = time.monotonic()
+            with self._lock:      # still sending (or finishing its handshake): worth its last lines
+                busy = bool(self._pending) or any(now - t < IDLE_S for t in self._authed.values())
+            if not busy or now >= deadline:
+                break
+            time.sleep(0.02)
+        with self._lock:
+            conns = list(self._authed) + list(self._pending)
+        for c in conns + [self._srv]:
+            _close(c)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def connect(address: tuple[str, int], rank: int) -> LineForwarder | None:
     """On a non-zero rank: replace ``sys.stdout`` and Python's warning printer with a
     :class:`LineForwarder` to rank 0's ``address``. None (nothing changed) when rank 0 is
     on another host or the connection fails."""
-    host, port = address
+    host, port, secret = address
     if host != machine():
         return None
     try:
         sock = socket.create_connection(("127.0.0.1", int(port)), timeout=5)
         sock.settimeout(5)   # a stuck rank 0 never blocks a print for longer
+        sock.sendall(f"{_HELLO} {secret}\n".encode())
     except OSError:
         return None
     fwd = LineForwarder(sock, f"[rank {rank}] ", sys.stdout)

@@ -103,5 +103,11 @@ class RunRecord(Callback):
         os.replace(tmp, os.path.join(log_dir, RUN_FILE))
         if self.report and status == "success":
             from ember.loggers.report import write_report
-            trainer.report_path = write_report([log_dir], os.path.join(log_dir, "report.html"))
+            try:
+                trainer.report_path = write_report([log_dir], os.path.join(log_dir, "report.html"))
+            except Exception as err:   # noqa: BLE001 - the run has finished: a report that fails never fails it
+                import warnings
+                warnings.warn(f"Trainer(report=True): the run report could not be written ({type(err).__name__}: "
+                              f"{err}); the run itself succeeded. Try `ember report {log_dir}`", stacklevel=2)
+                return
             print(f"run report: {trainer.report_path}")

@@ -369,6 +369,22 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     return path
 
 
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete checkpoint directory ``path``, or refuse (CheckpointError naming it) when it
+    is not recognisably one (:func:`ember.checkpoint.trust.not_a_checkpoint`: it holds
+    other files, or a ``meta.json`` that is not ember's). ``meta.json`` goes first, so a
+    deletion cut short leaves a folder that no longer counts as a checkpoint."""
+    path = os.path.normpath(os.fspath(path))
+    why = checks.not_a_checkpoint(path, staging=True)
+    if why:
+        raise CheckpointError(f"refusing to delete {path}: it is not an ember checkpoint ({why})")
+    meta = os.path.join(path, META_NAME)
+    if os.path.lexists(meta):
+        os.remove(meta)
+        _fsync_path(path, directory=True)
+    shutil.rmtree(path)
+
+
 def _set_modes(root: str) -> None:
     """One mode for every file of a checkpoint (safetensors writes 0600, the rest 0644)."""
     for dirpath, _dirs, names in os.walk(root):
@@ -607,19 +623,42 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
     return sorted(keep)
 
 
+#: an index larger than this is refused before it is parsed (a 70B model's is ~100 KB)
+MAX_INDEX_BYTES = 64 * 2**20
+
+
+def read_index(index_file: str | os.PathLike) -> tuple[dict[str, str], list[str]]:
+    """A sharded safetensors index (``model.safetensors.index.json``): ``(weight_map,
+    shard paths)``. Every shard name must be a plain relative name of a regular file in
+    the index's folder (:func:`ember.checkpoint.trust.member_file`): ``../victim/x.safetensors``,
+    an absolute path or a symlink out is refused on the name, before any file is opened."""
+    index_file = os.fspath(index_file)
+    folder = os.path.dirname(index_file) or "."
+    try:
+        if os.path.getsize(index_file) > MAX_INDEX_BYTES:
+            raise ValueError(f"larger than the {MAX_INDEX_BYTES} bytes ember reads")
+        with open(index_file, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
+    except (ValueError, KeyError, TypeError, OSError, RecursionError) as err:
+        raise CheckpointError(f"{index_file} is not a safetensors index (JSON with a 'weight_map' object): "
+                              f"{type(err).__name__}: {err}") from err
+    names = list(dict.fromkeys(weight_map.values()))
+    for name in names:      # every name first: nothing is opened when one of them is refused
+        checks.member(folder, name, os.path.basename(index_file))
+    return weight_map, [checks.member_file(folder, n, os.path.basename(index_file)) for n in names]
+
+
 def load_model_sharded(save_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Load what :func:`save_model_sharded` (or ``transformers``' ``save_pretrained``) wrote."""
     save_dir = os.fspath(save_dir)
     index_file = os.path.join(save_dir, INDEX_NAME)
     if os.path.isfile(index_file):
-        try:
-            with open(index_file) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (ValueError, KeyError, TypeError, OSError) as err:
-            raise _corrupt(index_file, err) from err
+        weight_map, shards = read_index(index_file)
         out: dict[str, torch.Tensor] = {}
-        for fname in sorted(set(weight_map.values())):
-            out.update(load_safetensors(os.path.join(save_dir, fname)))
+        for fp in sorted(shards):
+            out.update(load_safetensors(fp))
         missing = [k for k in weight_map if k not in out]
         if missing:
             raise CheckpointError(f"{index_file} lists tensors that no shard holds: {missing[:10]}")

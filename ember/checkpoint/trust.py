@@ -1,12 +1,16 @@
 """What makes an untrusted checkpoint safe to open, and a save safe to start.
 
-The threat model (docs/checkpoint_format.md, "Untrusted checkpoints"): a checkpoint
+The threat model (docs/checkpoint_format.md, "Threat model"): a checkpoint
 directory may come from anyone. Opening it must run no code and read or write
 nothing outside it. Every rule lives here:
 
 - ``meta.json`` is size- and depth-limited before it is parsed; its ``files`` entries
   are plain relative names inside the directory (:func:`read_meta`, :func:`member`);
-- symlinks are resolved and must stay inside the checkpoint (:func:`member`);
+- symlinks are resolved and must stay inside the checkpoint (:func:`member`); a file
+  that is read must be a regular file (:func:`member_file`: no FIFO, device, folder);
+  every path a checkpoint's own files name (``meta.json`` ``files``, a DCP ``.metadata``
+  storage entry's ``relative_path``, a safetensors index's ``weight_map``) is resolved
+  with these two, so a load never reads outside the folder;
 - the DCP ``.metadata`` pickle of a sharded checkpoint is read with an allow-list
   unpickler that builds only DCP's own metadata records, and DCP byte items load
   with ``weights_only=True`` (:func:`dcp_reader`, :func:`dcp_planner`);
@@ -19,7 +23,8 @@ nothing outside it. Every rule lives here:
   ``Accelerator.save_state`` adds after its commit are in neither list (they are read
   with the tensor-only loader, like every file here).
 
-It also holds the checks of what a save may replace (:func:`check_save_target`) and
+It also holds the one check of what a save may replace or delete
+(:func:`not_a_checkpoint`, used by :func:`check_save_target`) and
 how an ``OSError`` while writing is reported (:func:`write_error`).
 """
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import os
 import pickle
 import re
+import stat
 import warnings
 from typing import Any
 
@@ -76,13 +82,43 @@ def member(root: str | os.PathLike, name: Any, where: str = "") -> str:
     return full
 
 
+def member_file(root: str | os.PathLike, name: Any, where: str = "") -> str:
+    """:func:`member`, and it must be a regular file (symlinks resolved, inside ``root``):
+    a FIFO, a device or a folder is refused before it is opened (opening a FIFO blocks)."""
+    full = member(root, name, where)
+    try:
+        st = os.stat(full)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {os.fspath(root)} is incomplete: "
+                              f"{where + ' lists ' if where else ''}{name!r}, which is missing") from None
+    except OSError as err:
+        raise CheckpointError(f"refusing checkpoint {os.fspath(root)}: {name!r} cannot be read "
+                              f"({type(err).__name__}: {err})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"refusing checkpoint {os.fspath(root)}: {where + ' lists ' if where else ''}"
+                              f"{name!r}, which is not a regular file ({_kind(st.st_mode)})")
+    return full
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a plain file"
+
+
 def check_tree(root: str | os.PathLike) -> None:
-    """Every entry under ``root`` (a DCP folder) stays inside it: no symlink out."""
+    """Every entry under ``root`` (a DCP folder) stays inside it (no symlink out) and
+    every file is a regular file (no FIFO or device, which would block or never end)."""
     root = os.fspath(root)
     for dirpath, dirs, files in os.walk(root):
         for n in dirs + files:
             rel = os.path.relpath(os.path.join(dirpath, n), root).replace(os.sep, "/")
-            member(root, rel)
+            if n in files:
+                member_file(root, rel)
+            else:
+                member(root, rel)
 
 
 # -- meta.json ------------------------------------------------------------------------
@@ -279,21 +315,45 @@ def dcp_reader(folder: str | os.PathLike):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    root = os.fspath(folder)
+
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             path = self._get_metadata_path(kwargs.get("rank"))
+            member_file(root, os.path.basename(path))
             try:
                 with self.fs.create_stream(path, "rb") as f:
                     md = _DCPMetadataUnpickler(f).load()
             except pickle.UnpicklingError as err:
                 raise CheckpointError(f"refusing {path}: {err}; unpickling it could run code") from None
+            check_dcp_storage(md, root)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
 
-    check_tree(folder)
-    return SafeFileSystemReader(os.fspath(folder))
+        def set_up_storage_reader(self, metadata, *args, **kwargs):
+            check_dcp_storage(metadata, root)    # also metadata another rank read and sent
+            return super().set_up_storage_reader(metadata, *args, **kwargs)
+
+    check_tree(root)
+    return SafeFileSystemReader(root)
+
+
+def check_dcp_storage(md: Any, folder: str | os.PathLike) -> None:
+    """Every storage entry of DCP metadata ``md`` names a regular file inside ``folder``
+    (its ``relative_path``: not absolute, no ``..``, no symlink out, no FIFO), so a load
+    reads only this checkpoint's shards. A missing file is left to the size checks
+    (``meta.json``'s ``files``, the commit's ``verify_dcp_shards``), which name its rank."""
+    storage = getattr(md, "storage_data", None)
+    if storage is None:
+        return
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"refusing {os.path.join(os.fspath(folder), '.metadata')}: its storage_data is a "
+                              f"{type(storage).__name__}, not a mapping")
+    for name in {getattr(info, "relative_path", None) for info in storage.values()}:
+        if os.path.lexists(member(folder, name, ".metadata")):   # a missing shard: the size checks name it
+            member_file(folder, name, ".metadata")
 
 
 def dcp_planner(allow_partial_load: bool = False):
@@ -318,9 +378,75 @@ def dcp_planner(allow_partial_load: bool = False):
 
 
 # -- saving ------------------------------------------------------------------------------
+#: the entries a checkpoint directory (or its ``NAME.tmp`` staging folder) holds: the
+#: weights, the trainer state, ``meta.json``, a sharded strategy's ``model/`` folder
+#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files, and the
+#: hidden temporary file a writer killed mid-write leaves (safetensors' ``.tmpXXXXXX``)
+_CHECKPOINT_ENTRY = re.compile(r"(model\.safetensors|trainer_state\.pt|meta\.json|model|deepspeed"
+                               r"|model_\d+\.safetensors|rng_state_\d+\.pt(\.tmp)?|\.tmp\w{1,16})")
+
+
+def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
+    """Why the directory ``path`` is not recognisably an ember checkpoint, or ``""`` when
+    it is one, so that ember may replace or delete it: a ``meta.json`` carrying ember's
+    format marker (an integer ``format_version``), and nothing but the files a checkpoint
+    holds. ``staging``: a ``NAME.tmp`` folder of an unfinished save (``meta.json`` is
+    written last, so it may be missing). An empty directory counts as one (nothing to lose).
+    This one check guards every replace and delete of a save: ``save_checkpoint``'s
+    target and its staging folder, the superseded checkpoints ``ModelCheckpoint`` deletes,
+    the automatic checkpoints ``Accelerator`` rotates."""
+    path = os.fspath(path)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return f"{path} is {'a symlink' if os.path.islink(path) else 'not a directory'}"
+    names = sorted(os.listdir(path))
+    others = [n for n in names if not _CHECKPOINT_ENTRY.fullmatch(n)]
+    if others:
+        return (f"{path} holds {others[:5]}{' ...' if len(others) > 5 else ''}, which no ember checkpoint "
+                "holds")
+    if not names or (staging and cio.META_NAME not in names):
+        return ""
+    if cio.META_NAME not in names:
+        return f"{path} has no {cio.META_NAME}"
+    meta_file = os.path.join(path, cio.META_NAME)
+    try:
+        if not os.path.isfile(meta_file) or os.path.islink(meta_file):
+            raise CheckpointError(f"{meta_file} is not a plain file")
+        fv = read_meta(meta_file).get("format_version")
+    except CheckpointError as err:
+        return f"its {cio.META_NAME} is not ember's ({err})"
+    if isinstance(fv, bool) or not isinstance(fv, int):
+        return f"its {cio.META_NAME} has no ember format_version (it is another program's {cio.META_NAME})"
+    return ""
+
+
+def checkpoint_containing(path: str | os.PathLike) -> str:
+    """The ember checkpoint directory that ``path`` (symlinks resolved) is or lies in,
+    or ``""``: a folder with ember's ``meta.json`` (integer ``format_version``), or its
+    ``NAME.tmp`` staging folder. Outputs that are not checkpoints never go there."""
+    real = os.path.realpath(os.fspath(path))
+    d = real
+    while True:
+        meta_file = os.path.join(d, cio.META_NAME)
+        if os.path.isdir(d) and (os.path.isfile(meta_file) or d.endswith(cio.TMP_SUFFIX)):
+            try:
+                fv = read_meta(meta_file).get("format_version") if os.path.isfile(meta_file) else None
+            except CheckpointError:
+                fv = None
+            if (isinstance(fv, int) and not isinstance(fv, bool)) or \
+                    (d.endswith(cio.TMP_SUFFIX) and not not_a_checkpoint(d, staging=True) and os.listdir(d)):
+                return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return ""
+        d = parent
+
+
 def check_save_target(path: str | os.PathLike, what: str) -> None:
-    """Refuse to replace anything at ``path`` that is not an ember checkpoint: a plain
-    file, or a non-empty directory without ``meta.json`` (a log folder, a dataset)."""
+    """Refuse to replace anything at ``path`` that is not recognisably an ember checkpoint
+    (:func:`not_a_checkpoint`): a plain file, a non-empty directory without ember's
+    ``meta.json`` (a log folder), or one that holds other files too (a dataset folder
+    with its own ``meta.json`` and ``images/``); and a ``NAME.tmp`` that is not a staging
+    folder of an ember save."""
     path = os.path.normpath(os.fspath(path))
     if os.path.islink(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a symlink that does not point to a checkpoint; "
@@ -328,24 +454,16 @@ def check_save_target(path: str | os.PathLike, what: str) -> None:
     if os.path.lexists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a file, not a checkpoint directory; refusing to "
                               "replace it. Remove it or choose another path")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, cio.META_NAME)):
-        contents = sorted(os.listdir(path))
-        raise CheckpointError(f"{what}({path!r}): {path} is a non-empty directory that is not an ember "
-                              f"checkpoint (no {cio.META_NAME}; it holds {contents[:5]}"
-                              f"{' ...' if len(contents) > 5 else ''}); refusing to replace it. Choose "
-                              "another path, e.g. a subfolder")
+    if os.path.isdir(path):
+        why = not_a_checkpoint(os.path.realpath(path))
+        if why:
+            raise CheckpointError(f"{what}({path!r}): {path} is not an ember checkpoint ({why}); refusing to "
+                                  "replace it. Choose another path, e.g. a subfolder")
     tmp = cio.tmp_path(path)
-    if os.path.lexists(tmp) and not _is_staging(tmp):
-        raise CheckpointError(f"{what}({path!r}): {tmp} exists and is not a staging folder of an ember save; "
-                              "refusing to delete it. Remove it or choose another path")
-
-
-def _is_staging(tmp: str) -> bool:
-    """A ``NAME.tmp`` ember may delete: a directory holding only checkpoint files."""
-    if os.path.islink(tmp) or not os.path.isdir(tmp):
-        return False
-    known = {cio.WEIGHTS_NAME, cio.STATE_NAME, cio.META_NAME, cio.DCP_WEIGHTS_DIR, "deepspeed"}
-    return all(n in known or n.startswith(("model", "rank", "shard", ".")) for n in os.listdir(tmp))
+    if os.path.lexists(tmp) and not_a_checkpoint(tmp, staging=True):
+        raise CheckpointError(f"{what}({path!r}): {tmp} exists and is not a staging folder of an ember save "
+                              f"({not_a_checkpoint(tmp, staging=True)}); refusing to delete it. Remove it or "
+                              "choose another path")
 
 
 def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
@@ -395,13 +513,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_HELD: dict[str, "DirLock"] = {}      # lock path -> the DirLock of this process holding it
+
+
 class DirLock:
     """A lock file ``dirpath/.ember-lock`` holding the owner's pid and host.
 
-    :meth:`acquire` raises CheckpointError while another live process holds it; the
-    lock of a dead process on this host (a crash, ``kill -9``) is taken over. A lock
-    from another host is honoured until removed by hand (ember cannot tell whether
-    that process lives)."""
+    :meth:`acquire` raises CheckpointError while another live process holds it. The
+    owner holds the file with ``flock`` for as long as it runs, so the kernel frees it
+    when that process ends however it ends (``kill -9``, the OOM killer): the lock of a
+    process that is gone is taken over, whatever the file holds, even nothing at all (a
+    process killed between creating and writing it: a warning says so). Only one process
+    can hold the ``flock``, so two processes taking over one stale lock at once cannot
+    both win. A lock recorded by another host is honoured until removed by hand (its
+    ``flock`` may not reach this host on every shared file system, and ember cannot tell
+    whether that process lives). Where the file system has no ``flock``, a lock whose
+    owner cannot be shown alive on this host (dead, or an empty or unreadable file) is
+    taken over with a warning, without that guarantee."""
 
     def __init__(self, dirpath: str | os.PathLike):
         import socket
@@ -409,6 +537,7 @@ class DirLock:
         self.path = os.path.join(os.fspath(dirpath), LOCK_NAME)
         self.owner = {"pid": os.getpid(), "host": socket.gethostname(), "token": uuid.uuid4().hex}
         self.held = False
+        self._fd: int | None = None
 
     def _read(self) -> dict | None:
         try:
@@ -420,8 +549,80 @@ class DirLock:
         except (OSError, ValueError):
             return {}
 
+    def _in_use(self, what: str, other: dict) -> CheckpointError:
+        pid, host = other.get("pid"), other.get("host")
+        who = f"process {pid} on host {host!r}" if pid is not None else "a process that is writing it now"
+        return CheckpointError(
+            f"{what}: {os.path.dirname(self.path)} is in use by another run ({who}, see {self.path}); two runs "
+            "writing one checkpoint folder would overwrite each other's checkpoints. Give this run another "
+            "dirpath / logger version, or remove the lock file if that process is gone")
+
     def acquire(self, what: str = "ModelCheckpoint") -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        mine = _HELD.get(os.path.realpath(self.path))
+        if mine is not None and mine.held and mine is not self and mine._fd is not None:   # this process's earlier run
+            self._fd, mine._fd, mine.held = mine._fd, None, False
+            self._write()
+            return
+        try:
+            import fcntl
+        except ImportError:       # no flock (Windows): the file's content decides
+            return self._acquire_by_content(what)
+        for _ in range(20):
+            try:
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE), True
+            except FileExistsError:
+                try:
+                    fd, created = os.open(self.path, os.O_RDWR), False
+                except FileNotFoundError:
+                    continue              # released meanwhile
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:       # a live process holds it
+                os.close(fd)
+                raise self._in_use(what, self._read() or {}) from None
+            except OSError:               # this file system has no flock
+                os.close(fd)
+                if created:
+                    os.remove(self.path)
+                return self._acquire_by_content(what)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:                  # its owner released it (removed the file) meanwhile
+                os.close(fd)
+                continue
+            if not created:               # left behind: nobody holds its flock
+                other = self._read() or {}
+                pid, host = other.get("pid"), other.get("host")
+                if isinstance(host, str) and host != self.owner["host"]:
+                    os.close(fd)          # another host's lock: honoured
+                    raise self._in_use(what, other)
+                if host == self.owner["host"] and isinstance(pid, int) and pid != os.getpid() \
+                        and _pid_alive(pid):
+                    os.close(fd)          # a live process of this host that holds no flock
+                    raise self._in_use(what, other)
+                if not (isinstance(pid, int) and isinstance(host, str)):
+                    self._warn_stale(other)
+            self._fd = fd
+            self._write()
+            return
+        raise CheckpointError(f"{what}: could not take the lock {self.path}")
+
+    def _warn_stale(self, other) -> None:
+        warnings.warn(f"{self.path}: the lock file is empty or unreadable ({other!r}) and no process holds it "
+                      "(its owner was killed while taking it?); taking it over", UserWarning, stacklevel=4)
+
+    def _write(self) -> None:
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(self.owner).encode(), 0)
+        self.held = True
+        _HELD[os.path.realpath(self.path)] = self
+
+    def _acquire_by_content(self, what: str) -> None:
+        """Without flock: the pid and host in the file decide."""
+        import time
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE)
@@ -429,16 +630,20 @@ class DirLock:
                 other = self._read()
                 if other is None:
                     continue   # released meanwhile
+                if not other:   # empty or unreadable: maybe being written right now
+                    time.sleep(1.0)
+                    other = self._read()
+                    if other is None:
+                        continue
                 pid, host = other.get("pid"), other.get("host")
-                ours = host == self.owner["host"] and isinstance(pid, int)
-                if ours and (pid == os.getpid() or not _pid_alive(pid)):
+                if not isinstance(pid, int) or not isinstance(host, str):
+                    self._warn_stale(other)
+                    self._take_over()
+                    return
+                if host == self.owner["host"] and (pid == os.getpid() or not _pid_alive(pid)):
                     self._take_over()   # a dead process of this host, or this process's earlier run
                     return
-                raise CheckpointError(
-                    f"{what}: {os.path.dirname(self.path)} is in use by another run (process {pid} on host "
-                    f"{host!r}, see {self.path}); two runs writing one checkpoint folder would overwrite each "
-                    "other's checkpoints. Give this run another dirpath / logger version, or remove the lock "
-                    "file if that process is gone") from None
+                raise self._in_use(what, other) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(self.owner, f)
             self.held = True
@@ -455,9 +660,14 @@ class DirLock:
     def release(self) -> None:
         if self.held and (self._read() or {}).get("token") == self.owner["token"]:
             try:
-                os.remove(self.path)
+                os.remove(self.path)      # before the flock goes: a waiter then finds no file
             except OSError:
                 pass
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if _HELD.get(os.path.realpath(self.path)) is self:
+            del _HELD[os.path.realpath(self.path)]
         self.held = False
 
 

@@ -137,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the fully resolved config (defaults filled in) and exit")
         if name == "predict":
             sp.add_argument("--output", "-o", default=None, metavar="FILE",
-                            help="where to save the predictions (torch.save; default: "
-                                 "predictions.pt in trainer.default_root_dir)")
+                            help="where to save the predictions (torch.save, written atomically; default: "
+                                 "predictions.pt in trainer.default_root_dir). Checked before predicting: "
+                                 "never an existing file (see --overwrite), never inside a checkpoint or "
+                                 "over the weights loaded")
+            sp.add_argument("--overwrite", action="store_true",
+                            help="replace the --output file if it exists")
     _launch.add_subcommands(sub, fmt)
     from ember.loggers.report import add_subcommand as _add_report
     _add_report(sub, fmt)
@@ -287,6 +291,7 @@ class _CLI:
     def __init__(self, model_class=None, datamodule_class=None):
         self.model_class, self.datamodule_class = model_class, datamodule_class
         self.output = None   # `ember predict --output`
+        self.overwrite = False   # `ember predict --overwrite`
 
     def resolve(self, cfg: dict) -> dict:
         from ember.module import DataModule, TrainModule
@@ -334,16 +339,30 @@ class _CLI:
         except MisconfigurationError as err:
             raise UsageError(f"{('trainer', 'model', 'data')[len(built)]}: {err}")
         trainer, model, data = built["trainer"], built["model"], built["data"]
+        path = None
+        if command == "predict":   # checked before anything is predicted
+            path = self.output or os.path.join(trainer.default_root_dir, "predictions.pt")
+            self._check_output(path, [resolved["ckpt_path"]])
         trainer.callbacks.append(SaveConfigCallback(to_yaml_safe(resolved)))
         # validate()/test() print their results table themselves (rank 0)
         out = getattr(trainer, command)(model, datamodule=data, ckpt_path=resolved["ckpt_path"])
         if command == "predict" and trainer.is_global_zero:   # every rank holds all predictions
-            import torch
-            path = self.output or os.path.join(trainer.default_root_dir, "predictions.pt")
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            torch.save(out, path)
+            from ember.callbacks.prediction_writer import save_predictions
+            inputs = [resolved["ckpt_path"], getattr(trainer, "ckpt_path", None)]   # "last" -> its path
+            try:
+                save_predictions(out, path, self.overwrite, inputs, "--output")
+            except MisconfigurationError as err:
+                raise UsageError(str(err)) from None
             print(f"predictions: {path}")
         return 0
+
+    def _check_output(self, path: str, inputs: list) -> None:
+        from ember.callbacks.prediction_writer import check_output_path
+        from ember.errors import MisconfigurationError
+        try:
+            check_output_path(path, self.overwrite, inputs, "--output")
+        except MisconfigurationError as err:
+            raise UsageError(str(err)) from None
 
 
 def _shared_random_seed() -> int:
@@ -385,6 +404,9 @@ def run_command(args: argparse.Namespace, overrides, cli: _CLI) -> int:
         sys.stdout.write(yaml.safe_dump(to_yaml_safe(resolved), sort_keys=False))
         return 0
     cli.output = getattr(args, "output", None)
+    cli.overwrite = bool(getattr(args, "overwrite", False))
+    if cli.output is not None:   # before any object is built
+        cli._check_output(cli.output, [resolved["ckpt_path"]])
     return cli.run(args.command, resolved)
 
 

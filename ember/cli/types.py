@@ -2,9 +2,13 @@
 ``class_path`` / ``init_args`` objects of the ``ember`` command line (docs/cli.md).
 
 Every ``class_path`` is imported and checked before any object is built: against the
-parameter's type where it has one, and where it has none (an untyped or ``Any``
-argument) against the few bases ember builds there (:data:`UNTYPED_BASES`), so a config
-cannot make ember build an arbitrary class such as ``subprocess.Popen``.
+parameter's type where it is a class, and where the argument has no type (untyped,
+``Any`` or ``object``) against the few bases ember builds there (:func:`untyped_bases`),
+so a config cannot make ember build an arbitrary class such as ``subprocess.Popen``.
+An argument whose type holds data (``dict``, ``str``, ``list[int]``, ...) takes a
+mapping as data, and a mapping with a ``class_path`` there is refused, naming the
+argument. :func:`instantiate` builds only the :class:`ClassSpec` entries that
+:func:`resolve_class` checked: a ``class_path`` key in anything else is plain data.
 """
 from __future__ import annotations
 
@@ -29,8 +33,18 @@ def _unknown(where: str, valid, what: str = "key") -> str:
 # --------------------------------------------------------------------------- validation
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _FLOAT = re.compile(r"[-+]?((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
-_CLASSES: dict[str, type] = {}     # class_path -> class, filled while resolving
 _DROP = object()
+
+
+class ClassSpec(dict):
+    """A checked ``{class_path, init_args}`` entry (made only by :func:`resolve_class`):
+    the one kind of mapping :func:`instantiate` builds. ``cls`` is the checked class."""
+
+    cls: type
+
+    def __init__(self, cls: type, init_args: dict) -> None:
+        super().__init__(class_path=f"{cls.__module__}.{cls.__qualname__}", init_args=init_args)
+        self.cls = cls
 
 
 def _type_name(tp) -> str:
@@ -124,9 +138,7 @@ def resolve_class(where: str, value: Any, base=None, fixed=None) -> dict:
     init = value.get("init_args") or {}
     if not isinstance(init, dict):
         raise UsageError(f"{where}.init_args: expected a mapping, got {init!r}")
-    path = f"{cls.__module__}.{cls.__qualname__}"
-    _CLASSES[path] = cls
-    return {"class_path": path, "init_args": check_kwargs(f"{where}.init_args", cls, init)}
+    return ClassSpec(cls, check_kwargs(f"{where}.init_args", cls, init))
 
 
 def check_kwargs(where: str, target, kwargs: dict, fill_defaults: bool = True) -> dict:
@@ -175,6 +187,72 @@ def _check(where: str, value: Any, tp) -> Any:
     return out
 
 
+def _is_class_mapping(value: Any) -> bool:
+    return isinstance(value, dict) and "class_path" in value
+
+
+#: types whose values are data: a ``class_path`` mapping given for them is refused
+_DATA_TYPES = (bool, int, float, complex, str, bytes, bytearray, dict, list, tuple, set, frozenset,
+               type(None), os.PathLike, PurePath)
+
+
+def _class_arms(tp) -> "list | None":
+    """The classes a ``class_path`` given for an argument of type ``tp`` may build:
+    ``None`` when the type sets no class (untyped, ``Any``, ``object``, ``Callable``...,
+    where :func:`untyped_bases` apply), ``[]`` when the type holds data only."""
+    import collections.abc as abc
+    import enum
+    import types
+    if tp is Any or tp is object or isinstance(tp, typing.TypeVar) or tp is inspect.Parameter.empty:
+        return None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _class_arms(args[0])
+    if origin in (typing.Union, types.UnionType):
+        arms: list = []
+        untyped = False
+        for arm in args:
+            got = _class_arms(arm)
+            if got is None:
+                untyped = True
+            else:
+                arms += [a for a in got if a not in arms]
+        return None if untyped and not arms else ([*arms, None] if untyped else arms)
+    if origin is typing.Literal or origin in (list, set, frozenset, tuple, dict, abc.Sequence, abc.MutableSequence,
+                                              abc.Iterable, abc.Collection, abc.Mapping, abc.MutableMapping):
+        return []
+    if origin is not None or not isinstance(tp, type):   # Callable, type[...], protocols...
+        return None
+    if tp in _DATA_TYPES or issubclass(tp, (PurePath, enum.Enum)) or tp is os.PathLike:
+        return []
+    return [tp]
+
+
+def _resolve_for(where: str, value: dict, tp) -> "ClassSpec":
+    """A ``class_path`` mapping given for an argument of type ``tp``: checked against the
+    class(es) of the type, or refused where the type holds data."""
+    arms = _class_arms(tp)
+    if arms is None:
+        return resolve_class(where, value, base=untyped_bases())
+    if not arms:
+        raise UsageError(f"{where}: a mapping with class_path ({value.get('class_path')!r}) is given for an "
+                         f"argument of type {_type_name(tp)}, which holds data, not an object to build; "
+                         "ember builds a class_path only where the argument's type is a class the path "
+                         "subclasses (and for the trainer's callbacks, logger, strategy). Give plain values "
+                         "here, or annotate the argument with the class it takes")
+    classes = [a for a in arms if a is not None]
+    if len(arms) == 1:
+        return resolve_class(where, value, base=arms[0])
+    cls = _import_class(f"{where}.class_path", value.get("class_path"), classes[0])
+    for arm in classes:
+        if issubclass(cls, arm):
+            return resolve_class(where, value, base=arm)
+    if None in arms:       # the type also has an untyped arm
+        return resolve_class(where, value, base=untyped_bases())
+    raise UsageError(f"{where}.class_path: {value.get('class_path')!r} is not a subclass of "
+                     f"{' or '.join(a.__name__ for a in classes)}")
+
+
 def _untyped(where: str, value: Any) -> Any:
     if isinstance(value, dict) and "class_path" in value:
         return resolve_class(where, value, base=untyped_bases())
@@ -191,8 +269,10 @@ def _match(where: str, value: Any, tp) -> tuple[bool, Any]:
     import collections.abc as abc
     import enum
     import types
-    if tp is Any or isinstance(tp, typing.TypeVar):
+    if tp is Any or tp is object or isinstance(tp, typing.TypeVar):
         return True, _untyped(where, value)
+    if _is_class_mapping(value):      # built only where the type is a class it subclasses
+        return True, _resolve_for(where, value, tp)
     if tp is None or tp is type(None):
         return value is None, value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -240,8 +320,6 @@ def _match(where: str, value: Any, tp) -> tuple[bool, Any]:
         return False, value
     if tp is str:
         return isinstance(value, str), value
-    if isinstance(value, dict) and "class_path" in value:
-        return True, resolve_class(where, value, base=tp)
     if isinstance(value, tp):
         return True, value
     if isinstance(value, str) and (tp is os.PathLike or issubclass(tp, PurePath)):
@@ -272,11 +350,11 @@ def to_yaml_safe(value: Any) -> Any:
 
 
 def instantiate(value: Any) -> Any:
-    """Build the objects of a resolved config: ``{class_path, init_args}`` -> instance."""
-    if isinstance(value, dict) and "class_path" in value:
-        path = value["class_path"]
-        cls = _CLASSES.get(path) or _import_class("class_path", path)
-        return cls(**{k: instantiate(v) for k, v in (value.get("init_args") or {}).items()})
+    """Build the objects of a resolved config: each :class:`ClassSpec` (a ``class_path``
+    entry that :func:`resolve_class` checked) -> instance, innermost first. Any other
+    mapping is data, a ``class_path`` key in it included: it is never built."""
+    if isinstance(value, ClassSpec):
+        return value.cls(**{k: instantiate(v) for k, v in (value.get("init_args") or {}).items()})
     if isinstance(value, dict):
         return {k: instantiate(v) for k, v in value.items()}
     if isinstance(value, list):

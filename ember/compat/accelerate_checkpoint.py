@@ -76,50 +76,73 @@ def _restore_rng(states: dict) -> None:
         torch.cuda.set_rng_state_all([s.to("cpu", torch.uint8) for s in states["torch_cuda_manual_seed"]])
 
 
+def _required(path: str, name: str, what: str) -> str:
+    fp = cio.checks.member(path, name)     # inside the folder: no symlink out of it
+    if not os.path.isfile(fp):
+        raise CheckpointError(f"{path}: {name} is missing for {what}")
+    return fp
+
+
 def load_accelerate_state(acc, path: str, strict: bool = True) -> dict:
+    """Read every file first and check it against what is prepared (weights against each
+    model, optimizer states against each optimizer's class, groups and options), then
+    load: a refused file (one that would need unpickling arbitrary objects, a mismatch)
+    leaves every model, optimizer and scheduler as it was."""
+    from ember.checkpoint.trust import check_optimizers
     strategy = acc.strategy
     if strategy.is_sharded or strategy.owns_optimizer_step:
         raise CheckpointError(f"{path} was written by Accelerate; ember reads Accelerate checkpoints under the "
                               f"single and DDP strategies only, not {strategy.name}")
+    # -- read and check everything; nothing is loaded yet --------------------------------
+    weights = []
     for i, m in enumerate(acc._models):
-        weights = _weights(path, i)
-        cio.check_compatible(strategy.unwrap_module(m), weights, path, strict=strict)
-        strategy.load_module_state_dict(m, weights, strict=strict)
-    model0 = acc._models[0] if acc._models else None
-    for i, o in enumerate(acc._optimizers):
-        fp = os.path.join(path, _name("optimizer", i, "bin"))
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"{path}: {os.path.basename(fp)} is missing for prepared optimizer {i}")
-        strategy.load_optimizer_state_dict(o.optimizer, cio.load_torch(fp), model0)
-    for i, s in enumerate(acc._schedulers):
-        fp = os.path.join(path, _name("scheduler", i, "bin"))
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"{path}: {os.path.basename(fp)} is missing for prepared scheduler {i}")
-        s.scheduler.load_state_dict(cio.load_torch(fp))
+        w = _weights(path, i)
+        cio.check_compatible(strategy.unwrap_module(m), w, path, strict=strict)
+        weights.append(w)
+    opt_states = [cio.load_torch(_required(path, _name("optimizer", i, "bin"), f"prepared optimizer {i}"))
+                  for i in range(len(acc._optimizers))]
+    check_optimizers([o.optimizer for o in acc._optimizers], opt_states, {}, path)
+    sched_states = [cio.load_torch(_required(path, _name("scheduler", i, "bin"), f"prepared scheduler {i}"))
+                    for i in range(len(acc._schedulers))]
     scaler = os.path.join(path, "scaler.pt")
-    if os.path.isfile(scaler):
-        strategy.precision.load_state_dict({"scaler": cio.load_torch(scaler)})
-    for i, o in enumerate(acc._custom_objects):
-        fp = os.path.join(path, f"custom_checkpoint_{i}.pkl")
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"{path}: custom_checkpoint_{i}.pkl is missing for registered object {i}")
-        o.load_state_dict(cio.load_torch(fp))
+    scaler_state = cio.load_torch(cio.checks.member(path, "scaler.pt")) if os.path.isfile(scaler) else None
+    custom = [cio.load_torch(_required(path, f"custom_checkpoint_{i}.pkl", f"registered object {i}"))
+              for i in range(len(acc._custom_objects))]
+    rng = os.path.join(path, f"random_states_{strategy.global_rank}.pkl")
+    states, rng_error = None, None
+    if os.path.isfile(rng):
+        try:
+            states = _safe_rng(cio.checks.member(path, os.path.basename(rng)))
+        except Exception as err:   # noqa: BLE001 - an unreadable RNG file is skipped, not fatal
+            rng_error = err
+    # -- load ----------------------------------------------------------------------------
+    for m, w in zip(acc._models, weights):
+        strategy.load_module_state_dict(m, w, strict=strict)
+    model0 = acc._models[0] if acc._models else None
+    for o, st in zip(acc._optimizers, opt_states):
+        strategy.load_optimizer_state_dict(o.optimizer, st, model0)
+    for s, st in zip(acc._schedulers, sched_states):
+        s.scheduler.load_state_dict(st)
+    if scaler_state is not None:
+        strategy.precision.load_state_dict({"scaler": scaler_state})
+    for o, st in zip(acc._custom_objects, custom):
+        o.load_state_dict(st)
     skipped = sorted(n for n in os.listdir(path) if n.startswith(("sampler", "dl_state_dict")))
     if skipped:
         warnings.warn(f"load_state({path!r}): {', '.join(skipped)} not read (Accelerate pickles sampler objects; "
                       "ember does not unpickle objects): the prepared dataloaders start their pass from the "
                       "beginning; skip the batches already seen with accelerator.skip_first_batches",
                       UserWarning, stacklevel=3)
-    rng = os.path.join(path, f"random_states_{strategy.global_rank}.pkl")
     step = 0
-    if os.path.isfile(rng):
+    if states is not None:
         try:
-            states = _safe_rng(rng)
             _restore_rng(states)
             step = int(states.get("step", 0))
         except Exception as err:   # noqa: BLE001 - an unreadable RNG file is skipped, not fatal
-            warnings.warn(f"load_state({path!r}): {os.path.basename(rng)} skipped: it cannot be read without "
-                          f"unpickling arbitrary objects ({type(err).__name__}); the RNG streams continue from "
-                          "the current state", UserWarning, stacklevel=3)
+            rng_error = err
+    if rng_error is not None:
+        warnings.warn(f"load_state({path!r}): {os.path.basename(rng)} skipped: it cannot be read without "
+                      f"unpickling arbitrary objects ({type(rng_error).__name__}); the RNG streams continue from "
+                      "the current state", UserWarning, stacklevel=3)
     acc._step = step % max(1, acc.gradient_accumulation_steps)
     return {"kind": "accelerate", "path": path}

@@ -323,13 +323,30 @@ def launch(args: argparse.Namespace) -> int:
         else:
             how = f"exited with code {failure.exitcode}"
             code = failure.exitcode or 1
-        print(f"ember: error: launch: rank {rank} (local rank {failure.local_rank}) {how}; "
-              "its error is printed above", file=sys.stderr)
+        missing = _never_arrived(failure)
+        if missing:
+            print(f"ember: error: launch: rank(s) {missing} never arrived at a collective: rank {rank} (local rank "
+                  f"{failure.local_rank}) waited for them until the process-group timeout and {how}; its error is "
+                  "printed above", file=sys.stderr)
+        else:
+            print(f"ember: error: launch: rank {rank} (local rank {failure.local_rank}) {how}; "
+                  "its error is printed above", file=sys.stderr)
         return code
     except SignalException as err:
         print(f"ember: error: launch: stopped by signal {err.sigval.name}", file=sys.stderr)
         return 128 + int(err.sigval)
     return 0
+
+
+def _never_arrived(failure) -> str:
+    """The ranks a failed rank's recorded error says never arrived at a collective
+    (``"1"``, ``"1, 3"``), or ``""``."""
+    import re
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    text = message.get("message", "") if isinstance(message, dict) else str(message or "")
+    m = re.search(r"rank\(s\) ([\d, ]+?) never arrived", text if isinstance(text, str) else "")
+    return m.group(1) if m else ""
 
 
 def first_failure(failures: dict) -> tuple:

@@ -209,6 +209,10 @@ def _plot(key: str, names: list[str], runs: list[RunData]) -> bytes:
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
+        from matplotlib.text import Text
+        for text in fig.findobj(Text):    # metric names as written: "$...$" is not math text here
+            text.set_parse_math(False)
+            text.set_usetex(False)
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
@@ -337,8 +341,16 @@ def write_report(paths: list[str], out: str | None = None) -> str:
     png_dir = os.path.splitext(out)[0] + "_charts"
     os.makedirs(png_dir, exist_ok=True)
     pngs, names = {}, {}
-    for key in charts:
-        pngs[key] = _plot(key, charts[key], runs)
+    for key in list(charts):
+        try:
+            pngs[key] = _plot(key, charts[key], runs)
+        except Exception as err:   # noqa: BLE001 - one chart that cannot be drawn never fails the run
+            import warnings
+            warnings.warn(f"run report: the chart {key!r} ({', '.join(charts[key])}) could not be drawn and is left "
+                          f"out ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+                          UserWarning, stacklevel=2)
+            del charts[key]
+            continue
         fname = _slug(key) + ".png"
         while fname in names.values():
             fname = "_" + fname

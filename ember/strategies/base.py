@@ -50,6 +50,7 @@ class Strategy:
     async_save = False
     _pending_save = None
     _async_in_flight = False
+    _commit_actions: "list | None" = None
 
     def __init__(self, device: "str | torch.device | None" = None, async_save: bool = False) -> None:
         self._device = torch.device(device) if device is not None else None
@@ -130,7 +131,9 @@ class Strategy:
     def on_exception(self, exc: BaseException) -> None:
         """After an exception in the run (the Trainer calls this before teardown): a
         background save not committed yet is dropped (its writer is let finish and removes
-        its ``NAME.tmp``, which never counts; no collective, so a failed rank ends at once)."""
+        its ``NAME.tmp``, which never counts; no collective, so a failed rank ends at once),
+        and what waited for its commit (:meth:`after_commit`) never runs."""
+        self._commit_actions = None
         pending, self._pending_save = self._pending_save, None
         self._async_in_flight = False
         if pending is not None and pending.drop():
@@ -284,7 +287,8 @@ class Strategy:
 
     def _finish_pending_save(self) -> None:
         """Wait for the background save (``async_save``); its error is raised on every rank
-        (a collective when distributed: every rank calls it, at a save, a load, teardown)."""
+        (a collective when distributed: every rank calls it, at a save, a load, teardown).
+        Once it is committed, what waited for it runs (:meth:`after_commit`)."""
         if not self._async_in_flight:
             return
         self._async_in_flight = False
@@ -296,7 +300,48 @@ class Strategy:
             except Exception as err:   # reported to every rank below, raised here as it is
                 error = err
         from ember.strategies.full_load import raise_rank0_error
-        raise_rank0_error(self, error, "the asynchronous save of the last checkpoint failed on rank 0")
+        with self._committing():
+            raise_rank0_error(self, error, "the asynchronous save of the last checkpoint failed on rank 0")
+
+    # -- after a commit ------------------------------------------------------------
+    @property
+    def save_pending(self) -> bool:
+        """Whether a background save (``async_save``) may not be committed yet: the same on
+        every rank (rank 0 alone may be writing, but every rank takes part in its commit)."""
+        return bool(self._async_in_flight)
+
+    def after_commit(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the checkpoint saved last is committed, on every rank's
+        part: at once when no save is pending (a synchronous save is committed when it
+        returns, every rank agreed); after a background save (``async_save``) when it is
+        finished and committed (at the next save or load, :meth:`wait_for_checkpoint`,
+        teardown), in the order given. A save that fails or is dropped after an exception
+        never runs them: what a new checkpoint supersedes (the older checkpoints to delete,
+        the ``last`` link to move) stays until it exists. ``action`` must be local: no
+        collective (it may run in teardown)."""
+        if not self.save_pending:
+            action()
+            return
+        if self._commit_actions is None:
+            self._commit_actions = []
+        self._commit_actions.append(action)
+
+    def _committing(self):
+        """Context around a pending save's commit: on success the :meth:`after_commit`
+        actions run; on an error they are dropped."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            try:
+                yield
+            except BaseException:
+                self._commit_actions = None
+                raise
+            actions, self._commit_actions = self._commit_actions or [], None
+            for action in actions:
+                action()
+        return ctx()
 
     def wait_for_checkpoint(self) -> None:
         """Block until the last ``async_save`` checkpoint is committed (raises its write error)."""

@@ -526,12 +526,13 @@ class DeepSpeedStrategy(DDPStrategy):
         (path, state, meta, engine, writer, failed), self._ds_pending = self._ds_pending, None
         from ember.strategies.deepspeed_writes import report, written_by
         mine, error = report(writer, failed, lambda: written_by(engine, cio.tmp_path(path), TAG))
-        try:
-            self._commit(path, state, meta, mine)
-        except CheckpointError as err:
-            if error is not None and err.__cause__ is None and err is not error:
-                raise err from error     # this rank's own write error: the real traceback under the common message
-            raise
+        with self._committing():
+            try:
+                self._commit(path, state, meta, mine)
+            except CheckpointError as err:
+                if error is not None and err.__cause__ is None and err is not error:
+                    raise err from error     # this rank's own write error: the real traceback under the common message
+                raise
 
     def on_exception(self, exc: BaseException) -> None:
         """A checkpoint not committed yet is dropped without a collective: this rank's

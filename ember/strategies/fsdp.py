@@ -376,6 +376,7 @@ class FSDPStrategy(DDPStrategy):
         ``NAME.tmp`` stays behind and never counts as a checkpoint."""
         if not isinstance(self._pending_save, tuple):   # a full-state write by rank 0's thread
             return super().on_exception(exc)
+        self._commit_actions = None     # the dropped save is never committed
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             warnings.warn(f"the asynchronous save of {pending[1]} was not committed: the run failed "
@@ -527,12 +528,18 @@ class FSDPStrategy(DDPStrategy):
         if pending is None:
             return
         future, path, state, meta = pending
-        future.result()
-        self._commit(path, state, meta)
+        with self._committing():
+            future.result()
+            self._commit(path, state, meta)
 
     def wait_for_checkpoint(self) -> None:
         """Block until an ``async_save`` checkpoint is complete on disk."""
         self._finish_pending_save()
+
+    @property
+    def save_pending(self) -> bool:
+        """Whether an ``async_save`` checkpoint may not be committed yet (every rank)."""
+        return isinstance(self._pending_save, tuple) or super().save_pending
 
     def load_checkpoint(self, path: str, module: nn.Module, optimizers: list, strict: bool = True,
                         weights_only: bool = False) -> dict:

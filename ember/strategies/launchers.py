@@ -247,6 +247,55 @@ def is_peer_lost_error(exc: BaseException) -> bool:
     return is_comm_error(exc) and any(s in text for s in _PEER_LOST)
 
 
+def is_timeout_error(exc: BaseException) -> bool:
+    """A collective that gave up waiting (the process-group timeout), not one whose peer
+    went away, and not already an error that names the ranks missing."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return (is_comm_error(exc) or "distributedoperationerror" in text) and not is_peer_lost_error(exc) \
+        and ("timed out" in text or "timeout" in text) and "never arrived" not in text
+
+
+_WAITING_KEY = "ember/timed-out/rank{}"
+
+
+def ranks_never_arrived(window: float = 3.0) -> list[int]:
+    """After this rank's collective timed out: the ranks that never arrived there.
+
+    This rank records in the rendezvous store that it was waiting, then gives the others
+    ``window`` seconds to record the same (the ranks blocked in that collective time out
+    at about the same moment); a rank that records nothing never reached it (stuck, or
+    much slower). Store round trips on the error path only; ``[]`` when unknown (no
+    process group or store, or every rank was waiting: a collective called on some ranks
+    only, or in another order)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+        if not dist.is_available() or not dist.is_initialized():
+            return []
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = c10d._get_default_store()
+        store.set(_WAITING_KEY.format(rank), "1")
+        deadline = time.monotonic() + window
+        while True:
+            missing = [r for r in range(world) if r != rank and not store.check([_WAITING_KEY.format(r)])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:   # the store is gone too: say nothing rather than something wrong
+        return []
+
+
+def never_arrived_message(exc: BaseException, missing: list[int]) -> str:
+    """The one-line report of a collective timeout naming the ranks that never arrived."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else os.environ.get("RANK", "?")
+    who = ", ".join(map(str, missing))
+    line = (str(exc).strip().splitlines() or [""])[0]
+    return (f"rank(s) {who} never arrived at a collective that rank {rank} waited in until the process-group "
+            f"timeout: rank(s) {who} hang, are stuck in other work, or are much slower (see their own output; "
+            f"if they are only slow, raise the strategy's timeout=). ({type(exc).__name__}: {line[:300]})")
+
+
 class _ExitState:
     installed = False
     failed = False
@@ -282,7 +331,14 @@ def _excepthook(exc_type, exc, tb):
                 f"(its error is reported above or in its log): {exc_type.__name__}: {line[:300]}")
     else:
         _PREV_EXCEPTHOOK(exc_type, exc, tb)
-        _record_for_torchrun(exc)
+        missing = ranks_never_arrived() if is_timeout_error(exc) else []
+        if missing:      # name the ranks this one waited for, here and in the launcher's report
+            from ember.errors import DistributedOperationError
+            report = DistributedOperationError(never_arrived_message(exc, missing))
+            _stderr(f"ember: {report}")
+            _record_for_torchrun(report)
+        else:
+            _record_for_torchrun(exc)
     if launcher is not None:
         launcher.terminate()
     try:  # what the interpreter would run at exit (loggers, ...), then leave

@@ -15,6 +15,10 @@ file): rank 0 must still stop at the agent's SIGTERM, not after its grace period
 MODE ``no_sync_exception``: an exception inside a micro-batch that skips the gradient
 all-reduce (accumulation 2), in the Trainer's step and in ``Accelerator.accumulate``: DDP's
 sync flag is restored on both paths.
+MODE ``collective_timeout`` (under ``ember launch``): rank 1 sleeps 20 s after its first
+step while rank 0 waits in ModelCheckpoint's save-point broadcast (not an agreement
+point) under a 4 s process-group timeout; the error is not caught: the report must name
+rank 1 as the rank that never arrived.
 MODE ``ckpt_last``: ``ckpt_path="last"`` where rank 1's view of the run folder (its
 ``default_root_dir``, a separate folder) holds no checkpoint: both ranks restore rank 0's.
 Every rank writes ROOT/<MODE>_<rank>.json.
@@ -121,6 +125,19 @@ def agree_timeout(root):
     return {"error": err, "seconds": time.monotonic() - start, "rank": t.global_rank}
 
 
+def collective_timeout(root):
+    from ember.callbacks import Callback, ModelCheckpoint
+
+    class SleepOnRank1(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_rank == 1 and batch_idx == 0:
+                time.sleep(20)
+
+    t = trainer(root, timeout=4, log_every_n_steps=50, enable_checkpointing=True,
+                callbacks=[SleepOnRank1(), ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=1)])
+    t.fit(Net(), loader())      # raises on rank 0: not caught
+
+
 class FailsOnRank1WhileRank0Waits(Net):
     """Rank 0 blocks in a call that does not return to Python (a wait on the launcher's
     store, as a rank stuck in a collective whose peer is alive), rank 1 raises."""
@@ -211,7 +228,7 @@ if __name__ == "__main__":
     if "TORCHELASTIC_RUN_ID" in os.environ:
         ready(int(os.environ["RANK"]))
     out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last, "agree_timeout": agree_timeout,
-           "no_sync_exception": no_sync_exception,
+           "no_sync_exception": no_sync_exception, "collective_timeout": collective_timeout,
            "peer_fails": peer_fails, "peer_killed": peer_killed}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)

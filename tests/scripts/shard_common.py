@@ -217,3 +217,38 @@ def deepspeed_dropping_rank1_file():
                 dropped.append(sorted(mine)[0])
             super()._commit(path, state, meta, mine)
     return DropsRank1File, dropped
+
+
+class CommittedWatch(Callback):
+    """At each step's ``on_train_batch_end`` (before ModelCheckpoint's save of that step):
+    the global steps of the complete checkpoints in ``dirpath`` and the step ``last``
+    resolves to (None: missing or not a complete checkpoint)."""
+
+    def __init__(self, dirpath):
+        self.dirpath, self.seen = dirpath, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.seen.append((trainer.global_step, committed_steps(self.dirpath), last_step(self.dirpath)))
+
+
+def _meta_step(path):
+    from ember.checkpoint import io as cio
+    try:
+        with open(os.path.join(path, cio.META_NAME)) as f:
+            return json.load(f)["global_step"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def committed_steps(dirpath) -> list:
+    """global_step of each complete checkpoint directory under ``dirpath`` (``last`` not counted)."""
+    from ember.checkpoint import io as cio
+    return sorted(_meta_step(p) for p in cio.list_checkpoints(dirpath) if os.path.basename(p) != "last")
+
+
+def last_step(dirpath):
+    """The global step of the complete checkpoint ``dirpath/last`` names, or None."""
+    from ember.checkpoint import io as cio
+    last = os.path.join(dirpath, "last")
+    return _meta_step(last) if cio.is_checkpoint(os.path.realpath(last)) else None
+

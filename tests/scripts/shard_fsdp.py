@@ -338,6 +338,19 @@ elif MODE == "w2":
         "error": err, "committed": os.path.exists(os.path.join(OUT, "async_failed")),
         "warned": any("was not committed" in str(w.message) for w in caught)}, rank)
 
+    # 14. async_save with ModelCheckpoint(save_top_k=1, save_last=True): the superseded
+    #     checkpoint is deleted and 'last' moved only once the new one is committed by
+    #     every rank (its commit is at the next save), so a complete checkpoint is always there
+    ckdir = os.path.join(OUT, "async_topk")
+    watch = sc.CommittedWatch(ckdir)
+    t = trainer(fsdp(async_save=True), max_steps=4, enable_checkpointing=True,
+                callbacks=[watch, ModelCheckpoint(dirpath=ckdir, filename="{step}", every_n_train_steps=1,
+                                                  save_top_k=1, save_last=True)])
+    t.fit(sc.make_net(), sc.loader())
+    t.strategy.barrier()
+    sc.write_result(OUT, "async_topk", {"seen": watch.seen, "final": sc.committed_steps(ckdir),
+                                        "last": sc.last_step(ckdir)}, rank)
+
 elif MODE == "w1b":
     res, _ = resume_and_compare(os.path.join(OUT, "w2_ckpt"), "w2_full.pt", 1)
     sc.write_result(OUT, "from_world2", res, 0)

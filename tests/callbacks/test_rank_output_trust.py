@@ -1,0 +1,116 @@
+"""Rank 0's output-forwarding socket trusts nothing it did not authenticate: a local
+process without the run's secret shows nothing, forwarded text cannot act on the
+terminal, a line without a newline cannot grow rank 0's memory, connections are
+bounded, and teardown never waits on idle peers. Real sockets on loopback."""
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from ember.callbacks import rank_output
+from ember.callbacks.rank_output import MAX_LINE, LineReceiver
+
+
+class Lines:
+    def __init__(self):
+        self.lines, self.event = [], threading.Event()
+
+    def __call__(self, line):
+        self.lines.append(line)
+        self.event.set()
+
+
+@pytest.fixture
+def receiver():
+    got = Lines()
+    recv = LineReceiver(got, peers=2)
+    yield recv, got
+    recv.close(wait=0)
+
+
+def _raw(recv, hello: bool):
+    s = socket.create_connection(("127.0.0.1", recv.address[1]), timeout=10)
+    if hello:
+        s.sendall(f"ember-rank-output {recv.address[2]}\n".encode())
+    return s
+
+
+def _closed_by_peer(s, within: float) -> bool:
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_a_local_process_without_the_secret_shows_nothing(receiver):
+    recv, got = receiver
+    for first in (b"\x1b[1A\x1b[2Kember: fit finished, all good\n", b"ember-rank-output 0000\nforged\n"):
+        s = _raw(recv, hello=False)
+        s.sendall(first)
+        assert _closed_by_peer(s, 5)           # refused: closed by rank 0
+        s.close()
+    time.sleep(0.3)
+    assert got.lines == []
+
+
+def test_forwarded_control_sequences_are_shown_not_acted_on(receiver):
+    recv, got = receiver
+    before = sys.stdout
+    fwd = rank_output.connect(recv.address, 1)
+    assert fwd is not None
+    try:
+        print("\x1b[1A\x1b[2Kforged line")                      # cursor up, erase line
+        print("\x1b]0;owned title\x07 and \x1b]52;c;ZXZpbA==\x07")   # OSC title, OSC 52 clipboard
+        print("over\rwrite \u202edesrever")                      # carriage return, bidi override
+    finally:
+        rank_output.disconnect(fwd)
+    assert sys.stdout is before
+    deadline = time.time() + 5
+    while len(got.lines) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert got.lines == ["[rank 1] \\x1b[1A\\x1b[2Kforged line",
+                         "[rank 1] \\x1b]0;owned title\\x07 and \\x1b]52;c;ZXZpbA==\\x07",
+                         "[rank 1] over\\x0dwrite \\u202edesrever"], got.lines
+    assert not any(c in "".join(got.lines) for c in "\x1b\x07\r\u202e")
+
+
+def test_a_line_without_newline_is_cut_and_never_held_whole(receiver):
+    recv, got = receiver
+    s = _raw(recv, hello=True)
+    chunk = b"x" * (1 << 20)
+    for _ in range(40):                         # 40 MB, no newline
+        s.sendall(chunk)
+    s.sendall(b"\nnext line\n")
+    s.close()
+    deadline = time.time() + 20
+    while len(got.lines) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(got.lines) == 2, [len(x) for x in got.lines]
+    assert got.lines[0] == "x" * MAX_LINE + f" ... [line cut at {MAX_LINE} bytes]"
+    assert got.lines[1] == "next line"
+
+
+def test_connections_are_bounded_and_teardown_never_waits_on_idle_peers():
+    got = Lines()
+    recv = LineReceiver(got, peers=1)
+    idle = [_raw(recv, hello=False) for _ in range(30)]      # connected, silent
+    ranked = _raw(recv, hello=True)                          # the one real rank, idle too
+    time.sleep(0.5)
+    # beyond the handshake slots (and the one authenticated peer) connections are closed at once
+    closed = sum(_closed_by_peer(s, 0.5) for s in idle)
+    assert closed >= 30 - 8, closed
+    t0 = time.monotonic()
+    recv.close(wait=5.0)
+    took = time.monotonic() - t0
+    assert took < 1.5, took                     # was about 5 s per idle connection
+    assert _closed_by_peer(ranked, 2)
+    for s in idle + [ranked]:
+        s.close()
+    assert got.lines == []
