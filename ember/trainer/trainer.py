@@ -178,8 +178,9 @@ class Trainer(MetricsMixin, LoopProperties, RunProperties):
             self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
         self.report_path: str | None = None
         _checks.check_logger_arg(logger)
-        self._logger_arg = logger
-        self.loggers = []
+        from ember.loggers import loggers_for   # built now: trainer.logger is usable before fit, and fit
+        self._logger_arg = loggers_for(logger, self.default_root_dir)   # keeps what was logged to it (ports)
+        self.loggers = list(self._logger_arg)
         # state: the loop position and control, in one object (trainer/progress.py)
         self.loop_state = LoopState()
         self._callback_metrics: dict[str, torch.Tensor] = {}
