@@ -78,3 +78,7 @@ def test_language_model_on_two_processes(results):
     one, two = results("language_model"), results("language_model", devices=2)
     assert two["world"] == 2 and two["params"].keys() == one["params"].keys() and two["params"] != one["params"]
     assert all(math.isfinite(v) for v in two["params"].values()) and two["val_losses"][-1] < two["val_losses"][0]
+    # shuffled under DDP: each epoch's order is Fabric's DistributedSampler permutation (seed 42 + epoch);
+    # the dropout draws differ after it (ember takes a RandomSampler's seed from the global RNG)
+    fabric = results("language_model", devices=2, fabric=True)
+    assert two["first_batches"] == fabric["first_batches"] and len(set(two["first_batches"])) == 2

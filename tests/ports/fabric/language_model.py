@@ -14,7 +14,9 @@ port ``tests/ports/lightning/transformer.py``) stand in (no downloads); fewer sa
 2 epochs; ``L.Fabric(**fabric_kwargs())`` names the processes and ``fabric.launch()`` is
 called; the training loader shuffles under DDP only (``common.SHUFFLE_TRAIN``: on one
 process ember's order comes from (seed, epoch), Lightning's from the global RNG); the
-numbers are written to ``PORT_OUT``.
+numbers are written to ``PORT_OUT``, with the token sum of each epoch's first batch
+(under DDP the shuffled order equals Fabric's; the dropout draws then differ: see
+docs/porting.md, "Data order").
 
 Features used: setup, setup_dataloaders, backward, clip_gradients(clip_val), print,
 seed_everything; dropout (global RNG).
@@ -93,6 +95,9 @@ class SyntheticText(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+ORDER = []   # (port) the token sum of each epoch's first batch on this rank
+
+
 def main():
     L.seed_everything(42)
 
@@ -112,7 +117,7 @@ def main():
     model, optimizer = fabric.setup(model, optimizer)
     train_dataloader, val_dataloader = fabric.setup_dataloaders(train_dataloader, val_dataloader)
     val_losses, train_losses = train(fabric, model, optimizer, train_dataloader, val_dataloader)
-    write(fabric, val_losses=val_losses, train_losses=train_losses, params=param_sums(model))
+    write(fabric, val_losses=val_losses, train_losses=train_losses, params=param_sums(model), first_batches=ORDER)
 
 
 def train(fabric, model, optimizer, train_dataloader, val_dataloader, max_epochs=2):
@@ -129,6 +134,8 @@ def train_epoch(fabric, model, optimizer, train_dataloader, epoch):
     losses = []
     for batch_idx, batch in enumerate(train_dataloader):
         input, target = batch
+        if batch_idx == 0:   # (port: which samples came first, for the comparison of the data order)
+            ORDER.append(int(input.sum()))
         output = model(input, target)
         loss = F.nll_loss(output, target.view(-1))
         fabric.backward(loss)
