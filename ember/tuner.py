@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.callbacks.base import Callback
-from ember.errors import MisconfigurationError, invalid_choice
+from ember.errors import MisconfigurationError, NonFiniteLossError, invalid_choice
 
 # --------------------------------------------------------------------------- saving / restoring
 class _Snapshot:
@@ -122,6 +122,9 @@ class LRFinderResult:
     ``lrs[i]`` is the learning rate of step ``i``; ``raw_losses[i]`` its training
     loss (mean over ranks and accumulated micro-batches); ``losses[i]`` the
     exponentially smoothed loss (``beta=0.98``, bias-corrected), as Lightning reports.
+    ``diverged``: the sweep ended early, at the step whose smoothed loss exceeded
+    ``early_stop_threshold`` times the lowest before it, or whose loss was not finite
+    (that step is the last point, as in Lightning).
     """
     lrs: list = field(default_factory=list)
     losses: list = field(default_factory=list)
@@ -129,24 +132,39 @@ class LRFinderResult:
     diverged: bool = False
 
     def suggestion(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
-        """The learning rate where the smoothed loss falls fastest (the most negative
-        gradient of loss over step), skipping the first ``skip_begin`` and the last
-        ``skip_end`` points. ``None`` when too few finite points remain."""
-        lrs = self.lrs[skip_begin: len(self.lrs) - skip_end]
-        losses = self.losses[skip_begin: len(self.losses) - skip_end]
-        pts = [(lr, v) for lr, v in zip(lrs, losses) if math.isfinite(v)]
-        if len(pts) < 3:
+        """The learning rate where the smoothed loss falls fastest before its lowest point,
+        skipping the first ``skip_begin`` and the last ``skip_end`` points. The slope is
+        taken over a window of a tenth of those points (per step, so per factor of the
+        learning rate in ``"exponential"`` mode): the smoothed loss of the first steps still
+        wanders by as much per step as the real descent falls, which made a single-step
+        gradient pick the first point in some seeds. Always one of the swept rates, at or
+        below the one with the lowest loss. ``None`` when fewer than 3 finite points remain."""
+        n = len(self.lrs)
+        idx = [i for i in range(skip_begin, n - skip_end) if i < len(self.losses) and math.isfinite(self.losses[i])]
+        if len(idx) < 3:
             import warnings
-            warnings.warn(f"lr_find: only {len(pts)} usable points after skipping {skip_begin}+{skip_end}; "
+            warnings.warn(f"lr_find: only {len(idx)} usable points after skipping {skip_begin}+{skip_end}; "
                           "no suggestion (raise num_training or lower skip_begin)", stacklevel=2)
             return None
-        import numpy as np
-        grad = np.gradient(np.array([v for _, v in pts]))
-        return float(pts[int(np.argmin(grad))][0])
+        lowest = min(idx, key=lambda i: self.losses[i])
+        cand = [i for i in idx if i <= lowest]
+        if len(cand) < 3:   # the loss only rose: the least rising point of the whole curve
+            cand = idx
+        half = max(1, len(cand) // 20)
+        best, pick = math.inf, cand[0]
+        for j, i in enumerate(cand):
+            a, b = cand[max(0, j - half)], cand[min(len(cand) - 1, j + half)]
+            slope = (self.losses[b] - self.losses[a]) / (b - a)
+            if slope < best:
+                best, pick = slope, i
+        return float(self.lrs[pick])
 
     def plot(self, path: str | None = None, suggest: bool = True):
         """Loss over learning rate (log x axis) with the suggestion marked. Writes a PNG
-        to ``path`` and returns the path; with no path returns the matplotlib figure."""
+        to ``path`` and returns the path; with no path returns the matplotlib figure.
+        The y axis spans the curve up to its lowest point (the starting level down to the
+        minimum, with a margin): the losses of the last, diverging steps, which can reach
+        1e20, would flatten the rest."""
         import matplotlib
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
@@ -155,6 +173,9 @@ class LRFinderResult:
         ax.plot(self.lrs, self.raw_losses, alpha=0.3, label="loss")
         if self.lrs and self.lrs[-1] / max(self.lrs[0], 1e-300) > 10:
             ax.set_xscale("log")
+        ylim = self._ylim()
+        if ylim is not None:
+            ax.set_ylim(*ylim)
         sug = self.suggestion() if suggest else None
         if sug is not None:
             i = self.lrs.index(sug)
@@ -171,6 +192,18 @@ class LRFinderResult:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+    def _ylim(self) -> tuple[float, float] | None:
+        """(bottom, top): the lowest loss (smoothed or raw) to the highest smoothed loss up to
+        the smoothed minimum, with a 10% margin; None when no loss is finite."""
+        finite = [(i, v) for i, v in enumerate(self.losses) if math.isfinite(v)]
+        if not finite:
+            return None
+        lowest = min(finite, key=lambda p: p[1])[0]
+        top = max(v for i, v in finite if i <= lowest)
+        bottom = min([v for _, v in finite] + [v for v in self.raw_losses[: lowest + 1] if math.isfinite(v)])
+        pad = 0.1 * (top - bottom) or 0.1 * abs(top) or 1.0
+        return bottom - pad, top + pad
 
 
 class _LRFinder(Callback):
@@ -197,7 +230,7 @@ class _LRFinder(Callback):
             self.pending.append((self._step, loss.detach().float().reshape(())))
         if trainer.global_step > self._step and trainer.global_step % self.check_every == 0:
             self._collect(trainer)
-            if self.threshold is not None and _diverged(self.values, self.threshold):
+            if _diverged(self.values, self.threshold):   # (a NaN/inf loss also ends it without a threshold)
                 self.diverged = True
                 trainer.request_stop("should_stop", agreed=True)   # the losses were reduced over ranks
 
@@ -227,19 +260,35 @@ def _smooth(values: list, beta: float = 0.98) -> list:
     return out
 
 
-def _diverged(values: list, threshold: float) -> bool:
-    sm = _smooth(values)
-    if any(not math.isfinite(v) for v in sm):
-        return True
-    return len(sm) > 1 and sm[-1] > threshold * min(sm)
+def _stop_index(values: list, threshold: float | None) -> int | None:
+    """The step at which Lightning's finder stops: the first whose smoothed loss exceeds
+    ``threshold`` times the lowest smoothed loss before it (from the second step on), or
+    the first non-finite loss. None: the sweep ran to its end."""
+    best = math.inf
+    for i, (v, sm) in enumerate(zip(values, _smooth(values))):
+        if not (math.isfinite(v) and math.isfinite(sm)):
+            return i
+        if threshold is not None and i > 0 and sm > threshold * best:
+            return i
+        if sm < best or i == 0:
+            best = sm
+    return None
+
+
+def _diverged(values: list, threshold: float | None) -> bool:
+    return _stop_index(values, threshold) is not None
 
 
 def lr_find(trainer, module, train_dataloaders=None, datamodule=None, min_lr: float = 1e-8, max_lr: float = 1.0,
             num_training: int = 100, mode: str = "exponential", early_stop_threshold: float | None = 4.0) -> LRFinderResult:
     """Train ``num_training`` steps while the learning rate grows from ``min_lr`` to
     ``max_lr`` (``mode="exponential"``: geometric steps, ``"linear"``: equal steps) and
-    record the loss of each step; stop early once the smoothed loss exceeds
-    ``early_stop_threshold`` times its minimum (checked every 10 steps; ``None``: never).
+    record the loss of each step; stop early, as Lightning's finder, at the first step whose
+    smoothed loss exceeds ``early_stop_threshold`` times the lowest before it, or whose loss
+    is NaN/inf (``early_stop_threshold=None``: only then). The losses are read every 10 steps
+    (one transfer, one collective under DDP), so training may go on a few steps past that
+    point, but the curve ends there and the model is put back anyway; a loss that turned
+    NaN between two reads ends the sweep in the same way (not with ``NonFiniteLossError``).
 
     The module's configured optimizers are used (their learning rate is overridden;
     schedulers are not stepped). Afterwards the weights, optimizer states, trainer
@@ -263,14 +312,24 @@ def lr_find(trainer, module, train_dataloaders=None, datamodule=None, min_lr: fl
     snap = _Snapshot(trainer, module)
     finder = _LRFinder(lrs, early_stop_threshold)
     try:
-        _search_trainer(trainer, finder, n).fit(module, train_dataloaders=train_dataloaders, datamodule=datamodule)
+        search = _search_trainer(trainer, finder, n)
+        try:
+            search.fit(module, train_dataloaders=train_dataloaders, datamodule=datamodule)
+        except NonFiniteLossError:
+            # the loss became NaN/inf between two checks and the Trainer's own check (at an epoch's
+            # end, agreed by every rank) stopped the fit: that is the divergence the sweep looks for
+            finder.diverged = True
+            finder._collect(search)
         for o, s in finder.optim:   # optimizers the module keeps between fits
             o.load_state_dict(s)
     finally:
         snap.restore()
     values = finder.values
+    stop = _stop_index(values, early_stop_threshold)
+    if stop is not None:   # where Lightning's finder stops: the curve ends there, that step included
+        values = values[: stop + 1]
     return LRFinderResult(lrs=lrs[: len(values)], losses=_smooth(values), raw_losses=list(values),
-                          diverged=finder.diverged)
+                          diverged=finder.diverged or stop is not None)
 
 
 # --------------------------------------------------------------------------- batch-size finder

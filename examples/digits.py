@@ -84,8 +84,7 @@ def main(argv=None) -> float:
     print(f"TensorBoard logs:    {trainer.log_dir}   (view with: tensorboard --logdir {args.root})")
     if trainer.checkpoint_callback is not None:
         print(f"checkpoint:          {trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path}")
-    if trainer.report_path:
-        print(f"run report:          {trainer.report_path}")
+    # (the run report's path was printed when it was written: trainer.report_path holds it)
     return acc
 
 

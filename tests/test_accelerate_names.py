@@ -103,11 +103,13 @@ def test_save_logger_and_utils(tmp_path, caplog):
     assert utils.write_basic_config(save_location=path) is False
 
 
-def test_find_executable_batch_size_halves_on_out_of_memory():
+def test_find_executable_batch_size_takes_ten_percent_off_as_accelerate():
+    """Accelerate's sequence after each out-of-memory error: int(batch_size * 0.9)
+    (its automatic_gradient_accumulation.py divides by it), also on the CPU allocator's message."""
     from ember.utils import find_executable_batch_size
     tried = []
 
-    @find_executable_batch_size(starting_batch_size=64)
+    @find_executable_batch_size(starting_batch_size=40)
     def train(batch_size, limit):
         tried.append(batch_size)
         if batch_size > limit:
@@ -115,8 +117,16 @@ def test_find_executable_batch_size_halves_on_out_of_memory():
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
         return batch_size
-    assert train(10) == 8 and tried == [64, 32, 16, 8]
+    assert train(24) == 22 and tried == [40, 36, 32, 28, 25, 22]
+    tried.clear()
+    assert train(24) == 22 and tried == [40, 36, 32, 28, 25, 22]   # each call starts again at 40
     assert ember.find_executable_batch_size is find_executable_batch_size
+
+    # reduce_batch_size_fn: ember's form (given the failed size) and Accelerate's (no argument)
+    for fn, expected in ((lambda b: b // 2, [40, 20, 10]), (lambda: 5, [40, 5])):
+        tried.clear()
+        assert find_executable_batch_size(train.__wrapped__, starting_batch_size=40, reduce_batch_size_fn=fn)(10) == expected[-1]
+        assert tried == expected
 
     @find_executable_batch_size(starting_batch_size=4)
     def never(batch_size):

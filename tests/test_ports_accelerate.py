@@ -32,9 +32,8 @@ def ember_one(tmp_path_factory):
 def test_ports_on_one_process_equal_accelerate(ember_one, tmp_path):
     pytest.importorskip("accelerate")
     acc = run(tmp_path, "accelerate", str(ROOT / "tests" / "ports" / "accelerate" / "run_with_accelerate.py"))
-    # find_executable_batch_size: ember halves (32, 16, 8); Accelerate 1.15 takes 10% off each time
-    assert ember_one["memory"].pop("tried") == [32, 16, 8]
-    assert acc["memory"].pop("tried")[0] == 32
+    # find_executable_batch_size: 10% off after each out-of-memory error, as Accelerate
+    assert ember_one["memory"]["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8]
     assert ember_one == acc
     assert ember_one["checkpointing"]["resumed"] == ember_one["checkpointing"]["uninterrupted"]
 
@@ -50,4 +49,4 @@ def test_ports_on_two_processes(tmp_path):
         assert two[name]["n_eval"] == 36, name        # exactly the evaluation set, no padding duplicates
     assert two["checkpointing"]["resumed"] == two["checkpointing"]["uninterrupted"]
     assert two["early_stopping"]["stopped_after"] == 3 and two["cross_validation"]["n_test"] == 20
-    assert two["memory"]["tried"] == [32, 16, 8] and two["automatic_gradient_accumulation"]["gas"] == 2
+    assert two["memory"]["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8] and two["automatic_gradient_accumulation"]["gas"] == 2

@@ -126,7 +126,7 @@ def test_fit_summary_checkpoint_and_resume_lines(tmp_path):
     con2 = _console(200, terminal=False)
     t2, text2 = _fit(tmp_path, con2, max_epochs=3, enable_checkpointing=True, ckpt_path="last",
                      callbacks=[RichProgressBar(console=con2), ModelCheckpoint(dirpath=tmp_path / "ckpt")])
-    assert f"ember: restored {tmp_path / 'ckpt' / 'last'} (epoch 2, step 16)" in text2
+    assert f"ember: restored {tmp_path / 'ckpt' / 'last'} (epoch 1, step 16)" in text2   # as saved (epoch 1's end)
     assert "Fit stopped: reached max_epochs=3" in text2 and "epochs: 3, steps: 24" in text2
 
 

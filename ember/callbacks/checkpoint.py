@@ -36,13 +36,19 @@ class ModelCheckpoint(Callback):
         filename: template such as ``"{epoch}-{step}-{val/loss:.3f}"``; each field becomes
             ``name=value`` (``auto_insert_metric_name=False``: just the value) and ``/`` in
             names is written as ``_``. Default ``"{epoch}-{step}"``.
-        monitor / mode: the metric to rank checkpoints by (``"min"`` or ``"max"``).
+        monitor: the logged metric to rank checkpoints by (default None: no ranking, the
+            newest are kept).
+        mode: ``"min"`` (default: a lower ``monitor`` is better) or ``"max"``.
         save_top_k: keep the k best (-1 all, 0 none); without a monitor, the k latest.
         save_last: also keep ``last`` pointing at the newest checkpoint (a symlink where
             the file system allows it, else a copy); ``last`` is what ``ckpt_path="last"`` finds.
-        every_n_train_steps / every_n_epochs / train_time_interval: when to save (one of
-            them; default: every epoch end). ``train_time_interval`` takes seconds or a
-            ``datetime.timedelta``.
+            It follows every save, so it is the newest state: Lightning's ``last.ckpt``
+            is written only with a top-k save (docs/porting.md, deliberate differences).
+        every_n_train_steps: save every N optimizer steps (when set, not at epoch ends).
+        every_n_epochs: save at the end of every N-th epoch (default 1 when neither of the
+            other two is set).
+        train_time_interval: save when this much training time has passed since the last
+            save (seconds or a ``datetime.timedelta``). Set at most one of the three.
         save_weights_only: write plain ``.safetensors`` files of the weights (no trainer
             state: they cannot be resumed from, but load with ``Module.load_from_checkpoint``).
         save_on_train_epoch_end: True: never save after a mid-epoch validation.

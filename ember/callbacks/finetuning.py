@@ -187,7 +187,27 @@ class BackboneFinetuning(BaseFinetuning):
     a new parameter group whose lr starts at ``backbone_initial_lr`` (default: the
     first group's lr times ``backbone_initial_ratio_lr``) and is multiplied by
     ``lambda_func(epoch + 1)`` each following epoch (capped at the first group's lr
-    when ``should_align``). As ``lightning.pytorch.callbacks.BackboneFinetuning``."""
+    when ``should_align``). As ``lightning.pytorch.callbacks.BackboneFinetuning``.
+
+    Args:
+        unfreeze_backbone_at_epoch: the epoch (0-based) at whose start the backbone is
+            unfrozen and added to the optimizer.
+        lambda_func: ``epoch -> factor``: each later epoch the backbone's lr is multiplied
+            by ``lambda_func(epoch + 1)`` (default: 1.5 every epoch).
+        backbone_initial_ratio_lr: the backbone's first lr as a fraction of the first
+            parameter group's lr at the unfreeze epoch (default 0.1).
+        backbone_initial_lr: the backbone's first lr itself (default None: use
+            ``backbone_initial_ratio_lr``).
+        should_align: cap the backbone's lr at the first group's lr once it reaches it.
+        initial_denom_lr: passed to :meth:`unfreeze_and_add_param_group`, which divides the
+            first group's lr by it when no lr is given; the backbone's lr is always given
+            here, so it does not change the result (kept for Lightning's signature).
+        train_bn: keep the backbone's batch-norm layers trainable while it is frozen, and
+            add their parameters with the rest at the unfreeze epoch (default True).
+        verbose: log both learning rates (``logging.INFO``, logger ``ember.callbacks``) at
+            the unfreeze epoch and each one after.
+        rounding: decimal places of the learning rates in those log lines (default 12).
+    """
 
     def __init__(self, unfreeze_backbone_at_epoch: int = 10, lambda_func: Callable[[int], float] = multiplicative,
                  backbone_initial_ratio_lr: float = 10e-2, backbone_initial_lr: Optional[float] = None,

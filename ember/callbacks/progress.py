@@ -101,6 +101,8 @@ class RichProgressBar(ProgressBar):
         self._eval_stage = None
         self._eval_done = 0
         self._owns_progress = False   # started for a standalone validate/test/predict
+        self._plain_eval: tuple | None = None   # plain lines: (label, total, start time) of the running
+        self._owns_thread = False               # evaluation; its timer started for a standalone one
         self._t0 = 0.0
         self._start_batch = 0
         self._epoch = 0
@@ -236,7 +238,10 @@ class RichProgressBar(ProgressBar):
 
     # -- validation / test / predict -------------------------------------------------
     def _eval_start(self, trainer, stage: str) -> None:
-        if not trainer.is_global_zero or not self._live():
+        if not trainer.is_global_zero:
+            return
+        if not self._live():
+            self._plain_eval_start(trainer, stage)
             return
         if self._progress is None:      # trainer.validate()/test()/predict(): a bar of its own
             self._trainer = trainer
@@ -247,6 +252,9 @@ class RichProgressBar(ProgressBar):
         self._eval_task = self._progress.add_task(_EVAL_LABEL[stage], total=total, rate="")
 
     def _eval_end(self, trainer) -> None:
+        if self._plain_eval is not None:
+            self._plain_eval_end()
+            return
         if self._progress is None or self._eval_task is None:
             return
         self._progress.remove_task(self._eval_task)
@@ -359,8 +367,43 @@ class RichProgressBar(ProgressBar):
         while not self._stop.wait(self.plain_interval):
             self._print_line(self._trainer)
 
+    def _plain_eval_start(self, trainer, stage: str) -> None:
+        """No terminal: the timer's lines name the evaluation while it runs (a validation
+        inside fit, or a standalone validate/test/predict, which starts a timer of its own)."""
+        label = "Sanity check" if trainer.sanity_checking else _EVAL_LABEL[stage]
+        if trainer.stage == "fit" and stage == "validate" and not trainer.sanity_checking:
+            label = f"{self._describe()}, validation" if self._trainer is not None else label
+        self._eval_stage, self._eval_done = stage, 0
+        self._plain_eval = (label, _eval_total(trainer, stage), time.monotonic())
+        if self._thread is None:
+            self._trainer = trainer
+            self._stop.clear()
+            self._owns_thread = True
+            self._thread = threading.Thread(target=self._plain_loop, name="ember-progress", daemon=True)
+            self._thread.start()
+
+    def _plain_eval_end(self) -> None:
+        self._plain_eval = self._eval_stage = None
+        if self._owns_thread:
+            self._owns_thread = False
+            self._shutdown()
+
+    def _print_eval_line(self, label: str, total, t0: float) -> None:
+        done = self._eval_done
+        el = time.monotonic() - t0
+        rate = done / max(el, 1e-9)
+        known = isinstance(total, (int, float)) and total != float("inf")
+        eta = f", eta {(total - done) / rate:.0f}s" if known and rate > 0 else ""
+        line = f"{label}: {done}/{int(total) if known else '?'} batches, {rate:.1f} it/s, elapsed {el:.0f}s{eta}"
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
     def _print_line(self, t) -> None:
         if t is None:
+            return
+        ev = self._plain_eval
+        if ev is not None:   # an evaluation is running: say so, not the frozen training line
+            self._print_eval_line(*ev)
             return
         done = t.batches_done if self._in_epoch else self._done
         el = time.monotonic() - self._t0

@@ -18,17 +18,32 @@ def _human(n: float) -> str:
     return f"{n:.1f} P"
 
 
+def training_modes(module: nn.Module) -> dict[str, bool]:
+    """``{submodule name: training?}`` as they will be while training: the Trainer calls
+    ``module.train()`` at each epoch's start, so a model loaded in eval mode (a transformers
+    ``from_pretrained`` model) trains in train mode, and a ``train()`` override that keeps some
+    layers in eval mode (frozen batch norm) shows them so. ``module`` is left as it was."""
+    before = [(m, m.training) for _, m in module.named_modules()]
+    try:
+        module.train()
+        return {name: m.training for name, m in module.named_modules()}
+    finally:
+        for m, mode in before:
+            m.training = mode
+
+
 def summarize(module: nn.Module, max_depth: int = 1) -> dict:
-    """Rows (name, type, params, trainable) for submodules down to ``max_depth``,
-    plus totals and the size in MB."""
+    """Rows (name, type, params, trainable, mode during training) for submodules down to
+    ``max_depth`` (-1: every level), plus totals and the size in MB."""
     rows = []
+    modes = training_modes(module)
     for name, m in module.named_modules():
         depth = name.count(".") + 1 if name else 0
-        if not name or depth > max_depth:
+        if not name or (max_depth >= 0 and depth > max_depth):
             continue
         n = sum(p.numel() for p in m.parameters())
         t = sum(p.numel() for p in m.parameters() if p.requires_grad)
-        rows.append((name, type(m).__name__, n, t, "train" if m.training else "eval"))
+        rows.append((name, type(m).__name__, n, t, "train" if modes.get(name, m.training) else "eval"))
     params = list(module.parameters())
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -38,11 +53,14 @@ def summarize(module: nn.Module, max_depth: int = 1) -> dict:
 
 
 class ModelSummary(Callback):
-    """Print a table of the module's layers (name, type, parameters, train/eval mode), the
-    parameter totals and the size at the start of ``fit`` (global rank 0).
+    """Print a table of the module's layers (name, type, parameters, mode), the parameter
+    totals and the size at the start of ``fit`` (global rank 0). The Mode column is each
+    layer's mode during training (the Trainer calls ``module.train()`` at each epoch's
+    start), not the mode the model was loaded in.
 
     Args:
-        max_depth: how deep to list submodules (1: direct children; -1: no table).
+        max_depth: how deep to list submodules, as in Lightning: 1 lists the direct
+            children, N goes N levels down, -1 lists every layer, 0 prints nothing.
         console: a ``rich.console.Console`` to print on (default: stderr).
     """
 
@@ -51,7 +69,7 @@ class ModelSummary(Callback):
         self._console = console
 
     def on_fit_start(self, trainer, module):
-        if not trainer.is_global_zero or self.max_depth < 0:
+        if not trainer.is_global_zero or self.max_depth == 0:   # 0: no summary (-1: every layer)
             return
         from rich.console import Console
         from rich.table import Table

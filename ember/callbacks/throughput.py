@@ -91,7 +91,8 @@ class ThroughputMonitor(Callback):
     Args:
         batch_size_fn: ``batch -> int`` (default: the first dimension of the first tensor).
         length_fn: ``batch -> int`` tokens in a batch.
-        log_every_n_steps: default: the trainer's.
+        log_every_n_steps: log the throughput every N optimizer steps, each value covering the
+            steps since the last log point (default None: the trainer's ``log_every_n_steps``).
         peak_flops: the device's peak FLOP/s for MFU.
         measure_flops: count FLOPs on the first batch (default True).
     """

@@ -146,7 +146,8 @@ def apply_accelerate_flags(cfg: dict, args: argparse.Namespace) -> None:
         import torch
         count = torch.cuda.device_count()
         if count == 0:
-            raise _usage("launch: --multi_gpu but no GPU is visible here; use --cpu --num_processes N")
+            _multi_gpu_without_gpus(cfg, args, n_given)
+            return
     if count is not None:
         if not n_given:
             cfg["num_processes"] = count
@@ -154,6 +155,34 @@ def apply_accelerate_flags(cfg: dict, args: argparse.Namespace) -> None:
             raise _usage(f"launch: --num_processes {cfg['num_processes']} but only {count} GPU(s) "
                          f"({'--gpu_ids ' + str(ids) if ids else 'visible'}); ember never runs fewer processes "
                          "than asked: lower --num_processes or add GPUs")
+
+
+def _script_asks_for_cpu(args: argparse.Namespace) -> bool:
+    """The script's own ``--cpu`` flag (Accelerate's examples take it: ``Accelerator(cpu=args.cpu)``)."""
+    return any(a == "--cpu" or a.lower() in ("--cpu=true", "--cpu=1")
+               for a in getattr(args, "script_args", None) or [])
+
+
+def _multi_gpu_without_gpus(cfg: dict, args: argparse.Namespace, n_given: bool) -> None:
+    """``--multi_gpu`` on a machine without GPUs. As ``accelerate launch``: when the script
+    is given ``--cpu`` it runs its processes on the CPU (gloo); otherwise neither can run, and
+    the error names both ways out."""
+    n = cfg.get("num_processes")
+    if _script_asks_for_cpu(args):
+        if not n_given:
+            raise _usage("launch: --multi_gpu with the script's --cpu on a machine without GPUs: give the number "
+                         "of CPU processes, e.g. `ember launch --multi_gpu --num_processes 2 script.py --cpu`")
+        cfg["_accelerate"]["cpu"] = True   # ACCELERATE_USE_CPU=true, CUDA_VISIBLE_DEVICES='' for the workers
+        print(f"ember: note: no GPU is visible and the script was given --cpu: running its {n} processes on "
+              "the CPU (gloo), as accelerate launch does", file=sys.stderr)
+        return
+    script = getattr(args, "training_script", None) or "script.py"
+    rest = " ".join(getattr(args, "script_args", None) or [])
+    n = n if n_given else "N"
+    raise _usage(f"launch: --multi_gpu but no GPU is visible here. Run on the CPU instead, either with "
+                 f"`ember launch --cpu --num_processes {n} {script}{' ' + rest if rest else ''}`, or by passing the "
+                 f"script its own --cpu flag, as Accelerate's examples take it (`ember launch --multi_gpu "
+                 f"--num_processes {n} {script} {rest + ' ' if rest else ''}--cpu`); or run where GPUs are visible")
 
 
 def accelerate_env(cfg: dict) -> dict[str, "str | None"]:

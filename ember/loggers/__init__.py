@@ -12,7 +12,7 @@ from ember.loggers.csv_logs import CSVLogger
 from ember.loggers.tensorboard import TensorBoardLogger
 from ember.loggers.wandb import WandbLogger
 
-__all__ = ["Logger", "TensorBoardLogger", "CSVLogger", "WandbLogger", "build_logger"]
+__all__ = ["Logger", "TensorBoardLogger", "CSVLogger", "WandbLogger", "build_logger", "loggers_for"]
 
 LOGGER_CHOICES = ("tensorboard", "wandb", "csv")
 
@@ -35,3 +35,18 @@ def build_logger(spec, *, save_dir, name: str | None = None, **kw) -> Logger:
     if key == "wandb":
         return WandbLogger(project=kw.pop("project", name), save_dir=save_dir, **kw)
     raise invalid_choice("log_with", spec, list(LOGGER_CHOICES))
+
+
+def loggers_for(arg, save_dir) -> list[Logger]:
+    """The Logger objects ``Trainer(logger=arg)`` stands for: ``True`` a TensorBoardLogger
+    under ``save_dir``, ``False``/``None`` none, ``"tensorboard"``/``"csv"``/``"wandb"`` (or a
+    list of them and of Loggers) those. The Trainer builds them when it is built (a logger
+    writes nothing before its first call), so ``trainer.logger`` / ``trainer.loggers`` can be
+    used before ``fit`` (``trainer.logger.log_hyperparams(...)``, as the lightning-hydra-template
+    does) and ``fit`` logs into the same objects, merging the module's hparams with those."""
+    if arg is True:
+        return [TensorBoardLogger(save_dir)]
+    if arg is False or arg is None:
+        return []
+    items = arg if isinstance(arg, (list, tuple)) else [arg]
+    return [build_logger(x, save_dir=save_dir) for x in items]

@@ -28,6 +28,9 @@ class TensorBoardLogger(FileLogger):
         self._default_hp_metric = default_hp_metric
         self._writer_kwargs = writer_kwargs
         self._experiment = None
+        self._hp_metric_names: dict[str, None] = {}   # the HPARAMS tab's metric columns (ordered)
+        self._session: dict | None = None   # the hparams session waiting to be written, None when up to date
+        self._session_written: dict | None = None   # what the run's event file first got (TensorBoard shows it)
 
     @property
     def experiment(self):
@@ -40,6 +43,10 @@ class TensorBoardLogger(FileLogger):
         return self._experiment
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._write_session()
+        self._write_scalars(metrics, step)
+
+    def _write_scalars(self, metrics: dict[str, float], step: int) -> None:
         writer = self.experiment
         for k, v in add_prefix(metrics, self._prefix).items():
             v = to_scalar(v)
@@ -49,33 +56,67 @@ class TensorBoardLogger(FileLogger):
                 writer.add_scalar(k, v, step)
 
     def log_hyperparams(self, params, metrics: dict[str, float] | None = None) -> None:
-        """Write ``hparams.yaml`` (nested, merged with earlier calls) into
-        ``log_dir`` and record the flattened hparams in this run's event file,
-        where TensorBoard's HPARAMS tab finds them.
+        """Merge ``params`` with the hyperparameters logged before (by hand or by the
+        Trainer at the start of fit: neither replaces the other; a name logged twice takes
+        the later value), write them all to ``hparams.yaml`` in ``log_dir`` and record
+        them, flattened, in this run's event file, where TensorBoard's HPARAMS tab finds them.
+
+        TensorBoard shows the first hyperparameter set an event file holds, so the set is
+        written just before the first metrics (or at ``save()`` / ``finalize()``): what was
+        logged by hand before ``fit`` and the module's hparams logged at its start appear
+        together. Hyperparameters logged after the first metrics reach ``hparams.yaml``
+        (and the event file), but the HPARAMS tab keeps the earlier set: a warning says so.
 
         ``metrics`` (optional) are logged as scalars at step 0 and registered as
         the hparams metrics; with ``default_hp_metric=True`` and no metrics,
         ``hp_metric = -1`` is used."""
-        from torch.utils.tensorboard.summary import hparams
-
+        before = flatten_params(self._hparams)
         self._merge_hparams(params)
         self._write_hparams_yaml()
         if metrics is None and self._default_hp_metric:
             metrics = {"hp_metric": -1}
+        self._hp_metric_names.update(dict.fromkeys(metrics or {}))
         flat = flatten_params(self._hparams)
-        exp, ssi, sei = hparams(flat, dict(metrics or {}))
+        if self._session is None and self._session_written is not None and flat == before \
+                and not (set(metrics or {}) - set(self._session_written["metrics"])):
+            pass   # nothing new for the HPARAMS tab
+        else:
+            self._session = {"hparams": flat, "metrics": list(self._hp_metric_names)}
+        if metrics:
+            self._write_scalars(metrics, 0)
+        if self._session_written is not None:
+            self._write_session()   # TensorBoard keeps the first set: warned there
+
+    def _write_session(self) -> None:
+        """Write the pending hparams session into the event file."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+        if self._session_written is not None and not getattr(self, "_warned_late", False):
+            import warnings
+            new = sorted(set(session["hparams"]) - set(self._session_written["hparams"]) |
+                         {k for k, v in session["hparams"].items() if self._session_written["hparams"].get(k, v) != v})
+            warnings.warn(f"TensorBoardLogger: hyperparameters logged after the first metrics of {self.log_dir} "
+                          f"({', '.join(new) or 'hp metrics'}) are in hparams.yaml, but TensorBoard's HPARAMS tab "
+                          "shows the set the run's event file got first. Log them before the first metrics "
+                          "(before fit, or in setup / on_fit_start)", UserWarning, stacklevel=3)
+            self._warned_late = True
+        exp, ssi, sei = hparams(session["hparams"], dict.fromkeys(session["metrics"], 0.0))
         file_writer = self.experiment._get_file_writer()
         for summary in (exp, ssi, sei):
             file_writer.add_summary(summary)
-        if metrics:
-            self.log_metrics(metrics, 0)
+        if self._session_written is None:
+            self._session_written = session
 
     def save(self) -> None:
+        self._write_session()
         if self._experiment is not None:
             self._experiment.flush()
 
     def finalize(self, status: str) -> None:
         check_status(status)
+        self._write_session()
         if self._experiment is not None:
             self._experiment.flush()
             self._experiment.close()

@@ -158,30 +158,17 @@ def default_callbacks(callbacks, checkpointing, progress_bar, summary) -> list:
     return [c for c in cbs if not isinstance(c, ModelCheckpoint)] + [c for c in cbs if isinstance(c, ModelCheckpoint)]
 
 
-def build_loggers(t) -> list:
-    from ember.loggers import Logger, TensorBoardLogger
-    arg = t._logger_arg
-    if isinstance(arg, str) or (isinstance(arg, (list, tuple)) and any(isinstance(x, str) for x in arg)):
-        from ember.trainer.checks import logger_from_name   # "tensorboard" / "csv" / "wandb"
-        arg = [logger_from_name(x, t.default_root_dir) if isinstance(x, str) else x
-               for x in (arg if isinstance(arg, (list, tuple)) else [arg])]
-    if arg is True:
-        out = [TensorBoardLogger(save_dir=t.default_root_dir)]
-    elif arg is False or arg is None:
-        out = []
-    elif isinstance(arg, Logger):
-        out = [arg]
-    elif isinstance(arg, (list, tuple)) and all(isinstance(x, Logger) for x in arg):
-        out = list(arg)
-    else:
-        raise MisconfigurationError(f"logger={arg!r} is not valid; use True (TensorBoard), False, a Logger or a list of Loggers")
-    if out and t.is_global_zero and t.module is not None and t.enable_autolog_hparams:
-        from ember.hparams import merged_hparams   # Trainer(enable_autolog_hparams=False): not logged
-        hparams = merged_hparams(t.module, t.datamodule)
-        if hparams:
-            for lg in out:
-                lg.log_hyperparams(hparams)
-    return out
+def log_hparams(t) -> None:
+    """At the setup of every run (as Lightning): the module's hyperparameters, merged with
+    the datamodule's, go to every logger on global rank 0 (``enable_autolog_hparams=False``:
+    none); loggers keep what was logged to them by hand next to them."""
+    if not (t.loggers and t.is_global_zero and t.module is not None and t.enable_autolog_hparams):
+        return
+    from ember.hparams import merged_hparams
+    hparams = merged_hparams(t.module, t.datamodule)
+    if hparams:
+        for lg in t.loggers:
+            lg.log_hyperparams(hparams)
 
 
 def agree_log_versions(t) -> None:

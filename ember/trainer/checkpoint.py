@@ -134,22 +134,6 @@ def save_checkpoint(t, path: str, weights_only: bool = False) -> None:
 
 
 # ----------------------------------------------------------------------------- find / check
-def _loggers_of(t) -> list:
-    """The Trainer's loggers, or those it will build (before ``fit`` built them)."""
-    from ember.loggers import Logger
-    if t.loggers:
-        return list(t.loggers)
-    arg = t._logger_arg
-    if arg is True:
-        from ember.loggers import TensorBoardLogger
-        return [TensorBoardLogger(save_dir=t.default_root_dir)]
-    if isinstance(arg, Logger):
-        return [arg]
-    if isinstance(arg, (list, tuple)):
-        return [x for x in arg if isinstance(x, Logger)]
-    return []
-
-
 def _version_key(name: str):
     m = re.fullmatch(r"version_(\d+)", name)
     return (1, int(m.group(1)), "") if m else (0, 0, name)
@@ -162,7 +146,7 @@ def _candidate_dirs(t) -> list[str]:
     ``default_root_dir/checkpoints``. Other runs under the same root never count."""
     dirs = [cb.dirpath for cb in t.checkpoint_callbacks if getattr(cb, "dirpath", None)]
     if not dirs:
-        loggers = [lg for lg in _loggers_of(t) if getattr(lg, "root_dir", None)]
+        loggers = [lg for lg in t.loggers if getattr(lg, "root_dir", None)]
         if not loggers:
             dirs = [os.path.join(t.default_root_dir, "checkpoints")]
         else:

@@ -28,17 +28,6 @@ def check_logger_arg(arg) -> None:
         f"{', '.join(repr(n) for n in LOGGER_NAMES)}, a Logger, or a list of those")
 
 
-def logger_from_name(name: str, save_dir: str):
-    """``"tensorboard"`` / ``"csv"`` / ``"wandb"`` -> the logger with ``save_dir``."""
-    from ember import loggers
-    n = name.lower()
-    if n == "tensorboard":
-        return loggers.TensorBoardLogger(save_dir=save_dir)
-    if n == "csv":
-        return loggers.CSVLogger(save_dir=save_dir)
-    return loggers.WandbLogger(save_dir=save_dir)
-
-
 def check_loader(value, arg: str, returned: bool = False, warn_empty: bool = False):
     """A torch ``Dataset`` where a DataLoader is expected would be iterated one
     unbatched sample at a time: refuse it, naming the argument (``returned``: ``arg``

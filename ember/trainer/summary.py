@@ -125,8 +125,26 @@ def fit_ended(t, t0: float, failed: bool = False) -> None:
 
 
 def restored(t, path: str) -> None:
-    """The line printed after a checkpoint is loaded."""
-    _say(t, f"ember: restored {path} (epoch {t.current_epoch}, step {t.global_step})")
+    """The line printed after a checkpoint is loaded: ``restored <path> (epoch E, step S)``,
+    with the epoch and step the checkpoint was saved at (its ``meta.json``), not the
+    trainer's counters after the restore (a checkpoint saved at an epoch's end resumes at the
+    next epoch). A checkpoint without them (a weights file) is named alone."""
+    _say(t, f"ember: restored {path}{_saved_at(path)}")
+
+
+def _saved_at(path) -> str:
+    import os
+    try:
+        from ember.checkpoint.format import META_NAME
+        from ember.checkpoint.trust import read_meta
+        meta_file = os.path.join(os.fspath(path), META_NAME)
+        meta = read_meta(meta_file) if os.path.isfile(meta_file) else {}
+    except Exception:   # noqa: BLE001 - a message must never fail (the restore itself read it)
+        meta = {}
+    epoch, step = meta.get("epoch"), meta.get("global_step")
+    if isinstance(epoch, int) and isinstance(step, int):
+        return f" (epoch {epoch}, step {step})"
+    return ""
 
 
 def last_checkpoint(t) -> str | None:

@@ -187,8 +187,10 @@ class Trainer:
             self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
         self.report_path: str | None = None
         _checks.check_logger_arg(logger)
-        self._logger_arg = logger
-        self.loggers: list = []
+        from ember.loggers import loggers_for
+        # built now, as Lightning's: trainer.logger is usable before fit (log_hyperparams by hand,
+        # as the lightning-hydra-template does), and every run logs into the same objects
+        self.loggers: list = loggers_for(logger, self.default_root_dir)
         #: all the loop state, in one object (ember/trainer/state.py); Lightning's trainer.state
         self.state = TrainerState()
         #: what was logged, what callbacks monitor, what the loggers got (ember/trainer/metrics.py)
@@ -711,7 +713,7 @@ class Trainer:
                 # initial seed, which seed_everything sets), the same on every rank (rank 0's)
                 seed = torch.initial_seed() % (2**31 - 1)
                 st.data_seed = int(self.strategy.broadcast(seed)) if self.world_size > 1 else seed
-        self.loggers = _args.build_loggers(self) if stage == "fit" or not self.loggers else self.loggers
+        _args.log_hparams(self)   # the module's and datamodule's, merged with any logged by hand
         if stage != "fit":   # as Lightning: validate/test/predict report their own metrics only
             self.metrics.emitted = {}
         _args.agree_log_versions(self)   # rank 0 picks the run folders, before callbacks read log_dir

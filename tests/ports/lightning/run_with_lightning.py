@@ -14,6 +14,7 @@ import types
 
 import lightning.pytorch as pl
 import lightning.pytorch.callbacks
+import lightning.pytorch.loggers
 import lightning.pytorch.strategies
 import lightning.pytorch.utilities
 
@@ -21,8 +22,9 @@ ember = types.ModuleType("ember")
 ember.__dict__.update({k: v for k, v in vars(pl).items() if not k.startswith("__")})
 ember.TrainModule, ember.DataModule = pl.LightningModule, pl.LightningDataModule
 ember.callbacks, ember.strategies, ember.utilities = pl.callbacks, pl.strategies, pl.utilities
+ember.loggers = pl.loggers
 sys.modules.update({"ember": ember, "ember.callbacks": pl.callbacks, "ember.strategies": pl.strategies,
-                    "ember.utilities": pl.utilities})
+                    "ember.utilities": pl.utilities, "ember.loggers": pl.loggers})
 script = os.environ.get("PORT_SCRIPT")
 if script is None:
     script = os.environ["PORT_SCRIPT"] = os.path.abspath(sys.argv.pop(1))

@@ -1,0 +1,490 @@
+"""``Fabric``: ember's Accelerator under Lightning Fabric's names, so a Fabric training
+loop runs after renaming its import (``from lightning.fabric import Fabric`` becomes
+``from ember import Fabric``). Everything runs on :class:`ember.Accelerator`'s public
+verbs (``prepare``, ``backward``, ``no_sync``, ``clip_grad_norm_``, ``reduce``,
+``gather``, ``broadcast``, ``log``, ...); this module only translates the vocabulary.
+``save`` / ``load`` write and read ember's safe checkpoint format (an atomic folder:
+``model.safetensors``, ``trainer_state.pt`` read with ``weights_only=True``,
+``meta.json``). What differs from Lightning Fabric: docs/porting.md, "Lightning Fabric".
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from ember.errors import CheckpointError, MisconfigurationError
+
+__all__ = ["Fabric", "FabricModule"]
+
+#: Lightning Fabric precision inputs -> ember precision names
+_PRECISION = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true", "half": "16-true"}
+#: Lightning strategy names that start processes in a way ember does not (ember re-runs the script)
+_SPAWNING = ("ddp_spawn", "ddp_fork", "ddp_notebook", "dp", "xla", "xla_fsdp")
+_FABRIC_META = "fabric"
+
+
+def _precision(precision: Any) -> str | None:
+    if precision is None:
+        return None
+    key = str(precision).lower()
+    if key.startswith("transformer-engine"):
+        raise MisconfigurationError(f"Fabric(precision={precision!r}): Transformer Engine precisions are not "
+                                    "supported; use '16-mixed' or 'bf16-mixed'")
+    return _PRECISION.get(key, key)
+
+
+def _strategy(strategy: Any) -> Any:
+    if not isinstance(strategy, str):
+        return strategy
+    key = strategy.lower()
+    if key in _SPAWNING:
+        raise MisconfigurationError(
+            f"Fabric(strategy={strategy!r}) is not supported: ember starts the other processes by re-running "
+            "the script (or with `ember launch` / torchrun); use strategy='ddp'")
+    if key == "ddp_find_unused_parameters_true":
+        from ember.strategies import DDPStrategy
+        return DDPStrategy(find_unused_parameters=True)
+    return {"single_device": "single"}.get(key, key)
+
+
+class FabricModule(nn.Module):
+    """What :meth:`Fabric.setup` returns for a model: its ``forward`` runs the prepared
+    module (moved, wrapped for DDP, autocast by the precision); ``state_dict``,
+    ``load_state_dict`` and attribute reads go to the original module, so its keys carry
+    no wrapper prefix on any number of processes. ``module`` is the original module."""
+
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module) -> None:
+        super().__init__()
+        self._forward_module = forward_module
+        self._original_module = original_module
+        self._fabric_ready = True
+
+    @property
+    def module(self) -> nn.Module:
+        """The module as it was passed to ``setup`` (moved to the device)."""
+        return self._original_module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The prepared module's forward (DDP's gradient hooks, the precision's autocast)."""
+        return self._forward_module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The original module's state dict (no ``_forward_module.`` / ``module.`` prefixes)."""
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, **kwargs: Any) -> Any:
+        """Load into the original module."""
+        return self._original_module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("_original_module"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_fabric_ready") or name.startswith("_"):
+            super().__setattr__(name, value)
+            return
+        original = self._original_module   # as Fabric: the original module's attributes are set there
+        own, has = name in self.__dict__, hasattr(original, name)
+        if own:
+            super().__setattr__(name, value)
+        if has or not own:
+            setattr(original, name, value)
+
+
+def _unwrap(obj: Any) -> Any:
+    return obj._original_module if isinstance(obj, FabricModule) else obj
+
+
+def _to_tensors(data: Any, device: torch.device) -> Any:
+    """Numbers become tensors on ``device`` (as Fabric's collectives take them)."""
+    if isinstance(data, torch.Tensor):
+        return data
+    if isinstance(data, (bool, int, float)):
+        return torch.tensor(data, device=device)
+    if isinstance(data, Mapping):
+        return {k: _to_tensors(v, device) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_tensors(v, device) for v in data)
+    return data
+
+
+def _apply(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        return {k: _apply(v, fn) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_apply(v, fn) for v in data)
+    return data
+
+
+class Fabric:
+    """Lightning Fabric's API on ember (``from ember import Fabric``): the Accelerator under
+    Fabric's vocabulary. A Fabric loop::
+
+        fabric = Fabric(accelerator="cpu", devices=2)
+        fabric.launch()
+        model, optimizer = fabric.setup(model, optimizer)
+        loader = fabric.setup_dataloaders(loader)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": 100})
+
+    Args:
+        accelerator: ``"auto"``, ``"cpu"``, ``"gpu"``/``"cuda"`` or ``"mps"`` (as the Trainer's).
+        strategy: ``"auto"``, ``"ddp"``, ``"fsdp"``, ``"deepspeed"``, ``"single_device"``,
+            ``"ddp_find_unused_parameters_true"`` or an ember Strategy. The spawning strategies
+            (``"ddp_spawn"``, ``"ddp_notebook"``, ...) are refused: ember starts the other
+            processes by re-running the script, or under ``ember launch`` / torchrun.
+        devices: processes (CPU) or GPUs: an int, ``"auto"``, or a list of GPU ids.
+        num_nodes: machines (under ``ember launch --num_machines``).
+        precision: ``None`` (``"32-true"``, or ``ember launch --mixed_precision``), ``"32-true"``,
+            ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``, ``"64-true"``, or
+            Lightning's short forms (``32``, ``16``, ``"bf16"``, ``64``).
+        plugins: not supported (a MisconfigurationError unless None).
+        callbacks: objects whose methods :meth:`call` runs by name.
+        loggers: ember loggers (``ember.loggers``) that :meth:`log` / :meth:`log_dict` write
+            to, on global rank 0.
+
+    Other ranks are started when the Fabric is built (a plain ``python script.py`` with
+    ``devices=2`` re-runs the script, as the Trainer does); :meth:`launch` then runs the
+    given function on every process.
+    """
+
+    def __init__(self, *, accelerator: str = "auto", strategy: Any = "auto", devices: Any = "auto",
+                 num_nodes: int = 1, precision: Any = None, plugins: Any = None,
+                 callbacks: Any = None, loggers: Any = None) -> None:
+        from ember.accelerator import Accelerator
+        from ember.compat.lightning import resolve_accelerator
+        if plugins is not None:
+            raise MisconfigurationError("Fabric(plugins=...) is not supported: pass precision=, strategy= "
+                                        "(an ember Strategy for its options) instead")
+        self._acc = Accelerator(strategy=_strategy(strategy), devices=resolve_accelerator(accelerator, devices),
+                                num_nodes=num_nodes, precision=_precision(precision))
+        self._callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else \
+            ([] if callbacks is None else [callbacks])
+        self._loggers = list(loggers) if isinstance(loggers, (list, tuple)) else ([] if loggers is None else [loggers])
+        if self._loggers and self.is_global_zero:
+            self._acc.trackers = self._loggers   # Accelerator.log writes to them (one transfer per call)
+            import atexit
+            atexit.register(self._finalize_loggers)
+        self._launched = False
+
+    # -- processes ----------------------------------------------------------------------
+    device = property(lambda self: self._acc.device, doc="torch.device: this process's device")
+    global_rank = property(lambda self: self._acc.process_index, doc="int: this process's rank over all machines")
+    local_rank = property(lambda self: self._acc.local_process_index, doc="int: its rank on this machine")
+    node_rank = property(lambda self: int(getattr(self._acc.strategy, "node_rank", 0)),
+                         doc="int: this machine's rank")
+    world_size = property(lambda self: self._acc.num_processes, doc="int: processes in the run")
+    is_global_zero = property(lambda self: self._acc.is_main_process, doc="bool: global rank 0")
+    strategy = property(lambda self: self._acc.strategy, doc="the ember Strategy that runs the loop")
+    loggers = property(lambda self: list(self._loggers), doc="list: the loggers given as ``loggers=``")
+    logger = property(lambda self: self._loggers[0] if self._loggers else None, doc="the first logger, or None")
+
+    def launch(self, function: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Start the run. The processes already exist (started when the Fabric was built, or by
+        ``ember launch``); with ``function``, call ``function(fabric, *args, **kwargs)`` here, on
+        every process, and return its result (as Fabric's script launcher)."""
+        self._launched = True
+        if function is None:
+            return None
+        return function(self, *args, **kwargs)
+
+    # -- setup --------------------------------------------------------------------------
+    def setup(self, module: nn.Module, *optimizers: torch.optim.Optimizer, scheduler: Any = None,
+              move_to_device: bool = True) -> Any:
+        """Prepare ``module`` and its ``optimizers`` (``Accelerator.prepare``): returns
+        ``(module, *optimizers)``, or the module alone; ``scheduler`` is returned last as
+        given. The module comes back as a :class:`FabricModule`; optimizers step through
+        the precision."""
+        self._check_move(move_to_device)
+        out = self._acc.prepare(module, *optimizers)
+        out = out if isinstance(out, tuple) else (out,)
+        result = (FabricModule(out[0], module), *out[1:])
+        if scheduler is not None:
+            result = (*result, scheduler)
+        return result[0] if len(result) == 1 else result
+
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FabricModule:
+        """Prepare a model alone (set up its optimizers with :meth:`setup_optimizers`)."""
+        self._check_move(move_to_device)
+        return FabricModule(self._acc.prepare(module), module)
+
+    def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
+        """Prepare optimizers alone: one comes back alone, several as a tuple."""
+        return self._acc.prepare(*optimizers)
+
+    def setup_dataloaders(self, *dataloaders: Any, use_distributed_sampler: bool = True,
+                          move_to_device: bool = True) -> Any:
+        """Shard the loaders over the processes (as Fabric's ``DistributedSampler``: a
+        shuffled loader is shuffled with the ``seed_everything`` seed and the pass number,
+        the same permutation; a loader's own sampler is sharded after it draws), move batches
+        to the device, and advance the epoch at each pass. One loader comes back alone,
+        several as a list."""
+        if not use_distributed_sampler:
+            raise MisconfigurationError("setup_dataloaders(use_distributed_sampler=False) is not supported: ember "
+                                        "shards every prepared loader (give the loader a DistributedSampler of "
+                                        "your own and leave the argument out)")
+        self._check_move(move_to_device)
+        seed = os.environ.get("EMBER_GLOBAL_SEED")
+        if seed is not None:   # Fabric's sampler seed: the seed_everything seed (0 when none was set)
+            self._acc.seed = int(seed)
+        out = self._acc.prepare(*dataloaders)
+        return list(out) if isinstance(out, tuple) else out
+
+    @staticmethod
+    def _check_move(move_to_device: bool) -> None:
+        if not move_to_device:
+            raise MisconfigurationError("move_to_device=False is not supported: ember moves prepared models and "
+                                        "batches to the process's device")
+
+    # -- step ---------------------------------------------------------------------------
+    def backward(self, tensor: torch.Tensor, *args: Any, model: Any = None, **kwargs: Any) -> None:
+        """``tensor.backward()`` through the strategy and precision (loss scaling under
+        16-mixed). Extra arguments are ``Tensor.backward``'s."""
+        for name, value in zip(("gradient", "retain_graph", "create_graph", "inputs"), args):
+            kwargs[name] = value
+        self._acc.backward(tensor, **kwargs)
+
+    def clip_gradients(self, module: nn.Module, optimizer: Any, clip_val: float | None = None,
+                       max_norm: float | None = None, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = True) -> torch.Tensor | None:
+        """Clip the gradients of ``module``'s parameters (unscaled first under 16-mixed): by
+        value with ``clip_val``, or to a total norm with ``max_norm`` (returns the norm before
+        clipping). ``error_if_nonfinite``: a NaN/inf norm raises, as ``clip_grad_norm_``
+        does (not under loss scaling, where such a step is skipped instead)."""
+        if clip_val is not None and max_norm is not None:
+            raise ValueError("Only one of `clip_val` or `max_norm` can be set as this specifies the underlying "
+                             "clipping algorithm!")
+        if clip_val is None and max_norm is None:
+            raise ValueError("You have to specify either `clip_val` or `max_norm` to do gradient clipping!")
+        params = list(_unwrap(module).parameters())
+        if clip_val is not None:
+            self._acc.clip_grad_value_(params, clip_val)
+            return None
+        norm = self._acc.clip_grad_norm_(params, max_norm, norm_type)
+        if error_if_nonfinite and norm is not None and self._acc.strategy.precision.scaler is None \
+                and not bool(torch.isfinite(norm)):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                               "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                               "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        return norm
+
+    def no_backward_sync(self, module: Any, enabled: bool = True) -> ContextManager[None]:
+        """Context that skips the gradient all-reduce of ``module`` (gradient accumulation);
+        ``enabled=False``, or one process: does nothing."""
+        if not enabled or self.world_size == 1:
+            return contextlib.nullcontext()
+        target = module._forward_module if isinstance(module, FabricModule) else module
+        return self._acc.no_sync(target)
+
+    def autocast(self) -> ContextManager[None]:
+        """The precision's autocast, for code outside a set-up module's forward."""
+        return self._acc.autocast()
+
+    def to_device(self, obj: Any) -> Any:
+        """``obj`` (a module, tensor, or a collection of tensors) on this process's device."""
+        if isinstance(obj, nn.Module):
+            return obj.to(self.device)
+        from ember.strategies.base import move_to_device
+        return move_to_device(obj, self.device)
+
+    # -- collectives --------------------------------------------------------------------
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every process's ``data`` (tensors, numbers, or collections of them), stacked in a
+        new first dimension of size ``world_size``; on one process ``data`` comes back as
+        tensors, without that dimension (as Fabric). ``sync_grads``: gradients flow back."""
+        self._no_group(group)
+        data = _to_tensors(data, self.device)
+        if self.world_size == 1:
+            return data
+        if sync_grads:
+            from torch.distributed.nn.functional import all_gather
+            return _apply(data, lambda t: torch.stack(all_gather(t)))
+        return _apply(data, lambda t: self._acc.gather(t.unsqueeze(0)))
+
+    def all_reduce(self, data: Any, group: Any = None, reduce_op: str | None = "mean") -> Any:
+        """Reduce ``data`` over the processes: ``"mean"`` (default, as Fabric), ``"sum"``,
+        ``"max"``, ``"min"``. Numbers become tensors."""
+        self._no_group(group)
+        op = "mean" if reduce_op is None else str(getattr(reduce_op, "name", reduce_op)).lower()
+        op = {"avg": "mean"}.get(op, op)
+        if op not in ("mean", "sum", "max", "min"):
+            raise MisconfigurationError(f"all_reduce(reduce_op={reduce_op!r}): use 'mean', 'sum', 'max' or 'min'")
+        data = _to_tensors(data, self.device)
+        if self.world_size == 1:
+            return data
+        return self._acc.reduce(data, op)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process arrives."""
+        self._acc.wait_for_everyone()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Process ``src``'s ``obj`` (a tensor of the same shape everywhere, or any picklable object)."""
+        return self._acc.broadcast(obj, from_process=src)
+
+    def rank_zero_first(self, local: bool = False) -> ContextManager[None]:
+        """Context: rank 0 (of each machine with ``local=True``) runs the body first (a
+        download), the others after it finished."""
+        return self._acc.local_main_process_first() if local else self._acc.main_process_first()
+
+    @staticmethod
+    def _no_group(group: Any) -> None:
+        if group is not None:
+            raise MisconfigurationError("group= is not supported: ember's collectives run over every process")
+
+    # -- output -------------------------------------------------------------------------
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on each machine's local rank 0 (as Fabric)."""
+        self._acc.print(*args, **kwargs)
+
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Log one scalar to the loggers (global rank 0); see :meth:`log_dict`."""
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log scalars (numbers or 0-d tensors, fetched in one transfer) to every logger on
+        global rank 0, at ``step`` (default: the number of earlier calls)."""
+        self._acc.log(dict(metrics), step=step)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call method ``hook_name`` of every callback that has it, in order."""
+        for cb in self._callbacks:
+            method = getattr(cb, hook_name, None)
+            if callable(method):
+                method(*args, **kwargs)
+
+    def _finalize_loggers(self) -> None:
+        for lg in self._loggers:
+            try:
+                lg.finalize("success")
+            except Exception:   # noqa: BLE001 - at exit: never hide the run's own outcome
+                pass
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, state: Mapping[str, Any],
+             filter: Mapping[str, Callable[[str, Any], bool]] | None = None) -> None:
+        """Write ``state`` (names to models, optimizers, objects with ``state_dict()``, and
+        plain values: numbers, strings, tensors, containers) as an ember checkpoint folder at
+        ``path``, atomically: the models' weights in ``model.safetensors`` (each key prefixed by
+        its name), the rest in ``trainer_state.pt`` (read back with ``weights_only=True``),
+        ``meta.json`` last. ``filter``: ``{name: (key, value) -> keep?}`` per entry. Every
+        process calls it; rank 0 writes."""
+        from ember.checkpoint import io as cio
+        filter = dict(filter or {})
+        weights: dict[str, torch.Tensor] = {}
+        rest: dict[str, Any] = {}
+        modules: list[str] = []
+        for name, obj in state.items():
+            if isinstance(obj, nn.Module):
+                sd = self._acc.get_state_dict(obj._forward_module if isinstance(obj, FabricModule) else obj)
+                keep = filter.get(name)
+                weights.update({f"{name}.{k}": v for k, v in sd.items() if keep is None or keep(k, v)})
+                modules.append(name)
+            elif callable(getattr(obj, "state_dict", None)):
+                if isinstance(obj, torch.optim.Optimizer) and self._acc.strategy.name in ("fsdp", "deepspeed"):
+                    raise MisconfigurationError(f"Fabric.save: the {self._acc.strategy.name} strategy shards "
+                                                f"optimizer {name!r}; save it with accelerator.save_state instead")
+                sd = obj.state_dict()
+                keep = filter.get(name)
+                rest[name] = {k: v for k, v in sd.items() if keep(k, v)} if keep is not None and isinstance(sd, dict) \
+                    else sd
+            else:
+                rest[name] = obj
+        if self.is_global_zero:
+            meta = {_FABRIC_META: {"modules": modules, "entries": list(state)}, "strategy": self._acc.strategy.name,
+                    "world_size": self.world_size, "precision": self._acc.precision}
+            cio.write_checkpoint(path, weights, {_FABRIC_META: rest}, meta)
+        self.barrier()
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
+        """Read a checkpoint :meth:`save` wrote. With ``state``, restore its objects in place
+        (models and optimizers load their state dicts; other entries of the dict are replaced
+        by the saved values) and return what the checkpoint holds beyond them; without it,
+        return everything (models as state dicts). ``strict``: a requested name missing from
+        the checkpoint, or a model's missing/unexpected keys, is an error."""
+        weights, saved, meta = self._read(path)
+        entries = self._entries(weights, saved, meta)
+        if state is None:
+            return entries
+        missing = [k for k in state if k not in entries]
+        if missing and strict:
+            raise KeyError(f"Fabric.load: {missing} requested in `state` but not in the checkpoint {os.fspath(path)} "
+                           f"(it holds {sorted(entries)}); pass strict=False to skip them")
+        for name, obj in list(state.items()):
+            if name not in entries:
+                continue
+            value = entries[name]
+            if isinstance(obj, nn.Module):
+                _unwrap(obj).load_state_dict(value, strict=strict)
+            elif callable(getattr(obj, "load_state_dict", None)):
+                obj.load_state_dict(value)
+            else:
+                state[name] = value
+        return {k: v for k, v in entries.items() if k not in state}
+
+    def load_raw(self, path: str | os.PathLike, obj: Any, strict: bool = True) -> None:
+        """Load a bare state dict into ``obj`` (a model or an optimizer): a ``.safetensors``
+        file, an ember checkpoint with one model, or a ``torch.save`` file that
+        ``torch.load(weights_only=True)`` reads."""
+        from ember.checkpoint import io as cio
+        path = os.fspath(path)
+        if os.path.isdir(path) or path.endswith(".safetensors"):
+            weights, saved, meta = self._read(path)
+            entries = self._entries(weights, saved, meta)
+            models = meta.get(_FABRIC_META, {}).get("modules", [])
+            if len(models) == 1:
+                sd = entries[models[0]]
+            elif not models and weights is not None:
+                sd = weights
+            else:
+                raise CheckpointError(f"Fabric.load_raw: {path} holds {len(models)} models ({models}); use "
+                                      "Fabric.load(path, {name: model}) to pick one")
+        else:
+            sd = cio.load_torch(path)
+        if isinstance(obj, nn.Module):
+            _unwrap(obj).load_state_dict(sd, strict=strict)
+        else:
+            obj.load_state_dict(sd)
+
+    @staticmethod
+    def _read(path) -> tuple[dict | None, dict, dict]:
+        from ember.checkpoint import io as cio
+        weights, saved, meta = cio.read_checkpoint(path)
+        return weights, (saved or {}).get(_FABRIC_META, {}), meta
+
+    @staticmethod
+    def _entries(weights: dict | None, saved: dict, meta: dict) -> dict[str, Any]:
+        fm = meta.get(_FABRIC_META, {})
+        out: dict[str, Any] = {}
+        for name in fm.get("entries", list(saved)):
+            if name in fm.get("modules", []):
+                prefix = f"{name}."
+                out[name] = {k[len(prefix):]: v for k, v in (weights or {}).items() if k.startswith(prefix)}
+            elif name in saved:
+                out[name] = saved[name]
+        return out
+
+    # -- misc -----------------------------------------------------------------------------
+    @staticmethod
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
+        """``ember.seed_everything``: seed python, numpy and torch; returns the seed."""
+        from ember import seed_everything
+        return seed_everything(seed, workers=bool(workers))
+
+    def __repr__(self) -> str:
+        return (f"Fabric(strategy={self._acc.strategy.name!r}, world_size={self.world_size}, "
+                f"global_rank={self.global_rank}, device={self.device}, precision={self._acc.precision!r})")
