@@ -114,20 +114,25 @@ def _agree(timeout) -> "tuple[int, int]":
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     store = agent_store(timeout)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     mine = own_restart_count()
-    if rank == 0:
-        generation, attempt = _lead(store, world, mine, timeout)
-    else:
-        token = uuid.uuid4().hex
-        store.queue_push(_PREFIX + "hello", token)
-        generation = int(_get(store, f"{_PREFIX}ack/{token}", timeout, rank))
-        store.set(f"{_PREFIX}confirm/{generation}/{rank}", str(mine))
-        attempt = int(_get(store, f"{_PREFIX}decision/{generation}", timeout, rank))
+    generation, attempt = exchange(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), mine, timeout)
     os.environ["EMBER_AGENT_RESTART_COUNT"] = str(mine)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     _AGREED = (generation, attempt)
     return _AGREED
+
+
+def exchange(store, rank: int, world: int, restarts: int, timeout: timedelta) -> "tuple[int, int]":
+    """One rank's part of the exchange (see the module's docstring) in ``store``, the
+    agents' shared store: ``(generation, attempt)``, the same on every rank of the group.
+    ``restarts``: this rank's agent's restart count."""
+    if rank == 0:
+        return _lead(store, world, restarts, timeout)
+    token = uuid.uuid4().hex
+    store.queue_push(_PREFIX + "hello", token)
+    generation = int(_get(store, f"{_PREFIX}ack/{token}", timeout, rank))
+    store.set(f"{_PREFIX}confirm/{generation}/{rank}", str(restarts))
+    return generation, int(_get(store, f"{_PREFIX}decision/{generation}", timeout, rank))
 
 
 def _get(store, key: str, timeout: timedelta, rank: int) -> str:

@@ -7,7 +7,6 @@ Ranks come from ``torchrun`` / ``ember launch``, from SLURM, or, from a plain
 """
 from __future__ import annotations
 
-import os
 import types
 import warnings
 from datetime import timedelta
