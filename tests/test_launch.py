@@ -175,7 +175,7 @@ def test_two_machines_one_process_each(tmp_path, worker):
     port = free_port()
     env = _env(tmp_path)
     procs = [start("launch", "--num-machines", 2, "--machine-rank", rank, "--main-process-ip", "127.0.0.1",
-                   "--main-process-port", port, "--num-processes", 1, worker, "--node", rank, env=env)
+                   "--main-process-port", port, "--num-processes", 2, worker, "--node", rank, env=env)
              for rank in (0, 1)]
     results = [finish(p, 90) for p in procs]
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
@@ -187,7 +187,12 @@ def test_two_machines_one_process_each(tmp_path, worker):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--num-machines", "2", "--num-processes", "1"], "--main-process-ip is required"),
+    (["--num-machines", "2", "--num-processes", "2"], "--main-process-ip is required"),
+    (["--num-machines", "2", "--num-processes", "3", "--main-process-ip", "127.0.0.1"],
+     "num_processes: 3 is the total over all machines (as in Accelerate) and does not divide by "
+     "num_machines (2)"),
+    (["--num-machines", "2", "--nproc_per_node", "2", "--num-processes", "2", "--main-process-ip", "127.0.0.1"],
+     "--nproc_per_node 2 on 2 machine(s) is 4 processes in total, but --num_processes says 2"),
     (["--num-machines", "2", "--machine-rank", "2", "--main-process-ip", "127.0.0.1"],
      "machine_rank: 2 must be below num_machines (2)"),
     (["--num-processes", "0"], "num_processes: expected an int >= 1, got 0"),

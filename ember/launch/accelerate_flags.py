@@ -149,10 +149,13 @@ def apply_accelerate_flags(cfg: dict, args: argparse.Namespace) -> None:
             _multi_gpu_without_gpus(cfg, args, n_given)
             return
     if count is not None:
+        machines = cfg.get("num_machines", 1)
         if not n_given:
-            cfg["num_processes"] = count
-        elif cfg["num_processes"] > count:
-            raise _usage(f"launch: --num_processes {cfg['num_processes']} but only {count} GPU(s) "
+            cfg["num_processes"] = count * machines    # one per GPU on every machine
+        elif machines > 0 and cfg["num_processes"] // machines > count:
+            per = (f" ({cfg['num_processes'] // machines} per machine on {machines} machines)"
+                   if machines > 1 else "")
+            raise _usage(f"launch: --num_processes {cfg['num_processes']}{per} but only {count} GPU(s) "
                          f"({'--gpu_ids ' + str(ids) if ids else 'visible'}); ember never runs fewer processes "
                          "than asked: lower --num_processes or add GPUs")
 

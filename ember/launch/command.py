@@ -127,6 +127,12 @@ def validate_launch_config(cfg: dict) -> dict:
     _check_int("num_machines", cfg["num_machines"], 1)
     _check_int("machine_rank", cfg["machine_rank"], 0)
     _check_int("num_processes", cfg["num_processes"], 1)
+    if cfg["num_processes"] % cfg["num_machines"]:
+        raise UsageError(f"num_processes: {cfg['num_processes']} is the total over all machines (as in "
+                         f"Accelerate) and does not divide by num_machines ({cfg['num_machines']}); give a "
+                         f"multiple of {cfg['num_machines']}, e.g. "
+                         f"{cfg['num_machines'] * max(1, cfg['num_processes'] // cfg['num_machines'])}, "
+                         "or --nproc_per_node for the count per machine")
     if cfg["machine_rank"] >= cfg["num_machines"]:
         raise UsageError(f"machine_rank: {cfg['machine_rank']} must be below num_machines "
                          f"({cfg['num_machines']})")
@@ -175,8 +181,11 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch defaults written by `ember config` (default: the file at "
                         "$XDG_CONFIG_HOME/ember/default_config.yaml when it exists); flags override it")
     g = p.add_argument_group("topology")
-    g.add_argument("--num-processes", "--num_processes", "--nproc_per_node", "--nproc-per-node",
-                   dest="num_processes", type=int, metavar="N", help="processes per machine")
+    g.add_argument("--num-processes", "--num_processes", dest="num_processes", type=int, metavar="N",
+                   help="processes in total, over all machines (as in Accelerate); each machine runs "
+                        "N / M of them")
+    g.add_argument("--nproc_per_node", "--nproc-per-node", dest="nproc_per_node", type=int, metavar="K",
+                   help="processes per machine (torchrun's option); the same as --num-processes K*M")
     g.add_argument("--num-machines", "--num_machines", "--nnodes", dest="num_machines",
                    type=int, metavar="M", help="number of machines")
     g.add_argument("--machine-rank", "--machine_rank", "--node_rank", "--node-rank",
@@ -218,8 +227,9 @@ def add_subcommands(sub, fmt) -> None:
     """The ``launch``, ``config`` and ``env`` subcommands of the ``ember`` parser."""
     lp = sub.add_parser("launch", help="run a script on several processes / machines (torchrun)",
                         formatter_class=fmt, allow_abbrev=False,
-                        description="Start SCRIPT on --num-processes processes per machine with "
-                                    "torchrun's elastic agent.\nEach process gets RANK, LOCAL_RANK, "
+                        description="Start SCRIPT on --num-processes processes in total (over all "
+                                    "--num-machines machines, as in Accelerate) with\ntorchrun's elastic "
+                                    "agent. Each process gets RANK, LOCAL_RANK, "
                                     "WORLD_SIZE, MASTER_ADDR, MASTER_PORT,\nplus EMBER_PRECISION and "
                                     "EMBER_STRATEGY (read by the Trainer and the Accelerator).\n"
                                     "Values from --config_file (or the default config) are defaults;"
@@ -227,7 +237,7 @@ def add_subcommands(sub, fmt) -> None:
                         epilog="examples:\n  ember launch --num-processes 2 train.py --lr 1e-3\n"
                                "  ember launch --num-processes 2 -m ember fit --config cfg.yaml\n"
                                "  ember launch --num-machines 2 --machine-rank 0 --main-process-ip "
-                               "10.0.0.1 --main-process-port 29500 --num-processes 8 train.py")
+                               "10.0.0.1 --main-process-port 29500 --num-processes 16 train.py   # 8 per machine")
     add_launch_arguments(lp)
     cp = sub.add_parser("config", help="write the default launch config (interactive)",
                         formatter_class=fmt, allow_abbrev=False,
@@ -262,16 +272,36 @@ def resolve_launch_config(args: argparse.Namespace) -> dict:
         if getattr(args, flag) is not None:
             cfg["deepspeed_config"][flag] = getattr(args, flag)
     from ember.launch.accelerate_flags import apply_accelerate_flags
+    _check_int("num_machines", cfg["num_machines"], 1)
+    per_node = getattr(args, "nproc_per_node", None)
+    if per_node is not None:
+        _check_int("--nproc_per_node", per_node, 1)
+        total = per_node * cfg["num_machines"]
+        if getattr(args, "num_processes", None) not in (None, total):
+            raise UsageError(f"launch: --nproc_per_node {per_node} on {cfg['num_machines']} machine(s) is "
+                             f"{total} processes in total, but --num_processes says {args.num_processes}; "
+                             "give one of them")
+        cfg["num_processes"] = total
+        cfg["_given"].add("num_processes")
+    if "num_processes" not in cfg["_given"]:
+        cfg["num_processes"] = cfg["num_machines"]   # one per machine
     apply_accelerate_flags(cfg, args)
     if cfg["num_machines"] > 1:
         cfg["compute_environment"] = "multi_machine"
     return validate_launch_config(cfg)
 
 
+def processes_per_machine(cfg: dict) -> int:
+    """The processes each machine starts: ``num_processes`` is the total over all
+    machines, as in Accelerate (``validate_launch_config`` refused a total that does not
+    divide by ``num_machines``)."""
+    return cfg["num_processes"] // cfg["num_machines"]
+
+
 def torchrun_argv(cfg: dict, args: argparse.Namespace) -> list[str]:
     """The torchrun options (and script) of an ``ember launch`` call; the script's
     own arguments are added after parsing."""
-    argv = [f"--nnodes={cfg['num_machines']}", f"--nproc-per-node={cfg['num_processes']}",
+    argv = [f"--nnodes={cfg['num_machines']}", f"--nproc-per-node={processes_per_machine(cfg)}",
             f"--max-restarts={args.max_restarts}", f"--monitor-interval={args.monitor_interval}"]
     port = cfg["main_process_port"]
     if cfg["num_machines"] == 1 and port is None:
@@ -403,10 +433,14 @@ def wizard() -> dict:
                                             default="127.0.0.1")
         cfg["main_process_port"] = _ask_int("What port does the main machine listen on?",
                                             29500, 1, 65535)
-    cfg["num_processes"] = _ask_int("How many processes per machine (usually one per GPU)?",
-                                    cfg["num_processes"], 1)
+    while True:
+        cfg["num_processes"] = _ask_int("How many processes in total, over all machines (usually one per GPU)?",
+                                        cfg["num_processes"] * cfg["num_machines"], 1)
+        if cfg["num_processes"] % cfg["num_machines"] == 0:
+            break
+        print(f"Please enter a multiple of the number of machines ({cfg['num_machines']})")
     strategy = Prompt.ask("Which distributed strategy?", choices=list(STRATEGIES),
-                          default="ddp" if cfg["num_processes"] * cfg["num_machines"] > 1 else "no")
+                          default="ddp" if cfg["num_processes"] > 1 else "no")
     cfg["strategy"] = strategy
     if strategy == "fsdp":
         cfg["fsdp_config"] = {

@@ -7,7 +7,6 @@ Ranks come from ``torchrun`` / ``ember launch``, from SLURM, or, from a plain
 """
 from __future__ import annotations
 
-import os
 import types
 import warnings
 from datetime import timedelta
@@ -21,7 +20,8 @@ from ember.distributed.collectives import ProcessGroupOps
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.precision import NULL_CONTEXT
 from ember.strategies.base import Strategy
-from ember.strategies.environments import ClusterEnvironment, LocalEnvironment, detect_environment
+from ember.strategies.environments import (ClusterEnvironment, LocalEnvironment, TorchElasticEnvironment,
+                                          detect_environment)
 from ember.strategies import launchers
 
 START_METHODS = ("popen",)
@@ -201,6 +201,11 @@ class DDPStrategy(Strategy):
 
     def _detect(self, per_node: int | None) -> ClusterEnvironment:
         env = detect_environment(per_node or 1, self.num_nodes)
+        if isinstance(env, TorchElasticEnvironment):
+            # every rank agrees on the worker group's attempt number now, before the Trainer
+            # reads TORCHELASTIC_RESTART_COUNT to decide whether to resume (see its docstring)
+            from ember.distributed import elastic
+            elastic.agreed_attempt(self.timeout)
         if isinstance(env, LocalEnvironment) and env.world_size > 1 and self._devices_explicit \
                 and per_node is not None and per_node != env.local_world_size:
             raise MisconfigurationError(
@@ -368,17 +373,18 @@ class DDPStrategy(Strategy):
 
 
 def _restarted_agent_store(timeout):
-    """After torchrun's elastic agent restarted the workers (``TORCHELASTIC_RESTART_COUNT``
-    > 0), the agent's TCPStore still holds the previous attempt's keys, and the default
-    group's keys are the same in every attempt: a restarted rank could read a dead peer's
-    address before the new one is written and fail to connect. A client of the agent's
-    store under a per-attempt prefix keeps the attempts apart. None when not restarted."""
-    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts in ("", "0"):
+    """Under torchrun's elastic agent with its shared store (``TORCHELASTIC_USE_AGENT_STORE``),
+    a client of that store under a prefix of this worker group's own: the store outlives
+    the worker groups, the default group's keys are the same in every attempt, and a
+    restarted rank could read a dead peer's address before the new one is written and
+    fail to connect. The prefix is the generation the ranks agreed on in the store
+    (:mod:`ember.distributed.elastic`), not the agent's ``TORCHELASTIC_RESTART_COUNT``,
+    which differs between nodes after one node's restart. None elsewhere (``env://``)."""
+    from ember.distributed import elastic
+    if not elastic.under_agent_store():
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"/ember/attempt_{restarts}", store)
+    generation = elastic.agreed_generation(timeout)
+    return dist.PrefixStore(f"/ember/attempt_{generation}/", elastic.agent_store(timeout))
 
 
 def cuda_index(local_rank: int, gpu_ids: "list[int] | None", visible: int) -> int:

@@ -220,15 +220,14 @@ def _best_from_last(t) -> str | None:
 
 
 def elastic_restart() -> bool:
-    """True in a worker group that torchrun's elastic agent restarted
-    (``TORCHELASTIC_RESTART_COUNT`` > 0) under ``ember launch --max-restarts N`` (which
-    sets ``EMBER_ELASTIC_RESUME=1``): the environment, the same on every rank."""
+    """True in a worker group that torchrun's elastic agent restarted under ``ember launch
+    --max-restarts N`` (which sets ``EMBER_ELASTIC_RESUME=1``): the attempt number every
+    rank of every node agrees on (``ember.distributed.elastic.agreed_attempt``, exchanged
+    once per process when the strategy is built) is above 0."""
     if os.environ.get("EMBER_ELASTIC_RESUME", "") not in ("1", "true"):
         return False
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    except ValueError:
-        return False
+    from ember.distributed.elastic import agreed_attempt
+    return agreed_attempt() > 0
 
 
 def elastic_resume_path(t) -> str | None:
