@@ -80,18 +80,23 @@ def owning(optimizers: Iterable[Any], params: list) -> list:
     return [o for o in optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
 
 
+def _by_mesh(tensors: list) -> list[list]:
+    """``tensors`` grouped by DTensor device mesh (plain tensors form one group), in order."""
+    groups: dict[int, list] = {}
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None)
+        groups.setdefault(id(mesh) if mesh is not None else 0, []).append(t)
+    return list(groups.values())
+
+
 def total_norm(grads: list, norm_type: float = 2.0) -> torch.Tensor:
     """The total ``norm_type`` norm of ``grads`` as a plain tensor. Plain tensors form
     one group; DTensor gradients are grouped by device mesh and each group's norm is
     made whole (``full_tensor``) before the groups are combined, so parameters on
     different meshes (a 2-D tensor-parallel mesh beside FSDP-only ones) clip together.
     One group gives exactly ``torch.nn.utils.get_total_norm``."""
-    groups: dict[int, list] = {}
-    for g in grads:
-        mesh = getattr(g, "device_mesh", None)
-        groups.setdefault(id(mesh) if mesh is not None else 0, []).append(g)
     norms = []
-    for gs in groups.values():
+    for gs in _by_mesh(grads):
         n = torch.nn.utils.get_total_norm(gs, norm_type, foreach=True)
         norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
     if len(norms) == 1:
@@ -105,18 +110,21 @@ def total_norm(grads: list, norm_type: float = 2.0) -> torch.Tensor:
 
 def clip_by_norm(params: list, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale the gradients of ``params`` so their total norm (:func:`total_norm`) is at
-    most ``max_norm``; return the norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    most ``max_norm``; return the norm before clipping. Each mesh's gradients are scaled
+    by one call (a foreach op takes tensors of one mesh)."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
         return torch.zeros(())
-    norm = total_norm(grads, norm_type)
-    if any(hasattr(g, "device_mesh") for g in grads):
-        # the coefficient is a plain 0-d tensor: let DTensor gradients take it as replicated
-        from torch.distributed.tensor.experimental import implicit_replication
-        with implicit_replication():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    else:
+    norm = total_norm([p.grad for p in params], norm_type)
+    groups = _by_mesh(params) if any(hasattr(p.grad, "device_mesh") for p in params) else [params]
+    if len(groups) == 1 and not hasattr(params[0].grad, "device_mesh"):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm
+    # the coefficient is a plain 0-d tensor: let DTensor gradients take it as replicated
+    from torch.distributed.tensor.experimental import implicit_replication
+    with implicit_replication():
+        for group in _by_mesh(params):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
 
 

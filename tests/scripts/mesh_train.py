@@ -111,7 +111,7 @@ class PendingAtEpochStart(Callback):
         self.seen.append(getattr(trainer.strategy, "_pending_save", None) is not None)
 
 
-def fit(out: str, run: str, strategy, dp: int, ckpt_path=None, checkpoints=None, extra=()) -> None:
+def fit(out: str, run: str, strategy, dp: int, ckpt_path=None, checkpoints=None, extra=(), clip=None) -> None:
     torch.manual_seed(0)
     module = TPNet()
     rec = Record()
@@ -119,7 +119,7 @@ def fit(out: str, run: str, strategy, dp: int, ckpt_path=None, checkpoints=None,
     if checkpoints:
         cbs.append(ModelCheckpoint(dirpath=checkpoints, save_top_k=-1))
     trainer = ember.Trainer(strategy=strategy, devices="cpu" if strategy == "single" else "auto",
-                            callbacks=cbs, enable_checkpointing=bool(checkpoints), **QUIET)
+                            callbacks=cbs, enable_checkpointing=bool(checkpoints), gradient_clip_val=clip, **QUIET)
     trainer.fit(module, data(dp), ckpt_path=ckpt_path)
     weights = trainer.strategy.module_state_dict(trainer.model) if strategy != "single" else \
         {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -144,15 +144,23 @@ def epoch0_checkpoint(out: str) -> str:
     return found[0]
 
 
+#: small enough that every step clips
+CLIP = 0.05
+
+
 def main() -> None:
     from ember.strategies import FSDPStrategy, ModelParallelStrategy
     out, run = sys.argv[1], sys.argv[2]
     short = dict(timeout=60)
     if run == "ref":
         fit(out, run, "single", 1)
+        fit(out, "ref_clip", "single", 1, clip=CLIP)
     elif run == "2x2":
         fit(out, run, ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, **short), 2,
             checkpoints=os.path.join(out, "ckpt"))
+        # clipping: tensor-parallel (2-D mesh) parameters beside FSDP-only ones, one total norm
+        fit(out, "2x2_clip", ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, **short), 2,
+            clip=CLIP)
     elif run == "4x1":
         fit(out, run, ModelParallelStrategy(tensor_parallel_size=1, **short), 4, ckpt_path=epoch0_checkpoint(out))
     elif run == "1x1":
