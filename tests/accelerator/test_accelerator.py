@@ -5,10 +5,6 @@ trackers writing real files, and the GAN example."""
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,24 +15,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from ember import Accelerator
 from ember.accelerator import AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard
 from ember.errors import MisconfigurationError
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "scripts"
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("EMBER_", "TORCHELASTIC_", "SLURM_"))
-           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def run(*args, timeout=180, **env):
-    out = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=clean_env(**env),
-                         capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
 
 
 def data(n=56, seed=3):

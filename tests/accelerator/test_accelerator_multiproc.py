@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from ember.strategies.environments import find_free_port
-from test_accelerator import ROOT, SCRIPTS, clean_env
-from test_accelerator_state import compare_finals
+from helpers import ROOT, SCRIPTS, clean_env, compare_finals
 
 pytestmark = pytest.mark.multiproc
 TIMEOUT = 240   # a hang guard; a healthy launch takes seconds

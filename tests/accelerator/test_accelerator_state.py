@@ -18,20 +18,12 @@ from ember.checkpoint import io as cio
 from ember.errors import CheckpointError, MisconfigurationError
 from ember.loggers import CSVLogger, TensorBoardLogger
 
-from test_accelerator import ROOT, SCRIPTS, run
-
-
-def compare_finals(out):
-    a = torch.load(out / "final_full.pt", weights_only=True)
-    b = torch.load(out / "final_resume.pt", weights_only=True)
-    assert a.keys() == b.keys() and len(a) > 20
-    assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    return a
+from helpers import ROOT, SCRIPTS, compare_finals, run_python, wandb_config, wandb_history, wandb_records
 
 
 @pytest.mark.parametrize("precision", ["16-mixed"])
 def test_save_load_state_resumes_bit_identically_in_a_new_process(tmp_path, precision):
-    run(SCRIPTS / "acc_resume.py", tmp_path, "full", "--precision", precision)
+    run_python(SCRIPTS / "acc_resume.py", tmp_path, "full", "--precision", precision)
     ckpt = tmp_path / "ckpt"
     assert sorted(os.listdir(ckpt)) == ["meta.json", "model.safetensors", "model_1.safetensors", "trainer_state.pt"]
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)   # the safe format
@@ -40,7 +32,7 @@ def test_save_load_state_resumes_bit_identically_in_a_new_process(tmp_path, prec
     assert state["custom_objects"][0]["batches"] == 13 + 4
     weights, _, meta = cio.read_checkpoint(ckpt)
     assert meta["kind"] == "accelerator" and meta["precision"] == precision and "0.weight" in weights
-    run(SCRIPTS / "acc_resume.py", tmp_path, "resume", "--precision", precision)
+    run_python(SCRIPTS / "acc_resume.py", tmp_path, "resume", "--precision", precision)
     final = compare_finals(tmp_path)
     assert final["skipped"] > 0          # the GradScaler skipped steps and its state was resumed
     assert final["sched_epoch"] == 2 * 7 - final["skipped"]
@@ -182,7 +174,7 @@ def test_trackers_write_tensorboard_and_csv(tmp_path):
 
 
 def test_gan_example_runs(tmp_path):
-    out = run(ROOT / "examples" / "gan_digits.py", "--steps", "20", "--log-every", "10")
+    out = run_python(ROOT / "examples" / "gan_digits.py", "--steps", "20", "--log-every", "10")
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step")]
     assert [ln.split()[1] for ln in lines] == ["10", "20"]
     assert all(float(ln.split()[3]) > 0 and float(ln.split()[5]) > 0 for ln in lines)
@@ -201,7 +193,6 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
 
 
 def test_wandb_tracker_offline(tmp_path, monkeypatch):
-    from test_loggers import _config, _history, wandb_records
     for var, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_DATA_DIR", "data"),
                      ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
         monkeypatch.setenv(var, str(tmp_path / sub))
@@ -219,9 +210,9 @@ def test_wandb_tracker_offline(tmp_path, monkeypatch):
     import wandb
     wandb.teardown()   # flush the offline transaction log
     records = wandb_records(run_dir)
-    assert [{k: v for k, v in row.items() if k == "loss"} for row in _history(records)] == [
+    assert [{k: v for k, v in row.items() if k == "loss"} for row in wandb_history(records)] == [
         {"loss": 0.5}, {"loss": 0.25}]
-    assert _config(records) == {"lr": 0.1}
+    assert wandb_config(records) == {"lr": 0.1}
 
 
 @pytest.mark.parametrize("stop_at", [2, 5])   # mid-pass, and on the last batch of the pass

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +17,7 @@ from ember.big_modeling import (DeviceMapError, check_device_map, compute_module
                                 find_tied_parameters, infer_auto_device_map, init_empty_weights,
                                 load_checkpoint_and_dispatch)
 from ember.errors import CheckpointError
-
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, SCRIPTS
 
 
 @pytest.fixture(autouse=True)

@@ -3,19 +3,16 @@ what rank 1 prints (a line, a line written in pieces, a warning) appears once, w
 above rank 0's live bar, whose final frame is intact. Rank 0's raw terminal stream is
 replayed on a small terminal model (carriage return, cursor up, erase line), so the
 assertions read the screen a person would see."""
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import SCRIPTS, child_env
+
 pytestmark = pytest.mark.multiproc
 
-SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
 _CSI = re.compile(r"\x1b\[(\??)(\d*)([A-Za-z])")
 
 
@@ -49,8 +46,7 @@ def screen(stream: str) -> list[str]:
 
 @pytest.mark.timeout(150)
 def test_other_ranks_print_above_rank0_live_bar(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1")
+    env = child_env()
     p = subprocess.run([sys.executable, str(SCRIPTS / "rank_output_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=140)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from ember.cli import main as cli_main
 from ember.errors import MisconfigurationError
 
 from conftest import LinearModule, regression_data
+from helpers import EXAMPLES
 
 
 class MLP(ember.TrainModule):
@@ -148,7 +148,7 @@ def test_prediction_writer_intervals(make_trainer):
 
 
 def test_ember_predict_writes_predictions(tmp_path, monkeypatch, capsys):
-    cfg = Path(__file__).parent.parent / "examples" / "cli" / "config.yaml"
+    cfg = EXAMPLES / "cli" / "config.yaml"
     monkeypatch.syspath_prepend(str(cfg.parent))   # toy.py importable, as PYTHONPATH=examples/cli in the docs
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "preds" / "p.pt"

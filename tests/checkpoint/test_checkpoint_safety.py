@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,7 @@ from ember.checkpoint import trust as checks
 from ember.checkpoint import io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError, MisconfigurationError
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def make(root, callbacks=(), max_epochs=2, **kw):

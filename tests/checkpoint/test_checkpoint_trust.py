@@ -18,6 +18,7 @@ from conftest import LinearModule, regression_data, reseal
 from ember.checkpoint import io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError
+from helpers import EXAMPLES
 
 
 class Marker:
@@ -212,15 +213,12 @@ def _fresh(tmp_path: Path) -> Path:
     return d
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture
 def cli(tmp_path, monkeypatch, capsys):
     """``ember.cli.main`` in this process, toy.py importable (as PYTHONPATH=examples/cli does)."""
     from ember.cli import main
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(ROOT / "examples" / "cli"), *sys.path])
+    monkeypatch.setattr(sys, "path", [str(EXAMPLES / "cli"), *sys.path])
     for key in [k for k in os.environ if k.startswith("EMBER_")]:
         monkeypatch.delenv(key)
 

@@ -23,8 +23,9 @@ import time
 import pytest
 import torch
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-sys.path.insert(0, SCRIPTS)
+from helpers import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
 
 from resume_common import (EPOCHS, STEPS_PER_EPOCH, Interrupt, differences, fit,  # noqa: E402
                            snapshot)
@@ -159,7 +160,7 @@ def test_resume_skips_indices_without_reading_data(tmp_path, tmp_path_factory):
 
 def _run_script(*args, timeout=240):
     env = dict(os.environ, EMBER_CHECKPOINT_FSYNC="0")
-    return subprocess.run([sys.executable, os.path.join(SCRIPTS, "resume_train.py"), *map(str, args)],
+    return subprocess.run([sys.executable, str(SCRIPTS / "resume_train.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -182,7 +183,7 @@ class _Zygote:
     RUN_EPOCHS = 20   # of each run
 
     def __init__(self, env):
-        self.p = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "resume_zygote.py")], env=env,
+        self.p = subprocess.Popen([sys.executable, str(SCRIPTS / "resume_zygote.py")], env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -372,7 +373,7 @@ def test_ddp_resume_inside_window_and_after_one_rank_is_preempted(tmp_path):
     log point; both resumes end bit-identical to the uninterrupted DDP run."""
     import json
     env = dict(os.environ, EMBER_CHECKPOINT_FSYNC="0")
-    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "resume_ddp.py"), str(tmp_path)],
+    p = subprocess.run([sys.executable, str(SCRIPTS / "resume_ddp.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=500, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "received SIGTERM at step 4" in p.stderr

@@ -11,10 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES",
-          "EMBER_ALLOW_DATA_CHANGE")
+from helpers import SCRIPTS, child_env
 
 
 # the Trainer modes run together in one start of the two processes (each start costs seconds),
@@ -38,8 +35,8 @@ def _run(mode, tmp_path, timeout=150, launch=False):
 
 
 def _start(mode, tmp_path, timeout, launch, extra=()):
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    env = child_env(EMBER_CHECKPOINT_FSYNC="0")
+    env.pop("EMBER_ALLOW_DATA_CHANGE", None)   # the modes set it themselves, on one rank or both
     cmd = [str(SCRIPTS / "resume_agree_ddp.py"), mode, str(tmp_path), *extra]
     cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", *cmd] if launch else [sys.executable, *cmd]
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)

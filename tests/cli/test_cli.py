@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "cli"
+from helpers import EXAMPLES
+
+EXAMPLE = EXAMPLES / "cli"
 CONFIG = EXAMPLE / "config.yaml"
 
 

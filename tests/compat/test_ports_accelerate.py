@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from test_accelerator import ROOT, clean_env
+from helpers import PORTS, ROOT, clean_env
 
-PORT = ROOT / "tests" / "ports" / "accelerate" / "by_feature.py"
+PORT = PORTS / "accelerate" / "by_feature.py"
 pytestmark = pytest.mark.slow
 
 
@@ -31,7 +31,7 @@ def ember_one(tmp_path_factory):
 @pytest.mark.timeout(450)
 def test_ports_on_one_process_equal_accelerate(ember_one, tmp_path):
     pytest.importorskip("accelerate")
-    acc = run(tmp_path, "accelerate", str(ROOT / "tests" / "ports" / "accelerate" / "run_with_accelerate.py"))
+    acc = run(tmp_path, "accelerate", str(PORTS / "accelerate" / "run_with_accelerate.py"))
     # find_executable_batch_size: ember halves (32, 16, 8); Accelerate 1.15 takes 10% off each time
     assert ember_one["memory"].pop("tried") == [32, 16, 8]
     assert acc["memory"].pop("tried")[0] == 32

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from test_accelerator import ROOT, clean_env
+from helpers import ROOT, clean_env
 
 PORTS = ROOT / "tests" / "ports" / "lightning"
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ember.strategies.environments import find_free_port
+from helpers import SCRIPTS, child_env
 
 pytestmark = pytest.mark.multiproc
 
-SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 150   # the scripts set a 45 s process-group timeout; this guards the whole run
 
 
@@ -28,10 +28,9 @@ def script():
 
 
 def torchrun(scenario, out):
-    from test_ddp_multiproc import clean_env
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(find_free_port()), str(SCRIPTS / "data_ddp.py"), scenario, str(out)]
-    proc = subprocess.run(cmd, cwd=out, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(cmd, cwd=out, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads((Path(out) / f"{scenario}_rank{r}.json").read_text()) for r in range(2)]
 

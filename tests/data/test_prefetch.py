@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-sys.path.insert(0, SCRIPTS)
+from helpers import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
 
 from resume_common import EPOCHS, STEPS_PER_EPOCH, Interrupt, differences, fit, snapshot  # noqa: E402
 

@@ -2,24 +2,19 @@
 gloo processes (tests/scripts/agree_ddp.py) with a 30 s process-group timeout, so a
 disagreement fails in seconds instead of hanging."""
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiproc
+from helpers import SCRIPTS, child_env
 
-SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+pytestmark = pytest.mark.multiproc
 
 
 @pytest.mark.timeout(200)
 def test_ranks_agree_on_stop_checkpoint_run_folder_and_resume_path(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    env = child_env(EMBER_CHECKPOINT_FSYNC="0")
     p = subprocess.run([sys.executable, str(SCRIPTS / "agree_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiproc
+from helpers import SCRIPTS, child_env
 
-SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+pytestmark = pytest.mark.multiproc
 
 
 # modes started by the Trainer's own launcher that end normally: run together, in one start of
@@ -38,8 +36,7 @@ def _run(mode, tmp_path, launch=False):
 
 
 def _start(mode, tmp_path, launch=False, extra=()):
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    env = child_env(EMBER_CHECKPOINT_FSYNC="0")
     cmd = [str(SCRIPTS / "agree_paths_ddp.py"), mode, str(tmp_path), *extra]
     cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", *cmd] if launch else [sys.executable, *cmd]
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -111,8 +108,7 @@ def test_find_executable_batch_size_oom_on_one_rank_ends_the_run(tmp_path):
     at 32 (their collectives would pair up across batch sizes); it raises, naming itself,
     after the process-group timeout (10 s here) at most, and the launcher ends rank 0."""
     import time
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1")
+    env = child_env()
     cmd = [sys.executable, "-m", "ember", "launch", "--num-processes", "2", str(SCRIPTS / "agree_paths_ddp.py"),
            "find_bs_asym", str(tmp_path)]
     start = time.monotonic()
@@ -175,8 +171,7 @@ def test_lr_find_out_of_memory_on_one_rank_ends_the_run(tmp_path):
     """The learning-rate finder does not retry: an out-of-memory error on rank 1 alone is
     raised there, and the run ends within seconds with that error, not after the timeout."""
     import time
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1")
+    env = child_env()
     p = subprocess.run([sys.executable, str(SCRIPTS / "agree_paths_ddp.py"), "lr_find_oom", str(tmp_path)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     ended = time.time()

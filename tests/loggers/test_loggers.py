@@ -6,7 +6,6 @@ import csv
 import glob
 import json
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 from ember.errors import MisconfigurationError
 from ember.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger, build_logger
 from ember.loggers.base import flatten_params, sanitize_params
+from helpers import ROOT, wandb_artifacts, wandb_config, wandb_history, wandb_records
 
 
 class Opaque:
@@ -43,7 +43,7 @@ def test_import_is_cheap():
     code = ("import sys, ember.loggers; "
             "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'wandb', 'yaml') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=ROOT)
     assert out.stdout.strip() == "[]"
 
 
@@ -240,60 +240,6 @@ def test_wandb_missing_and_bad_arguments(monkeypatch, tmp_path):
 # Weights & Biases, offline
 
 
-def wandb_records(run_dir):
-    """Every record of an offline run's ``run-*.wandb`` file (W&B's
-    LevelDB-style log: 7-byte file header, 32 KiB blocks, 7-byte chunk
-    headers, protobuf ``Record`` payloads)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-    data = Path(path).read_bytes()
-    ident, magic, _ = struct.unpack("<4sHB", data[:7])
-    assert (ident, magic) == (b":W&B", 0xBEE1)
-    pos, block, buf, out = 7, 32768, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer
-            pos += block - pos % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if (length == 0 and kind == 0) or pos + 7 + length > len(data):
-            break
-        buf += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST chunk
-            out.append(pb.Record.FromString(buf))
-            buf = b""
-    return out
-
-
-def _key(item):
-    return item.key or "/".join(item.nested_key)
-
-
-def _history(records):
-    rows = []
-    for r in records:
-        if r.WhichOneof("record_type") == "history":
-            row = {_key(i): json.loads(i.value_json) for i in r.history.item}
-            rows.append({k: v for k, v in row.items() if not k.startswith("_")})
-    return rows
-
-
-def _config(records):
-    cfg = {}
-    for r in records:
-        kind = r.WhichOneof("record_type")
-        updates = r.run.config.update if kind == "run" else r.config.update if kind == "config" else []
-        for u in updates:
-            cfg[_key(u)] = json.loads(u.value_json)
-    cfg.pop("_wandb", None)
-    return cfg
-
-
-def _artifacts(records):
-    return [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
-
-
 @pytest.fixture(scope="module")
 def wandb_runs(tmp_path_factory):
     """Two offline runs: log_model="all" and log_model=True."""
@@ -363,12 +309,12 @@ def test_wandb_offline_metrics_and_config(wandb_runs):
     records = wandb_records(run_dir)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.run_id, run.project, run.display_name) == ("emberall1", "ember-test", "all")
-    assert _history(records) == [
+    assert wandb_history(records) == [
         {"train/loss": 0.5, "lr": 0.25, "trainer/global_step": 0},
         {"train/loss": 0.25, "trainer/global_step": 5},
         {"train/loss": 0.125, "val/acc": 0.75, "trainer/global_step": 10},
     ]
-    assert _config(records) == flatten_params(HPARAMS)
+    assert wandb_config(records) == flatten_params(HPARAMS)
     metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
     assert any(m.glob_name == "*" and m.step_metric == "trainer/global_step" for m in metrics)
     exits = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
@@ -377,7 +323,7 @@ def test_wandb_offline_metrics_and_config(wandb_runs):
 
 def test_wandb_log_model_all_creates_artifacts(wandb_runs):
     (run_dir,) = glob.glob(str(wandb_runs["root"] / "save" / "wandb" / "offline-run-*-emberall1"))
-    arts = _artifacts(wandb_records(run_dir))
+    arts = wandb_artifacts(wandb_records(run_dir))
     assert [(a.name, a.type) for a in arts] == [("model-emberall1", "model")] * 2
     assert [sorted(a.aliases) for a in arts] == [["best", "latest"], ["latest"]]
     assert [json.loads(a.metadata) for a in arts] == [
@@ -396,10 +342,10 @@ def test_wandb_log_model_true_logs_best_and_last_at_finalize(wandb_runs):
     run_dirs = sorted(glob.glob(str(wandb_runs["root"] / "save" / "wandb" / f"offline-run-*-{run_id}*")))
     assert len(run_dirs) == 2
     records = [r for d in run_dirs for r in wandb_records(d)]
-    assert [row["loss"] for row in _history(records)] == [1.0, 0.5]
+    assert [row["loss"] for row in wandb_history(records)] == [1.0, 0.5]
     assert sorted(e.exit_code for r in records if r.WhichOneof("record_type") == "exit"
                   for e in [r.exit]) == [0, 1]
-    arts = _artifacts(records)  # only at the successful finalize; deleted files skipped
+    arts = wandb_artifacts(records)  # only at the successful finalize; deleted files skipped
     # (W&B gives each new version "latest"; the server moves it to the newest one)
     assert [(a.name, sorted(a.aliases)) for a in arts] == [(f"model-{run_id}", ["best", "latest"]),
                                                           (f"model-{run_id}", ["latest"])]

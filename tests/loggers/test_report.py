@@ -10,10 +10,12 @@ import sys
 
 import pytest
 
+from helpers import EXAMPLES
+
 pytest.importorskip("matplotlib")
 pytest.importorskip("sklearn")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, str(EXAMPLES))
 from digits import DigitsCNN, DigitsData  # noqa: E402
 
 import ember  # noqa: E402
@@ -140,7 +142,7 @@ def test_run_record_with_a_logger_without_folder(tmp_path):
 
 
 def test_cli_run_report_shows_the_config(tmp_path, monkeypatch, capsys):
-    cfg = os.path.join(os.path.dirname(__file__), "..", "examples", "cli", "config.yaml")
+    cfg = str(EXAMPLES / "cli" / "config.yaml")
     monkeypatch.syspath_prepend(os.path.dirname(cfg))   # toy.py importable, as PYTHONPATH=examples/cli in the docs
     monkeypatch.chdir(tmp_path)
     assert cli_main(["fit", "-c", cfg, "--trainer.report", "true", "--trainer.profiler", "simple",

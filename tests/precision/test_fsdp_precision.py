@@ -12,18 +12,17 @@ import pytest
 import torch
 
 from ember.precision import MixedPrecision, Precision, ShardedMixedPrecision
+from helpers import SCRIPTS, quiet_env
 
 pytestmark = pytest.mark.multiproc
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_precision.py")
+SCRIPT = str(SCRIPTS / "fsdp_precision.py")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp_precision"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                    "MASTER_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = quiet_env()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         SCRIPT, out], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-sys.path.insert(0, SCRIPTS)
+from helpers import SCRIPTS, child_env
+
+sys.path.insert(0, str(SCRIPTS))
 
 from resume_common import EPOCHS, STEPS_PER_EPOCH, differences, fit, snapshot  # noqa: E402
 
@@ -250,11 +251,8 @@ def test_async_save_returns_before_the_write_and_commits_the_synchronous_checkpo
 def test_ddp_rank0_writes_in_the_background_and_errors_reach_every_rank(tmp_path):
     import json
     import subprocess
-    strip = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
-    env = {k: v for k, v in os.environ.items() if k not in strip and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0", PYTHONWARNINGS="ignore")
-    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "async_save_ddp.py"), str(tmp_path)], cwd=tmp_path,
+    env = child_env(EMBER_CHECKPOINT_FSYNC="0", PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, str(SCRIPTS / "async_save_ddp.py"), str(tmp_path)], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))

@@ -2,7 +2,6 @@
 a plain ``python script.py`` (ember's launcher), ``torchrun``, and SLURM-style
 variables. The scripts live in tests/scripts/ and write JSON per rank."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,34 +10,23 @@ import pytest
 import torch
 
 from ember.strategies.environments import find_free_port
+from helpers import SCRIPTS, child_env
 
 pytestmark = pytest.mark.multiproc
 
-SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 120  # a hang guard: a healthy run takes a few seconds per process start
-
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
 
 
 def run_plain(script, *args, cwd):
     return subprocess.run([sys.executable, str(SCRIPTS / script), *map(str, args)], cwd=cwd,
-                          env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                          env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def run_torchrun(script, *args, cwd):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(find_free_port()),
            str(SCRIPTS / script), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def run_slurm(script, *args, cwd):
@@ -46,7 +34,7 @@ def run_slurm(script, *args, cwd):
     port = find_free_port()
     procs = []
     for rank in range(2):
-        env = clean_env(SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+        env = child_env(SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
                         SLURM_NNODES="1", SLURM_NODELIST="localhost", SLURM_TASKS_PER_NODE="2",
                         SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / script), *map(str, args)], cwd=cwd, env=env,
@@ -145,7 +133,7 @@ def test_ddp_ember_launch(tmp_path, regression_reference):
     """`python -m ember launch --num-processes 2 script.py`: torchrun's agent underneath."""
     proc = subprocess.run([sys.executable, "-m", "ember", "launch", "--num-processes", "2",
                            str(SCRIPTS / "ddp_train.py"), "equiv", str(tmp_path)],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
     ok(proc)
     r0, r1 = load(tmp_path, "equiv")
     assert (r0["env"], r0["world"], r1["rank"]) == ("torchelastic", 2, 1)

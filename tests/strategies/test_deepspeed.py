@@ -14,24 +14,18 @@ import pytest
 
 from ember.errors import MisconfigurationError
 from ember.precision import Precision
+from helpers import SCRIPTS, quiet_env
 
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "shard_deepspeed.py")
-ASYNC_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "async_deepspeed.py")
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                    "MASTER_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return env
+SCRIPT = str(SCRIPTS / "shard_deepspeed.py")
+ASYNC_SCRIPT = str(SCRIPTS / "async_deepspeed.py")
 
 
 @pytest.fixture(scope="session")
 def ds_ops():
     """Compile DeepSpeed's CPU op once per machine (a no-op when already built)."""
     r = subprocess.run([sys.executable, "-c", "from ember.strategies.deepspeed import prebuild_ops; "
-                        "print(prebuild_ops())"], env=_env(), capture_output=True, text=True, timeout=900)
+                        "print(prebuild_ops())"], env=quiet_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -39,7 +33,7 @@ def ds_ops():
 def results(request, ds_ops, tmp_path_factory):
     stage = request.param
     out = str(tmp_path_factory.mktemp(f"zero{stage}"))
-    r = subprocess.run([sys.executable, SCRIPT, out, str(stage)], env=_env(), capture_output=True, text=True,
+    r = subprocess.run([sys.executable, SCRIPT, out, str(stage)], env=quiet_env(), capture_output=True, text=True,
                        timeout=400)
     assert r.returncode == 0, f"stage {stage} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
@@ -158,7 +152,7 @@ class TestZeRO:
 @pytest.mark.timeout(900)
 def test_prebuilt_ops_are_reused(ds_ops):
     r = subprocess.run([sys.executable, "-c", "from ember.strategies.deepspeed import prebuild_ops; "
-                        "print(prebuild_ops())"], env=_env(), capture_output=True, text=True, timeout=300)
+                        "print(prebuild_ops())"], env=quiet_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "False"        # nothing compiled the second time
     assert "compiling DeepSpeed" not in r.stderr
@@ -237,7 +231,8 @@ def test_async_save_is_a_strategy_switch_not_a_zero_key():
 @pytest.fixture(scope="module")
 def async_results(ds_ops, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("async_zero2"))
-    r = subprocess.run([sys.executable, ASYNC_SCRIPT, out], env=_env(), capture_output=True, text=True, timeout=400)
+    r = subprocess.run([sys.executable, ASYNC_SCRIPT, out], env=quiet_env(), capture_output=True, text=True,
+                       timeout=400)
     assert r.returncode == 0, f"async run failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
     def get(name, rank=0):
@@ -320,7 +315,7 @@ else:
 @pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed")
 def test_fp16_on_cpu_is_a_clear_error():
     # in a subprocess: importing deepspeed here would leave its state in the test process
-    r = subprocess.run([sys.executable, "-c", FP16_CHECK], env=_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", FP16_CHECK], env=quiet_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     if r.stdout.strip() == "SKIP":
         pytest.skip("this CPU supports fp16 in DeepSpeed")

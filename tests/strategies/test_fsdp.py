@@ -13,21 +13,15 @@ import pytest
 import torch
 
 from ember.errors import MisconfigurationError
+from helpers import SCRIPTS, quiet_env
 
 pytestmark = pytest.mark.multiproc
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "shard_fsdp.py")
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                    "MASTER_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return env
+SCRIPT = str(SCRIPTS / "shard_fsdp.py")
 
 
 def _run(args, timeout=240):
-    r = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(args, env=quiet_env(), capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
 

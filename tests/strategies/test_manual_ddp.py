@@ -9,16 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_agree import _STRIP
+from helpers import SCRIPTS, child_env
 
 pytestmark = pytest.mark.multiproc
-SCRIPT = Path(__file__).parent / "scripts" / "manual_ddp.py"
+SCRIPT = SCRIPTS / "manual_ddp.py"
 
 
 def run(tmp_path: Path, n: int) -> list[dict]:
-    import os
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", EMBER_CHECKPOINT_FSYNC="0")
+    env = child_env(EMBER_CHECKPOINT_FSYNC="0")
     out = tmp_path / f"n{n}"
     out.mkdir()
     p = subprocess.run([sys.executable, str(SCRIPT), str(out), str(n)], cwd=out, env=env, capture_output=True,

@@ -20,23 +20,17 @@ import ember
 from ember.errors import MisconfigurationError
 from ember.strategies.blocks import apply_activation_checkpointing, compile_blocks, find_blocks
 from ember.strategies.full_load import load_full_weights
+from helpers import SCRIPTS, quiet_env
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "mesh_train.py")
+SCRIPT = str(SCRIPTS / "mesh_train.py")
 TOL = 1e-5
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("EMBER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                    "MASTER_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return env
 
 
 def _run(out, run, nproc):
     args = [sys.executable, SCRIPT, out, run] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
          SCRIPT, out, run]
-    r = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=240)
+    r = subprocess.run(args, env=quiet_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, f"{run} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
 
@@ -231,10 +225,10 @@ def test_full_checkpoint_is_read_on_rank0_only_and_broadcast(tmp_path):
     rank 0 reads the file, rank 1 receives its shards only. Before, every rank read the
     whole checkpoint (peak rises within 5 MB of each other; now rank 0's is higher by
     about the part of the checkpoint rank 1 never holds)."""
-    script = os.path.join(os.path.dirname(__file__), "scripts", "rank0_load.py")
+    script = str(SCRIPTS / "rank0_load.py")
     for phase in ("save", "load"):
         r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                            script, str(tmp_path), phase], env=_env(), capture_output=True, text=True, timeout=240)
+                            script, str(tmp_path), phase], env=quiet_env(), capture_output=True, text=True, timeout=240)
         assert r.returncode == 0, r.stderr[-4000:]
     r0, r1 = (json.load(open(tmp_path / f"load.rank{i}.json")) for i in (0, 1))
     assert r0["equal"] and r0["global_step"] == r1["global_step"] == 1

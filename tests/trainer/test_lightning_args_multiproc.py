@@ -1,24 +1,19 @@
 """Lightning Trainer arguments that act across ranks (issue 15): two real gloo
 processes (tests/scripts/lightning_args_ddp.py) with a 30 s process-group timeout."""
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiproc
+from helpers import SCRIPTS, child_env
 
-SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+pytestmark = pytest.mark.multiproc
 
 
 @pytest.mark.timeout(200)
 def test_sampler_min_epochs_and_sync_batchnorm_under_two_processes(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1")
+    env = child_env()
     p = subprocess.run([sys.executable, str(SCRIPTS / "lightning_args_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-4000:]

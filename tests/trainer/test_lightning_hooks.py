@@ -440,7 +440,7 @@ def test_missing_metric_message_says_logged_but_no_value_yet(make_trainer, data,
 
 
 def test_validation_step_values_reach_the_loggers_per_batch(make_trainer, data):
-    from test_logging import CaptureLogger
+    from helpers import CaptureLogger
 
     class StepVal(LinearModule):
         def validation_step(self, batch, batch_idx):

@@ -11,30 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ember.callbacks import Callback
 from ember.errors import MisconfigurationError
-from ember.loggers import Logger
 from conftest import LinearModule, regression_data
-
-
-class CaptureLogger(Logger):
-    """A real ember Logger that keeps what the Trainer sends it."""
-
-    def __init__(self):
-        self.calls: list[tuple[int, dict]] = []
-        self.hparams: list[dict] = []
-        self.status = None
-
-    @property
-    def experiment(self):
-        return self
-
-    def log_metrics(self, metrics, step):
-        self.calls.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params):
-        self.hparams.append(dict(params))
-
-    def finalize(self, status):
-        self.status = status
+from helpers import CaptureLogger
 
 
 def values_data(n=100, batch_size=32, seed=0):

@@ -2,24 +2,19 @@
 process-group timeout): a metric logged with sync_dist=True on one rank only is an
 error on every rank, in seconds, never a hang."""
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.multiproc
+from helpers import SCRIPTS, child_env
 
-SCRIPTS = Path(__file__).parent / "scripts"
-_STRIP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "EMBER_LAUNCHER_PID", "EMBER_STRATEGY", "EMBER_PRECISION", "EMBER_TEST_DEVICES")
+pytestmark = pytest.mark.multiproc
 
 
 @pytest.mark.timeout(200)
 def test_sync_dist_metric_on_one_rank_raises_on_every_rank_naming_metric_and_ranks(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in _STRIP and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1")
+    env = child_env()
     p = subprocess.run([sys.executable, str(SCRIPTS / "sync_keys_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
-sys.path.insert(0, SCRIPTS)
+from helpers import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
 
 from resume_common import EPOCHS, STEPS_PER_EPOCH, differences, fit, snapshot  # noqa: E402
 
@@ -48,7 +49,7 @@ def test_sigterm_saves_last_and_exits_zero_then_resume_is_exact(tmp_path, tmp_pa
     ref = reference(tmp_path_factory)
     env = dict(os.environ, EMBER_CHECKPOINT_FSYNC="0")
     # slow down from batch 4 of epoch 1 on, so the signal lands mid-run
-    p = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "resume_train.py"), str(tmp_path),
+    p = subprocess.Popen([sys.executable, str(SCRIPTS / "resume_train.py"), str(tmp_path),
                           "--ready-at", "1", "4", "--slow", "0.5"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

@@ -18,7 +18,9 @@ import time
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+from helpers import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
 
 import ember  # noqa: E402
 from ember.checkpoint import io as cio  # noqa: E402

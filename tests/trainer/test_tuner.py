@@ -17,8 +17,7 @@ from ember.errors import MisconfigurationError
 from ember.loggers import CSVLogger
 
 from conftest import LinearModule, regression_data
-
-SCRIPTS = Path(__file__).parent / "scripts"
+from helpers import SCRIPTS, child_env
 
 
 class MomentumLinear(LinearModule):
@@ -89,9 +88,7 @@ def test_lr_find_stops_when_the_loss_diverges(make_trainer):
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_lr_find_same_suggestion_on_every_rank(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EMBER_LAUNCHER_PID")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env()
     proc = subprocess.run([sys.executable, str(SCRIPTS / "tuner_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-4000:]

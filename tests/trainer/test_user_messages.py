@@ -19,17 +19,13 @@ from torch.utils.data import DataLoader
 import ember
 from ember.errors import MisconfigurationError
 from ember.loggers import CSVLogger, TensorBoardLogger
-from tests.conftest import LinearModule, regression_data
-
-SCRIPTS = Path(__file__).parent / "scripts"
-ROOT = Path(__file__).parent.parent
+from conftest import LinearModule, regression_data
+from helpers import ROOT, SCRIPTS, child_env
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT", "EMBER_TEST_DEVICES")}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
     return env
 
 
