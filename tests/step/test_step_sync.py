@@ -5,14 +5,19 @@ CPU the reads are counted with a wrapper around ``Tensor.item`` (a fused AdamW s
 under the GradScaler without reading the flag itself)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback
 from ember.precision import Precision
+from helpers import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
+from common import Regressor  # noqa: E402
 
 STEPS = 6
 
@@ -22,14 +27,12 @@ class Reads:
         self.n = 0
 
 
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
+class Net(Regressor):
+    """The scripts' regressor with its loss in float32, a fused AdamW and a per-step StepLR."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return (self.lin(x).float() - y).pow(2).mean()
+        return (self.net(x).float() - y).pow(2).mean()
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)
