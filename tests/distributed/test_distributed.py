@@ -1,5 +1,5 @@
 """ember.distributed helpers and the GatherMetrics callback in one process (their
-two-process behaviour is checked in test_ddp_multiproc.py)."""
+two-process behaviour is checked in tests/strategies/test_ddp_multiproc.py)."""
 import pytest
 import torch
 import torch.nn.functional as F

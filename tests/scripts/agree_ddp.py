@@ -1,5 +1,5 @@
 """Cross-rank decisions made once and agreed (2 CPU processes, gloo, a 30 s process-group
-timeout so a disagreement fails fast instead of hanging), run by tests/test_agree.py.
+timeout so a disagreement fails fast instead of hanging), run by tests/distributed/test_agree.py.
 
     python agree_ddp.py ROOT
 

@@ -1,5 +1,5 @@
 """Decisions that read per-rank inputs, and writes rank 0 alone makes, agreed across 2 CPU
-processes (gloo, ember's own launcher or ``ember launch``), run by tests/test_agree_paths.py.
+processes (gloo, ember's own launcher or ``ember launch``), run by tests/distributed/test_agree_paths.py.
 
     python agree_paths_ddp.py MODE ROOT
 

@@ -1,5 +1,5 @@
 """Error paths that must not wait for the process-group timeout, and decisions rank 0
-alone makes (2 CPU processes, gloo, ember's own launcher), run by tests/test_fail_fast.py.
+alone makes (2 CPU processes, gloo, ember's own launcher), run by tests/distributed/test_fail_fast.py.
 
     python failfast_ddp.py MODE ROOT
 

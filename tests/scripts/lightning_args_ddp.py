@@ -1,5 +1,5 @@
 """Lightning Trainer arguments under 2 CPU processes (gloo, a 30 s process-group
-timeout), run by tests/test_lightning_args_multiproc.py.
+timeout), run by tests/trainer/test_lightning_args_multiproc.py.
 
     python lightning_args_ddp.py ROOT
 

@@ -1,5 +1,5 @@
 """Other ranks' prints above rank 0's live bar (2 CPU processes, gloo, 30 s timeout),
-run by tests/test_rank_output.py.
+run by tests/callbacks/test_rank_output.py.
 
     python rank_output_ddp.py ROOT
 

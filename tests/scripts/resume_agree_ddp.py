@@ -1,5 +1,5 @@
 """Resume checks that see different inputs on different ranks (2 CPU processes, gloo,
-the Trainer's own launcher), run by tests/test_resume_agree.py.
+the Trainer's own launcher), run by tests/checkpoint/test_resume_agree.py.
 
     python resume_agree_ddp.py MODE ROOT
 

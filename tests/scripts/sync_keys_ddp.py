@@ -1,5 +1,5 @@
 """A sync_dist metric logged on one rank only (2 CPU processes, gloo, a 10 s
-process-group timeout so a hang fails fast), run by tests/test_logging_ddp.py.
+process-group timeout so a hang fails fast), run by tests/trainer/test_logging_ddp.py.
 
     python sync_keys_ddp.py ROOT
 
