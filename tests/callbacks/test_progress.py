@@ -11,7 +11,7 @@ from rich.console import Console
 
 import ember
 from ember.callbacks import EarlyStopping, ModelCheckpoint, RichProgressBar
-from tests.conftest import LinearModule
+from conftest import LinearModule
 
 _TIME = r"\d+:\d\d:\d\d"
 
@@ -41,7 +41,7 @@ def _console(width: int, terminal: bool = True) -> Console:
 
 
 def _fit(tmp_path, console, module=None, data=None, ckpt_path=None, **kw):
-    from tests.conftest import regression_data
+    from conftest import regression_data
     from torch.utils.data import DataLoader
     dl = data or DataLoader(regression_data(64), batch_size=8)
     args = dict(max_epochs=3, logger=False, enable_checkpointing=False, enable_model_summary=False,
@@ -144,7 +144,7 @@ def test_summary_names_max_steps_and_early_stopping(tmp_path):
 
 
 def test_validate_and_test_print_a_results_table(tmp_path, capsys):
-    from tests.conftest import regression_data
+    from conftest import regression_data
     from torch.utils.data import DataLoader
     dl = DataLoader(regression_data(64), batch_size=8)
     con = _console(100)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import RichProgressBar
-from tests.conftest import LinearModule, regression_data
+from conftest import LinearModule, regression_data
 
 IPython = pytest.importorskip("IPython")
 
@@ -24,6 +24,7 @@ def notebook():
     from IPython.core.displaypub import CapturingDisplayPublisher
     from IPython.core.interactiveshell import InteractiveShell
     saved = {k: getattr(sys, k) for k in ("ps1", "ps2", "excepthook", "displayhook") if hasattr(sys, k)}
+    main = sys.modules["__main__"]   # the shell puts its own namespace there, without pytest's __spec__
     shell = InteractiveShell.instance()
     old = shell.display_pub
     shell.display_pub = CapturingDisplayPublisher()   # what the kernel would send to the browser
@@ -32,6 +33,9 @@ def notebook():
     finally:
         shell.display_pub = old
         InteractiveShell.clear_instance()
+        # left in place, ember would no longer see that it runs inside pytest: a later
+        # DDPStrategy(devices=2) would start rank 1 by re-running the whole session
+        sys.modules["__main__"] = main
         for k in ("ps1", "ps2", "excepthook", "displayhook"):   # the shell marks the process interactive
             if k in saved:
                 setattr(sys, k, saved[k])

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 import ember
 from ember.callbacks import Callback, EarlyStopping, RichProgressBar
 from ember.loggers import CSVLogger
-from tests.conftest import LinearModule, regression_data
+from conftest import LinearModule, regression_data
 
 
 def _run(tmp_path, module=None, raises=None, **kw):
