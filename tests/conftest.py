@@ -1,81 +1,22 @@
-"""Shared fixtures for the core tests: tiny data sets and modules, and quiet
-Trainer arguments. Kept small and generic on purpose."""
+"""Shared fixtures for the tests: quiet Trainer arguments, a Trainer factory, the tiny
+module and data loaders (from helpers.py, re-exported here), and the process-wide torch
+state put back after every test. Kept small and generic on purpose."""
 from __future__ import annotations
 
 import os
 
 # The suite's checkpoints are throwaway: no fsync (a busy disk stalled fsync for tens of
 # seconds and made timing-bound tests flaky). Subprocesses inherit it.
-# tests/test_checkpoint_io.py::test_fsync_reaches_every_file_and_folder keeps that path tested.
+# tests/checkpoint/test_checkpoint_io.py::test_fsync_reaches_every_file_and_folder keeps that path tested.
 os.environ.setdefault("EMBER_CHECKPOINT_FSYNC", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 import ember  # noqa: E402
-
-
-def reseal(ckpt) -> None:
-    """Record the current size and content digest of every file ``meta.json`` lists, as a
-    crafter of a consistent (but malicious or mismatched) checkpoint would."""
-    import json
-
-    from ember.checkpoint.trust import file_digest
-    meta_file = os.path.join(ckpt, "meta.json")
-    with open(meta_file) as f:
-        meta = json.load(f)
-    for name in meta.get("files", {}):
-        fp = os.path.join(ckpt, name)
-        meta["files"][name] = os.path.getsize(fp)
-        if name in meta.get("digests", {}):
-            meta["digests"][name] = file_digest(fp, meta["digests"][name].split(":")[0])
-    with open(meta_file, "w") as f:
-        json.dump(meta, f)
-
-
-def regression_data(n: int = 64, dim: int = 4, seed: int = 0) -> TensorDataset:
-    """y = x @ w + 0.5 with a fixed w: an easy task every precision can learn."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=g)
-    w = torch.arange(1, dim + 1, dtype=torch.float32).unsqueeze(1) / dim
-    return TensorDataset(x, x @ w + 0.5)
-
-
-class LinearModule(ember.TrainModule):
-    """Linear regression trained with SGD; logs ``train/loss`` per step and
-    ``val/loss`` per epoch."""
-
-    def __init__(self, dim: int = 4, lr: float = 0.1):
-        super().__init__()
-        self.lr = lr
-        self.net = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        return self.net(x)
-
-    def loss(self, batch):
-        x, y = batch
-        return F.mse_loss(self(x).float(), y.float())
-
-    def training_step(self, batch, batch_idx):
-        loss = self.loss(batch)
-        self.log("train/loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val/loss", self.loss(batch))
-
-    def test_step(self, batch, batch_idx):
-        self.log("test/loss", self.loss(batch))
-
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+# the small modules and data sets live in helpers.py; `from conftest import LinearModule` keeps working
+from helpers import LinearModule, regression_data, reseal  # noqa: E402,F401
 
 
 @pytest.fixture

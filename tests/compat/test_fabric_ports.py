@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from test_accelerator import ROOT, clean_env
+from helpers import ROOT, clean_env
 
 PORTS = ROOT / "tests" / "ports" / "fabric"
 NAMES = ["image_classifier", "language_model"]

@@ -13,7 +13,8 @@ import torch
 from ember.cli import build_parser
 from ember.launch import UsageError, resolve_launch_config, worker_env
 from ember.launch.accelerate_flags import accelerate_env
-from test_launch import _env, ember
+from helpers import launch_env as _env
+from helpers import run_ember as ember
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without GPUs")
 

@@ -1,5 +1,5 @@
 """Cross-rank decisions made once and agreed (2 CPU processes, gloo, a 30 s process-group
-timeout so a disagreement fails fast instead of hanging), run by tests/test_agree.py.
+timeout so a disagreement fails fast instead of hanging), run by tests/distributed/test_agree.py.
 
     python agree_ddp.py ROOT
 
@@ -18,40 +18,23 @@ import os
 import sys
 import time
 
-import torch
-from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.loggers import CSVLogger
 from ember.strategies import DDPStrategy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, loader  # noqa: E402
 
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 1)
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
+class Net(Regressor):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         # deliberately NOT synced: each rank sees its own value (rank 1's ranks checkpoints the other way)
         v = F.mse_loss(self.net(x), y) * (1.0 if self.global_rank == 0 else -1.0)
         self.log("val_own", v)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def loader(n=64):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
 
 
 class OnRank(Callback):
@@ -81,24 +64,24 @@ def main(root):
     # 1. should_stop on rank 0 only, at epoch 0 batch 2 (log points: every 2 steps)
     t = trainer(os.path.join(root, "s"), [OnRank(0, lambda t: setattr(t, "should_stop", True), (0, 2))],
                 enable_checkpointing=False)
-    t.fit(Net(), loader())
+    t.fit(Net(), loader(64))
     out["should_stop"] = [t.stop_reason, t.global_step, t.current_epoch, t.batches_done]
     # 2. max_time, rank 1 slower on every batch
     t = trainer(os.path.join(root, "t"), [OnRank(1, lambda t: time.sleep(0.05))], max_time=0.5,
                 max_epochs=50, enable_checkpointing=False)
-    t.fit(Net(), loader())
+    t.fit(Net(), loader(64))
     out["max_time"] = [t.stop_reason, t.global_step]
     # 3. top-k on a metric that differs per rank; 4. the run folder; 5. ckpt_path="last"
     root3 = os.path.join(root, "k")
     ck = ModelCheckpoint(monitor="val_own", save_top_k=2, save_last=True)
     t = trainer(root3, [LateSetup(), ck], logger=CSVLogger(root3), max_epochs=4, val_check_interval=4)
-    t.fit(Net(), loader(), loader(16))
+    t.fit(Net(), loader(64), loader(16))
     out["topk"] = sorted(os.path.basename(p) for p in ck.best_k_models)
     out["best"] = os.path.basename(ck.best_model_path)
     out["log_dir"] = t.log_dir
     t2 = trainer(root3, [ModelCheckpoint(monitor="val_own", save_top_k=2, save_last=True)],
                  logger=CSVLogger(root3, version=0), max_epochs=5, val_check_interval=4)
-    t2.fit(Net(), loader(), loader(16), ckpt_path="last")
+    t2.fit(Net(), loader(64), loader(16), ckpt_path="last")
     out["resumed"] = t2.ckpt_path
     with open(os.path.join(root, f"result_{t.global_rank}.json"), "w") as f:
         json.dump(out, f)

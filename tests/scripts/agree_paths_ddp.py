@@ -1,5 +1,5 @@
 """Decisions that read per-rank inputs, and writes rank 0 alone makes, agreed across 2 CPU
-processes (gloo, ember's own launcher or ``ember launch``), run by tests/test_agree_paths.py.
+processes (gloo, ember's own launcher or ``ember launch``), run by tests/distributed/test_agree_paths.py.
 
     python agree_paths_ddp.py MODE ROOT
 
@@ -50,22 +50,19 @@ from datetime import timedelta
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import EarlyStopping, ModelCheckpoint
 from ember.strategies import DDPStrategy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, loader  # noqa: E402
 
-class Net(ember.TrainModule):
+
+class Net(Regressor):
     def __init__(self, val_on_rank0_only=False):
         super().__init__()
-        self.net = nn.Linear(4, 1)
         self.val_on_rank0_only = val_on_rank0_only
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -75,15 +72,6 @@ class Net(ember.TrainModule):
                 self.log("val_loss", loss)
         else:
             self.log("val_loss", loss, sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def loader(n=32):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
 
 
 def trainer(root, timeout=20, **kw):

@@ -1,5 +1,5 @@
 """DeepSpeedStrategy(async_save=True) under ZeRO stage 2 (two CPU processes, gloo, a 60 s
-process-group timeout), run by tests/test_deepspeed.py. Started as a plain script:
+process-group timeout), run by tests/strategies/test_deepspeed.py. Started as a plain script:
 ``Trainer(devices=2)`` starts rank 1 itself.
 
     python async_deepspeed.py OUT      # writes OUT/<check>.rank<r>.json

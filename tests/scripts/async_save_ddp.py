@@ -1,5 +1,5 @@
 """Background checkpoint writes under DDP (2 CPU processes, gloo, a 30 s process-group
-timeout), run by tests/test_async_save.py.
+timeout), run by tests/strategies/test_async_save.py.
 
     python async_save_ddp.py ROOT
 

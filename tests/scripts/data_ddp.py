@@ -1,4 +1,4 @@
-"""Data scenarios under two processes (gloo, CPU), run by tests/test_data_multiproc.py:
+"""Data scenarios under two processes (gloo, CPU), run by tests/data/test_data_multiproc.py:
 
     python -m torch.distributed.run --nproc_per_node 2 data_ddp.py SCENARIO OUT_DIR
 

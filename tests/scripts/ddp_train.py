@@ -1,4 +1,4 @@
-"""Trainer-level DDP scenarios, run as subprocesses by tests/test_ddp_trainer.py.
+"""Trainer-level DDP scenarios, run as subprocesses by tests/strategies/test_ddp_multiproc.py.
 
     python ddp_train.py SCENARIO OUT_DIR
 

@@ -1,4 +1,4 @@
-"""A 2-process DDP fit for tests/test_elastic.py, run under ``ember launch``.
+"""A 2-process DDP fit for tests/launch/test_elastic.py, run under ``ember launch``.
 
     ember launch --num_processes 2 --max_restarts 1 elastic_train.py OUT TAG [--kill-at STEP]
 

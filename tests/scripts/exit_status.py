@@ -10,34 +10,21 @@ MODE ``exit3``: ``sys.exit(3)``; the exit status must stay 3 on every rank.
 Each rank prints (without flushing) a last line that must not be lost.
 """
 import ctypes
+import os
 import sys
 
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from ember import Trainer, TrainModule
+from ember import Trainer
 
-
-class Net(TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, noise_data  # noqa: E402
 
 mode, out = sys.argv[1], sys.argv[2]
-g = torch.Generator().manual_seed(0)
-data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+data = noise_data(32)
 trainer = Trainer(max_steps=3, strategy="ddp", devices=2, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
-trainer.fit(Net(), DataLoader(data, batch_size=8))
+trainer.fit(Regressor(lr=0.1), DataLoader(data, batch_size=8))
 if mode == "native-abort":
     libc = ctypes.CDLL(None)   # registered the way C++ static destructors are
     libc.__cxa_atexit(libc.abort, None, None)

@@ -1,5 +1,5 @@
 """Error paths that must not wait for the process-group timeout, and decisions rank 0
-alone makes (2 CPU processes, gloo, ember's own launcher), run by tests/test_fail_fast.py.
+alone makes (2 CPU processes, gloo, ember's own launcher), run by tests/distributed/test_fail_fast.py.
 
     python failfast_ddp.py MODE ROOT
 
@@ -32,31 +32,12 @@ import time
 from datetime import timedelta
 
 import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.strategies import DDPStrategy
 
-
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def loader(n=32):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, loader  # noqa: E402
 
 
 def trainer(root, timeout=60, **kw):
@@ -68,7 +49,7 @@ def trainer(root, timeout=60, **kw):
 
 def save_enospc(root):
     t = trainer(root)
-    t.fit(Net(), loader())
+    t.fit(Regressor(), loader())
     if t.global_rank == 0:
         from ember.checkpoint import io as cio
         real_save = cio.save_torch
@@ -90,7 +71,7 @@ def ckpt_last(root):
     from ember.callbacks import ModelCheckpoint
     t = trainer(root, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=3,
                 max_epochs=5)
-    t.fit(Net(), loader())
+    t.fit(Regressor(), loader())
     # rank 1 sees a run folder without any checkpoint (as a node whose view of a shared
     # filesystem lags); rank 0 sees the real one
     rank = t.global_rank
@@ -99,7 +80,7 @@ def ckpt_last(root):
     t2 = trainer(mine, enable_checkpointing=True, callbacks=[ModelCheckpoint(save_last=True)], max_steps=5,
                  max_epochs=5)
     try:
-        t2.fit(Net(), loader(), ckpt_path="last")
+        t2.fit(Regressor(), loader(), ckpt_path="last")
         err = None
     except Exception as e:
         err = f"{type(e).__name__}: {e}"
@@ -118,7 +99,7 @@ def agree_timeout(root):
     t = trainer(root, timeout=4, log_every_n_steps=2, callbacks=[SleepBeforeLogPoint()])
     start = time.monotonic()
     try:
-        t.fit(Net(), loader())
+        t.fit(Regressor(), loader())
         err = None
     except Exception as e:
         err = f"{type(e).__name__}: {e}"
@@ -135,10 +116,10 @@ def collective_timeout(root):
 
     t = trainer(root, timeout=4, log_every_n_steps=50, enable_checkpointing=True,
                 callbacks=[SleepOnRank1(), ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=1)])
-    t.fit(Net(), loader())      # raises on rank 0: not caught
+    t.fit(Regressor(), loader())      # raises on rank 0: not caught
 
 
-class FailsOnRank1WhileRank0Waits(Net):
+class FailsOnRank1WhileRank0Waits(Regressor):
     """Rank 0 blocks in a call that does not return to Python (a wait on the launcher's
     store, as a rank stuck in a collective whose peer is alive), rank 1 raises."""
 
@@ -162,7 +143,7 @@ class KilledOnRank1WhileRank0Waits(FailsOnRank1WhileRank0Waits):
             with open(os.path.join(ROOT, "failed_at"), "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        return Net.training_step(self, batch, batch_idx)
+        return Regressor.training_step(self, batch, batch_idx)
 
 
 def peer_killed(root):
@@ -177,7 +158,7 @@ def peer_fails(root):
     return {"error": None, "rank": t.global_rank}
 
 
-class RaisesInWindow(Net):
+class RaisesInWindow(Regressor):
     def training_step(self, batch, batch_idx):
         if batch_idx == 2:      # the first micro-batch of the second window: under no_sync
             raise ValueError("raised under no_sync")
@@ -193,7 +174,7 @@ def no_sync_exception(root):
         err = str(e)
     out = {"error": err, "rank": t.global_rank, "trainer_sync": t.model.require_backward_grad_sync}
     acc = ember.Accelerator(strategy=DDPStrategy(timeout=60), gradient_accumulation_steps=2)
-    net = Net()
+    net = Regressor()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     model, opt = acc.prepare(net, opt)
     try:

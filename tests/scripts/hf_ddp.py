@@ -1,5 +1,5 @@
 """Transformers fine-tuning under DDP (2 processes, gloo, CPU), run by
-tests/test_transformers_ddp.py:
+tests/integrations/test_transformers_ddp.py:
 
     python -m torch.distributed.run --nproc_per_node 2 hf_ddp.py OUT_DIR
 

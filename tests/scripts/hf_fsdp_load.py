@@ -1,5 +1,5 @@
 """TransformersModule under FSDP (2 processes, gloo, CPU) reading its pretrained weights
-on rank 0 only, run by tests/test_transformers_fsdp.py:
+on rank 0 only, run by tests/integrations/test_transformers_fsdp.py:
 
     python -m torch.distributed.run --nproc_per_node 2 hf_fsdp_load.py MODEL_DIR OUT_DIR [bf16]
 

@@ -10,34 +10,27 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-from ember import Trainer, TrainModule
+from ember import Trainer
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.loggers import CSVLogger
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, noise_data  # noqa: E402
 
 out = sys.argv[1]
 
 
-class Net(TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
+class Net(Regressor):
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.layer(x), y)
+        loss = super().training_step(batch, batch_idx)
         self.log("train/loss", loss)
         if self.trainer.global_step >= 4:
             if self.trainer.global_step == 4:
                 print("READY", flush=True)
             time.sleep(0.05)
         return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class Mark(Callback):
@@ -46,11 +39,10 @@ class Mark(Callback):
             f.write(type(exception).__name__)
 
 
-g = torch.Generator().manual_seed(0)
-data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+data = noise_data(64)
 trainer = Trainer(max_epochs=10_000, logger=CSVLogger(save_dir=out, flush_logs_every_n_steps=1000),
                   callbacks=[Mark(), ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=2, save_last=True)],
                   log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, devices="cpu",
                   default_root_dir=out)
-trainer.fit(Net(), DataLoader(data, batch_size=8))
+trainer.fit(Net(lr=0.1), DataLoader(data, batch_size=8))
 print("fit returned", flush=True)

@@ -1,5 +1,5 @@
 """Lightning Trainer arguments under 2 CPU processes (gloo, a 30 s process-group
-timeout), run by tests/test_lightning_args_multiproc.py.
+timeout), run by tests/trainer/test_lightning_args_multiproc.py.
 
     python lightning_args_ddp.py ROOT
 
@@ -25,21 +25,23 @@ from ember.callbacks import Callback
 from ember.errors import MisconfigurationError
 from ember.strategies import DDPStrategy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor  # noqa: E402
 
-class Net(ember.TrainModule):
+
+class Net(Regressor):
+    """Records the first feature of each batch it trains on; with ``bn``, a BatchNorm
+    before the linear layer."""
+
     def __init__(self, bn=False):
         super().__init__()
         self.bn = nn.BatchNorm1d(4) if bn else nn.Identity()
-        self.net = nn.Linear(4, 1)
         self.seen = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         self.seen.append(int(x[0, 0].mul(1000).round()))
         return F.mse_loss(self.net(self.bn(x)), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def loader(n=16):

@@ -1,5 +1,5 @@
 """Manual optimization with two toggled optimizers (the GAN pattern: each backward leaves
-the other network without gradients) on N CPU processes, run by tests/test_manual_ddp.py.
+the other network without gradients) on N CPU processes, run by tests/strategies/test_manual_ddp.py.
 
     python manual_ddp.py OUT_DIR N
 

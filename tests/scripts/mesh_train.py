@@ -1,4 +1,4 @@
-"""N-D parallelism runs for tests/test_model_parallel.py.
+"""N-D parallelism runs for tests/strategies/test_model_parallel.py.
 
     python mesh_train.py OUT ref                       # one process, plain strategy: the reference
     torchrun --nproc_per_node 4 mesh_train.py OUT 2x2  # data 2 x tensor 2, checkpoints every epoch

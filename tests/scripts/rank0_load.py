@@ -1,4 +1,4 @@
-"""Peak memory of loading a full checkpoint under FSDP, for tests/test_model_parallel.py.
+"""Peak memory of loading a full checkpoint under FSDP, for tests/strategies/test_model_parallel.py.
 
     torchrun --nproc_per_node 2 rank0_load.py OUT save     # fit 1 step, save model.safetensors + AdamW states
     torchrun --nproc_per_node 2 rank0_load.py OUT load     # a new Trainer resumes it (max_steps reached:

@@ -1,5 +1,5 @@
 """Other ranks' prints above rank 0's live bar (2 CPU processes, gloo, 30 s timeout),
-run by tests/test_rank_output.py.
+run by tests/callbacks/test_rank_output.py.
 
     python rank_output_ddp.py ROOT
 
@@ -13,24 +13,19 @@ import sys
 import time
 import warnings
 
-import torch
 from rich.console import Console
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.callbacks import RichProgressBar
 from ember.strategies import DDPStrategy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, loader  # noqa: E402
+
 LONG = "hello from rank 1: " + " ".join(f"word{i}" for i in range(30))
 
 
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
+class Net(Regressor):
     def training_step(self, batch, batch_idx):
         time.sleep(0.03)   # let the bar refresh between steps
         if self.global_rank == 1 and self.current_epoch == 0 and batch_idx == 3:
@@ -38,24 +33,18 @@ class Net(ember.TrainModule):
             sys.stdout.write("partial ")
             sys.stdout.write("line\n")
             warnings.warn("rank one warns")
-        x, y = batch
-        loss = F.mse_loss(self.net(x), y)
+        loss = super().training_step(batch, batch_idx)
         self.log("loss", loss, prog_bar=True)
         return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def main(root):
     console = Console(width=100, force_terminal=True, color_system=None, file=io.StringIO())
     bar = RichProgressBar(console=console, refresh_per_second=20)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 4, generator=g)
     t = ember.Trainer(devices=2, strategy=DDPStrategy(timeout=30), max_epochs=2, logger=False,
                       enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=2,
                       callbacks=[bar])
-    t.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
+    t.fit(Net(), loader(64))
     if t.is_global_zero:
         with open(os.path.join(root, "console_0.txt"), "w", encoding="utf-8", newline="") as f:
             f.write(console.file.getvalue())   # the raw terminal stream

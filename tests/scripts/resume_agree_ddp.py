@@ -1,5 +1,5 @@
 """Resume checks that see different inputs on different ranks (2 CPU processes, gloo,
-the Trainer's own launcher), run by tests/test_resume_agree.py.
+the Trainer's own launcher), run by tests/checkpoint/test_resume_agree.py.
 
     python resume_agree_ddp.py MODE ROOT
 
@@ -29,38 +29,13 @@ import sys
 import time
 
 import torch
-from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 import ember
 from ember.strategies import DDPStrategy
 
-
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def dataset(n=32):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    return TensorDataset(x, x.sum(1, keepdim=True))
-
-
-def loader(n=32):
-    return DataLoader(dataset(n), batch_size=4)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, loader  # noqa: E402
 
 
 def trainer(root, timeout=20, **kw):
@@ -91,7 +66,7 @@ def rank1_copy(strategy, root, src, name):
 
 def saved_mid_epoch(root):
     t = trainer(root, timeout=20, max_steps=2)   # the process group (and its timeout) stays for the resume
-    t.fit(Net(), loader())
+    t.fit(Regressor(), loader())
     path = os.path.join(root, "ckpt")
     t.save_checkpoint(path)
     return t, path
@@ -115,7 +90,7 @@ def resume(mode, root):
     t2 = trainer(root, timeout=20)
     start = time.monotonic()
     try:
-        t2.fit(Net(), loader(n), ckpt_path=path)
+        t2.fit(Regressor(), loader(n), ckpt_path=path)
         err = None
     except Exception as e:
         err = f"{type(e).__name__}: {e}"
@@ -124,7 +99,7 @@ def resume(mode, root):
 
 def acc_swapped(root):
     acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
-    net = Net()
+    net = Regressor()
     model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     path = os.path.join(root, "state")
     acc.save_state(path)
@@ -145,7 +120,7 @@ def acc_swapped(root):
 
 def acc_auto(root):
     acc = ember.Accelerator(strategy=DDPStrategy(timeout=20), project_dir=root)
-    net = Net()
+    net = Regressor()
     model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     acc.save_state()                      # root/checkpoints/checkpoint_0
     rank = acc.process_index

@@ -1,4 +1,4 @@
-"""Exact resume under DDP (2 CPU processes, gloo), run by tests/test_resume.py. Each rank
+"""Exact resume under DDP (2 CPU processes, gloo), run by tests/checkpoint/test_resume.py. Each rank
 sees 25 samples per epoch: 4 batches (8, 8, 8, 1), accumulation windows of 3 and 1.
 
     python resume_ddp.py ROOT

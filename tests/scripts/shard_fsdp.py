@@ -158,7 +158,7 @@ elif MODE == "w2":
     t.fit(sc.make_net(), sc.loader(shuffle=True))
     straight = t.strategy.module_state_dict(t.model)
     straight_opt = opt_state(t)
-    if rank == 0:   # the weights the ranks trained, for load_from_checkpoint of step=6 (test_fsdp.py)
+    if rank == 0:   # the weights the ranks trained, for load_from_checkpoint of step=6 (tests/strategies/test_fsdp.py)
         torch.save(straight, os.path.join(OUT, "resume_final_full.pt"))
     mid = os.path.join(ck_dir, "step=3")
     t2 = trainer(fsdp(), max_steps=6, accumulate_grad_batches=ACC)

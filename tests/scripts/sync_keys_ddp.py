@@ -1,5 +1,5 @@
 """A sync_dist metric logged on one rank only (2 CPU processes, gloo, a 10 s
-process-group timeout so a hang fails fast), run by tests/test_logging_ddp.py.
+process-group timeout so a hang fails fast), run by tests/trainer/test_logging_ddp.py.
 
     python sync_keys_ddp.py ROOT
 
@@ -17,32 +17,31 @@ process-group timeout so a hang fails fast), run by tests/test_logging_ddp.py.
 Every rank records the error it raised (or None) in ROOT/result_<rank>.json.
 """
 import json
+import os
 import sys
 import time
 import warnings
 
-import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import ember
 from ember.strategies import DDPStrategy
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Regressor, noise_data  # noqa: E402
 
-class Net(ember.TrainModule):
+
+class Net(Regressor):
     def __init__(self, where):
         super().__init__()
-        self.net = nn.Linear(4, 1)
         self.where = where
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
         if self.where == "step" and self.global_rank == 0:
             self.log("only_rank0", 1.0, on_step=True, sync_dist=True)
         if self.where == "late":
             self.log("v", 10.0 * self.global_rank, on_step=True, on_epoch=False, sync_dist=True)
-        return F.mse_loss(self.net(x), y)
+        return super().training_step(batch, batch_idx)
 
     def on_train_epoch_end(self):
         if self.where == "late":
@@ -56,13 +55,9 @@ class Net(ember.TrainModule):
         if self.where == "eval_step":
             self.log("val_v", 10.0 * self.global_rank, on_step=True, on_epoch=True, sync_dist=True)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
 
 def main(root):
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    data = noise_data(64)
     out = {}
     for where in ("step", "epoch", "late", "eval_step"):
         trainer = ember.Trainer(devices=2, strategy=DDPStrategy(timeout=10), max_epochs=1, logger=False,

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ember  # noqa: E402
 import ember.tuner  # noqa: E402
-from conftest import LinearModule, regression_data  # noqa: E402
+from helpers import LinearModule, regression_data  # noqa: E402
 from ember.strategies import DDPStrategy  # noqa: E402
 
 

@@ -1,0 +1,52 @@
+"""The ports of Accelerate's example patterns (tests/ports/accelerate/by_feature.py)
+run on one process and under ``ember launch --num_processes 2 --cpu``; on one
+process the same file run on Accelerate itself prints the same metrics."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import PORTS, ROOT, clean_env
+
+PORT = PORTS / "accelerate" / "by_feature.py"
+pytestmark = pytest.mark.slow
+
+
+def run(tmp_path, name, *prefix, **env):
+    out = tmp_path / f"{name}.json"
+    r = subprocess.run([sys.executable, *prefix, str(PORT), str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=400, env=clean_env(PORT_CKPT_DIR=str(tmp_path / f"ck_{name}"), **env))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def ember_one(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("ember1"), "ember1")
+
+
+@pytest.mark.timeout(450)
+def test_ports_on_one_process_equal_accelerate(ember_one, tmp_path):
+    pytest.importorskip("accelerate")
+    acc = run(tmp_path, "accelerate", str(PORTS / "accelerate" / "run_with_accelerate.py"))
+    # find_executable_batch_size: 10% off after each out-of-memory error, as Accelerate
+    assert ember_one["memory"]["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8]
+    assert ember_one == acc
+    assert ember_one["checkpointing"]["resumed"] == ember_one["checkpointing"]["uninterrupted"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(450)
+def test_ports_on_two_processes(tmp_path):
+    two = run(tmp_path, "ember2", "-m", "ember", "launch", "--num_processes", "2", "--cpu",
+              "--num_cpu_threads_per_process", "1")
+    assert two["nlp_example"]["world"] == 2
+    for name in ("nlp_example", "gradient_accumulation", "tracking", "multi_process_metrics", "memory",
+                 "automatic_gradient_accumulation", "local_sgd"):
+        assert two[name]["n_eval"] == 36, name        # exactly the evaluation set, no padding duplicates
+    assert two["checkpointing"]["resumed"] == two["checkpointing"]["uninterrupted"]
+    assert two["early_stopping"]["stopped_after"] == 3 and two["cross_validation"]["n_test"] == 20
+    assert two["memory"]["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8] and two["automatic_gradient_accumulation"]["gas"] == 2
