@@ -15,13 +15,19 @@ makes every rank take the same decision at the same step.
   returns instead).
 - SIGINT (Ctrl-C): the handler only records the press. Inside the loop the loop raises
   ``KeyboardInterrupt`` itself at the next batch boundary (a training or evaluation
-  batch), so the stop never depends on native code passing a Python exception through:
-  torch's C++ code and CPython's own finalizers may run a signal handler in the middle of
-  their work and drop the ``KeyboardInterrupt`` it raises, and that is how a single
-  Ctrl-C used to be lost under load. Outside the loop (setup, teardown), and at a second
-  press anywhere, the handler raises at once. Either way the Trainer then runs the
-  ``on_exception`` hooks, finalises the loggers, prints where the last checkpoint is and
-  exits with status 130 (outside interactive sessions).
+  batch, an epoch end), where no library is half-way through an operation. Python's
+  default handler raises wherever the main thread happens to be, and that is how a single
+  Ctrl-C used to look lost under load: raised inside ``threading.Condition.notify`` of
+  TensorBoard's event queue (logging a step's scalars), after the writer thread was woken
+  and before its waiter was removed, it left a stale waiter that swallowed the next
+  wake-up; the exception path's ``SummaryWriter.close()`` then waited for the writer's
+  120 s flush interval (a gap in CPython's fix of gh-92530; tests/scripts/ctrl_c_tensorboard.py
+  reproduces it). Outside the loop (setup, teardown), and at a second press anywhere, the
+  handler raises at once. Either way the Trainer then runs the ``on_exception`` hooks,
+  finalises the loggers, prints where the last checkpoint is and exits with status 130
+  (outside interactive sessions). A process started with SIGINT ignored (a command run
+  with ``&`` from a non-interactive shell inherits that) keeps it ignored: ember only
+  replaces Python's default handler.
 
 The previous handlers are put back when ``fit`` ends.
 """

@@ -7,8 +7,13 @@ interrupted. The test checks the exit status (130), the message on stderr, that
 the on_exception hook ran and that the CSV logger flushed its buffered rows.
 """
 import os
+import signal
 import sys
 import time
+
+# a test runner started with '&' from a non-interactive shell has SIGINT ignored, and an ignored
+# signal stays ignored across exec: give this process Python's default Ctrl-C handling
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from torch.utils.data import DataLoader
 
