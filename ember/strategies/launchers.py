@@ -70,7 +70,9 @@ def relaunch_command() -> list[str]:
     from ember.errors import MisconfigurationError
     spec = getattr(__main__, "__spec__", None)
     script = sys.argv[0] if sys.argv else ""
-    if "pytest" in os.path.basename(script) or (spec is not None and spec.name.startswith("pytest")):
+    # PYTEST_CURRENT_TEST too: a shell that replaced __main__ (IPython's) hides the other two signs
+    if "pytest" in os.path.basename(script) or (spec is not None and spec.name.startswith("pytest")) \
+            or "PYTEST_CURRENT_TEST" in os.environ:
         raise MisconfigurationError(
             "devices>1 with strategy='ddp' cannot start its ranks from inside pytest (they would re-run "
             "the test session); run the training in a script started as a subprocess")

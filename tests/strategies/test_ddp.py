@@ -199,6 +199,10 @@ def test_relaunch_command(monkeypatch, tmp_path):
     script.write_text("")
     monkeypatch.setattr(__main__, "__spec__", None, raising=False)
     monkeypatch.setattr(sys, "argv", [str(script), "--lr", "0.1"])
+    # inside pytest even when __main__ and argv look like a script (IPython replaces __main__)
+    with pytest.raises(MisconfigurationError, match="cannot start its ranks from inside pytest"):
+        launchers.relaunch_command()
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
     assert launchers.relaunch_command() == [sys.executable, str(script), "--lr", "0.1"]
     monkeypatch.setattr(__main__, "__spec__", types.SimpleNamespace(name="mypkg.train"), raising=False)
     assert launchers.relaunch_command() == [sys.executable, "-m", "mypkg.train", "--lr", "0.1"]
