@@ -70,9 +70,11 @@ def relaunch_command() -> list[str]:
     from ember.errors import MisconfigurationError
     spec = getattr(__main__, "__spec__", None)
     script = sys.argv[0] if sys.argv else ""
-    # PYTEST_CURRENT_TEST too: a shell that replaced __main__ (IPython's) hides the other two signs
+    # a test running in this process (PYTEST_CURRENT_TEST with pytest imported here: a script a
+    # test starts inherits the variable only) also counts: a shell that replaced __main__
+    # (IPython's) hides the other two signs
     if "pytest" in os.path.basename(script) or (spec is not None and spec.name.startswith("pytest")) \
-            or "PYTEST_CURRENT_TEST" in os.environ:
+            or ("PYTEST_CURRENT_TEST" in os.environ and "pytest" in sys.modules):
         raise MisconfigurationError(
             "devices>1 with strategy='ddp' cannot start its ranks from inside pytest (they would re-run "
             "the test session); run the training in a script started as a subprocess")
