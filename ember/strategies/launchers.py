@@ -70,11 +70,10 @@ def relaunch_command() -> list[str]:
     from ember.errors import MisconfigurationError
     spec = getattr(__main__, "__spec__", None)
     script = sys.argv[0] if sys.argv else ""
-    # a test running in this process (PYTEST_CURRENT_TEST with pytest imported here: a script a
-    # test starts inherits the variable only) also counts: a shell that replaced __main__
-    # (IPython's) hides the other two signs
-    if "pytest" in os.path.basename(script) or (spec is not None and spec.name.startswith("pytest")) \
-            or ("PYTEST_CURRENT_TEST" in os.environ and "pytest" in sys.modules):
+    # argv[0] is pytest's own __main__.py under `python -m pytest`: that holds also when a shell
+    # (IPython's) replaced sys.modules["__main__"] and with it the spec
+    if "pytest" in os.path.basename(script) or f"{os.sep}pytest{os.sep}" in script \
+            or (spec is not None and spec.name.startswith("pytest")):
         raise MisconfigurationError(
             "devices>1 with strategy='ddp' cannot start its ranks from inside pytest (they would re-run "
             "the test session); run the training in a script started as a subprocess")

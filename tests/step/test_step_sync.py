@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ember

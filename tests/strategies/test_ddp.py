@@ -199,11 +199,12 @@ def test_relaunch_command(monkeypatch, tmp_path):
     script.write_text("")
     monkeypatch.setattr(__main__, "__spec__", None, raising=False)
     monkeypatch.setattr(sys, "argv", [str(script), "--lr", "0.1"])
-    # inside pytest even when __main__ and argv look like a script (IPython replaces __main__)
+    assert launchers.relaunch_command() == [sys.executable, str(script), "--lr", "0.1"]
+    # `python -m pytest` with __main__ replaced by a shell (IPython's): argv[0] still names pytest
+    monkeypatch.setattr(sys, "argv", [os.path.join("site-packages", "pytest", "__main__.py"), "-q"])
     with pytest.raises(MisconfigurationError, match="cannot start its ranks from inside pytest"):
         launchers.relaunch_command()
-    monkeypatch.delenv("PYTEST_CURRENT_TEST")
-    assert launchers.relaunch_command() == [sys.executable, str(script), "--lr", "0.1"]
+    monkeypatch.setattr(sys, "argv", [str(script), "--lr", "0.1"])
     monkeypatch.setattr(__main__, "__spec__", types.SimpleNamespace(name="mypkg.train"), raising=False)
     assert launchers.relaunch_command() == [sys.executable, "-m", "mypkg.train", "--lr", "0.1"]
     monkeypatch.setattr(__main__, "__spec__", types.SimpleNamespace(name="mypkg.__main__"), raising=False)

@@ -19,6 +19,15 @@ from ember.callbacks import Callback
 from helpers import SCRIPTS, LinearModule, regression_data
 
 
+@pytest.fixture(autouse=True)
+def default_sigint():
+    """Python's default Ctrl-C handling in this process, whatever the test run was started
+    with (a pytest started with '&' from a non-interactive shell inherits SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_one_sigint_inside_tensorboards_queue_put_stops_the_fit_at_once(tmp_path):
     """The cause of the lost Ctrl-C: a KeyboardInterrupt raised inside
     ``threading.Condition.notify`` of TensorBoard's event queue broke the writer thread's
