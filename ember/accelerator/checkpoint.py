@@ -135,8 +135,10 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
     if output_dir is None:
         output_dir = next_auto_dir(acc)
     path = os.path.normpath(os.fspath(output_dir))
-    from ember.checkpoint.trust import check_save_target
-    check_save_target(path, "Accelerator.save_state")   # every rank, read-only: no collective
+    if sharded or strategy.is_global_zero:   # the ranks that write (another DDP rank adds its RNG file
+        # to the main process's new checkpoint, which may already hold the user's own files by then)
+        from ember.checkpoint.trust import check_save_target
+        check_save_target(path, "Accelerator.save_state")   # read-only: no collective
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
     state = {
