@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
+
+from ember.data.sampling import LengthGroupedSampler
 
 from ember.errors import MisconfigurationError
 from ember.integrations.hf_io import (column, data_hash, ensure_pad_token, load_tokenizer, read_columns,
@@ -125,34 +127,6 @@ class PadCollator:
         return out
 
 
-class LengthGroupedSampler(Sampler[int]):
-    """Random order in which neighbours have similar lengths (less padding).
-
-    A seeded permutation (``seed + epoch``) is cut into mega-batches of
-    ``mega_batch_mult * batch_size`` samples, each sorted by length, longest first.
-    An ordering of the dataset, so ember's loaders can shard it over ranks and
-    skip into it when resuming."""
-
-    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, mega_batch_mult: int = 50):
-        self.lengths, self.batch_size, self.seed = list(lengths), batch_size, int(seed)
-        self.mega = max(1, mega_batch_mult * batch_size)
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        perm = torch.randperm(len(self.lengths), generator=g).tolist()
-        out = []
-        for i in range(0, len(perm), self.mega):
-            out += sorted(perm[i:i + self.mega], key=lambda j: -self.lengths[j])
-        return iter(out)
-
-
 def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train, val) index lists; the val part is ``round(n * fraction)`` samples drawn with ``seed``."""
     if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction < 1:
@@ -174,7 +148,7 @@ class _HFTextData(DataModule):
 
     def __init__(self, tokenizer, *, train=None, val=None, test=None, predict=None, text_column="text",
                  max_length: int = 128, batch_size: int = 32, eval_batch_size: int | None = None,
-                 val_split: float | None = None, seed: int = 42, group_by_length: bool = False,
+                 val_split: float | None = None, seed: int = 42, group_by_length: bool = True,
                  cache_dir: str | None = None, num_workers: int = 0, pad_to_multiple_of: int | None = None,
                  local_files_only: bool = True):
         super().__init__()
@@ -293,8 +267,8 @@ class _HFTextData(DataModule):
         bs = self.batch_size if split == "train" else self.eval_batch_size
         kw = dict(batch_size=bs, collate_fn=self._collator(split), num_workers=self.num_workers,
                   persistent_workers=self.num_workers > 0)
-        if split == "train" and self.group_by_length:
-            return DataLoader(ds, sampler=LengthGroupedSampler(ds.lengths, bs, self.seed), **kw)
+        if split == "train" and self.group_by_length:   # seeded by the run seed when prepared (Trainer(seed=))
+            return DataLoader(ds, sampler=LengthGroupedSampler(ds.lengths, bs), **kw)
         return DataLoader(ds, shuffle=shuffle, **kw)
 
     def train_dataloader(self):
@@ -342,7 +316,10 @@ class TextClassificationData(_HFTextData):
         max_length: truncation length in tokens. Padding is per batch (dynamic).
         batch_size / eval_batch_size: per-process batch sizes.
         val_split: hold out this fraction of ``train`` (drawn with ``seed``) for validation.
-        group_by_length: order training batches so that similar lengths meet (less padding).
+        group_by_length: order training batches so that similar lengths meet (little padding; the
+            default): a :class:`~ember.data.LengthGroupedSampler`, shuffled with the run seed
+            (``Trainer(seed=)``), resumable mid-epoch and sharded exactly over DDP ranks.
+            ``False``: plain shuffling, each batch padded to its longest sample.
         cache_dir: keep tokenised splits here (keyed by tokenizer, settings and data).
         label_names: the class names in id order. Without it, integer labels (or integer
             strings) are used as ids and other labels are mapped to ids in sorted order.
@@ -351,7 +328,7 @@ class TextClassificationData(_HFTextData):
     def __init__(self, tokenizer, train=None, val=None, test=None, predict=None, text_column: str = "text",
                  label_column: str = "label", max_length: int = 128, batch_size: int = 32,
                  eval_batch_size: int | None = None, val_split: float | None = None, seed: int = 42,
-                 group_by_length: bool = False, cache_dir: str | None = None, num_workers: int = 0,
+                 group_by_length: bool = True, cache_dir: str | None = None, num_workers: int = 0,
                  label_names: list[str] | None = None, text_pair_column: str | None = None,
                  pad_to_multiple_of: int | None = None, local_files_only: bool = True):
         super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
