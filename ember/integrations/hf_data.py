@@ -150,8 +150,11 @@ class _HFTextData(DataModule):
                  max_length: int = 128, batch_size: int = 32, eval_batch_size: int | None = None,
                  val_split: float | None = None, seed: int = 42, group_by_length: bool = True,
                  cache_dir: str | None = None, num_workers: int = 0, pad_to_multiple_of: int | None = None,
-                 local_files_only: bool = True):
+                 local_files_only: bool = True, num_proc: int | None = None):
         super().__init__()
+        if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+            raise MisconfigurationError(f"num_proc={num_proc!r} is not valid; use an int >= 1 or None (automatic)")
+        self.num_proc = num_proc
         for name, v in (("max_length", max_length), ("batch_size", batch_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise MisconfigurationError(f"{name}={v!r} is not valid; use an int >= 1")
@@ -323,6 +326,12 @@ class TextClassificationData(_HFTextData):
         cache_dir: keep tokenised splits here (keyed by tokenizer, settings and data).
         label_names: the class names in id order. Without it, integer labels (or integer
             strings) are used as ids and other labels are mapped to ids in sorted order.
+        padding_free: batches without padding: the texts of a batch concatenated into one
+            row with per-text positions and boundaries (:class:`~ember.integrations.packing.PackCollator`),
+            for ``TransformersModule`` with BERT-architecture models. Per text, the logits, the
+            loss and the metrics are those of the padded batch.
+        num_proc: processes that tokenise a split (``None``: several for splits of 100,000
+            texts or more, one otherwise). The result is the same whatever the number.
     """
 
     def __init__(self, tokenizer, train=None, val=None, test=None, predict=None, text_column: str = "text",
@@ -330,12 +339,19 @@ class TextClassificationData(_HFTextData):
                  eval_batch_size: int | None = None, val_split: float | None = None, seed: int = 42,
                  group_by_length: bool = True, cache_dir: str | None = None, num_workers: int = 0,
                  label_names: list[str] | None = None, text_pair_column: str | None = None,
-                 pad_to_multiple_of: int | None = None, local_files_only: bool = True):
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True, padding_free: bool = False,
+                 num_proc: int | None = None):
         super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
                          max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
                          num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
-                         local_files_only=local_files_only)
+                         local_files_only=local_files_only, num_proc=num_proc)
+        if not isinstance(padding_free, bool):
+            raise MisconfigurationError(f"padding_free={padding_free!r} is not valid; use True or False")
+        if padding_free and pad_to_multiple_of:
+            raise MisconfigurationError("padding_free=True and pad_to_multiple_of are both set; a padding-free "
+                                        "batch has no padding to round up")
+        self.padding_free = padding_free
         if label_names is not None and (not isinstance(label_names, (list, tuple)) or len(label_names) < 2
                                         or len(set(map(str, label_names))) != len(label_names)):
             raise MisconfigurationError(f"label_names={label_names!r}: give at least two distinct class names")
@@ -431,6 +447,12 @@ class TextClassificationData(_HFTextData):
     def _tokenize(self, split: str, payload: dict) -> TokenizedDataset:
         feats = self._encode(payload["texts"], payload["pairs"])
         return TokenizedDataset.from_lists(feats, payload["labels"])
+
+    def _collator(self, split: str):
+        if self.padding_free:
+            from ember.integrations.packing import PackCollator
+            return PackCollator()
+        return super()._collator(split)
 
 
 class CausalLMData(_HFTextData):
