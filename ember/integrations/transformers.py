@@ -430,6 +430,14 @@ class TransformersModule(TrainModule):
         return loss_sum, (targets != -100).sum(), logits
 
     # ------------------------------------------------------------------ steps
+    def on_fit_start(self) -> None:
+        """On a CPU that multiplies bfloat16 in hardware (AVX512-BF16, AMX), a float32 fit
+        suggests ``precision="bf16-mixed"`` once per process (rank zero)."""
+        from ember.precision.hardware import suggest_bf16
+        t = self.trainer
+        if t.is_global_zero:
+            suggest_bf16(t.precision, self.device.type)
+
     def on_train_start(self) -> None:
         t = self.trainer
         self._exact = bool(self.token_exact_accumulation and self.task in _TOKEN_TASKS
