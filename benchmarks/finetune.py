@@ -260,8 +260,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = []
-    for dataset in args.datasets:
-        for k, seed in enumerate(args.seeds):
+    for k, seed in enumerate(args.seeds):   # seed-major: a run cut short has every dataset
+        for dataset in args.datasets:
             args.seed = seed
             runs.append(run_seed(args, dataset, k))
             if args.json:   # after every seed: a long run that stops keeps what it measured
