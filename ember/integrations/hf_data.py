@@ -543,12 +543,12 @@ class CausalLMData(_HFTextData):
                  max_length: int = 512, batch_size: int = 8, eval_batch_size: int | None = None,
                  val_split: float | None = None, seed: int = 42, packing: bool = False, add_eos: bool = True,
                  group_by_length: bool = False, cache_dir: str | None = None, num_workers: int = 0,
-                 pad_to_multiple_of: int | None = None, local_files_only: bool = True):
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True, num_proc: int | None = None):
         super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
                          max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
                          num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
-                         local_files_only=local_files_only)
+                         local_files_only=local_files_only, num_proc=num_proc)
         self.packing, self.add_eos = packing, add_eos
 
     def _settings(self) -> dict:
