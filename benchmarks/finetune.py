@@ -127,11 +127,25 @@ class CountingData(TextClassificationData):
 # -- runs -------------------------------------------------------------------------------------------
 class _StepClock(ember.callbacks.Callback):
     def on_train_start(self, trainer, module):
-        self.start = time.perf_counter()
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def on_train_end(self, trainer, module):
         self.seconds = time.perf_counter() - self.start
+        self.cpu_seconds = time.process_time() - self.cpu_start
         self.steps = trainer.global_step
+
+
+def _hf_clock():
+    """A transformers TrainerCallback that takes the process CPU time of the training loop."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.cpu_start = time.process_time()
+
+        def on_train_end(self, args, state, control, **kw):
+            self.cpu_seconds = time.process_time() - self.cpu_start
+    return Clock()
 
 
 def run_ember(args, texts, labels, variant: str) -> dict:
@@ -152,6 +166,7 @@ def run_ember(args, texts, labels, variant: str) -> dict:
     counter = data.counter
     res = trainer.test(module, datamodule=data, verbose=False)[0]
     return {"acc": res["test/acc"], "f1": res["test/f1"], "s_per_step": clock.seconds / clock.steps,
+            "cpu_s_per_step": clock.cpu_seconds / clock.steps,
             "steps": clock.steps, "padded_tokens_per_s": counter.padded / clock.seconds,
             "real_tokens_per_s": counter.real / clock.seconds, "real_fraction": counter.real / max(1, counter.padded)}
 
@@ -177,7 +192,8 @@ def run_hf(args, texts, labels, tokenized: TextClassificationData) -> dict:
         report_to="none", save_strategy="no", logging_steps=50, disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(), **warm)
     counter = _Counting(DataCollatorWithPadding(tokenized.tokenizer))
-    trainer = Trainer(model=model, args=targs, train_dataset=rows("train"), data_collator=counter)
+    clock = _hf_clock()
+    trainer = Trainer(model=model, args=targs, train_dataset=rows("train"), data_collator=counter, callbacks=[clock])
     out = trainer.train()
     secs = out.metrics["train_runtime"]
     padded, real = counter.padded, counter.real
@@ -190,6 +206,7 @@ def run_hf(args, texts, labels, tokenized: TextClassificationData) -> dict:
     else:
         f1 = float(C.multiclass_f1_score(preds, target, num_classes=len(labels), average="macro"))
     return {"acc": float((preds == target).float().mean()), "f1": f1, "s_per_step": secs / out.global_step,
+            "cpu_s_per_step": clock.cpu_seconds / out.global_step,
             "steps": out.global_step, "padded_tokens_per_s": padded / secs, "real_tokens_per_s": real / secs,
             "real_fraction": real / max(1, padded)}
 
@@ -208,6 +225,7 @@ def run_seed(args, dataset: str, k: int) -> dict:
         r = run_hf(args, (train, test), labels, tokenized) if v == "hf" else run_ember(args, (train, test), labels, v)
         out[v] = r
         print(f"  {v:20s} acc {r['acc']:.4f}  f1 {r['f1']:.4f}  {r['s_per_step']:.3f} s/step  "
+              f"{r['cpu_s_per_step']:.3f} CPU s/step  "
               f"{r['padded_tokens_per_s']:.0f} tok/s (with padding)  {r['real_tokens_per_s']:.0f} real tok/s  "
               f"real/computed {r['real_fraction']:.2f}", flush=True)
     return out
@@ -219,22 +237,27 @@ def summarise(runs: list[dict], variants) -> dict:
         rows = [r for r in runs if r["dataset"] == dataset]
         summary[dataset] = {}
         print(f"\n{dataset}: means over {len(rows)} seeds (time ratio: median of the per-seed ratios to hf)")
-        print("| variant | s/step | tokens/s incl. padding | real tokens/s | real / computed | acc | F1 | time vs hf |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("| variant | s/step | CPU s/step | tokens/s incl. padding | real tokens/s | real / computed | acc | F1 "
+              "| time vs hf | CPU time vs hf |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for v in variants:
             got = [r[v] for r in rows if v in r]
             if not got:
                 continue
             m = {key: statistics.mean(g[key] for g in got) for key in
-                 ("s_per_step", "padded_tokens_per_s", "real_tokens_per_s", "real_fraction", "acc", "f1")}
+                 ("s_per_step", "cpu_s_per_step", "padded_tokens_per_s", "real_tokens_per_s", "real_fraction",
+                  "acc", "f1")}
             m["acc_sd"] = statistics.stdev(g["acc"] for g in got) if len(got) > 1 else 0.0
             if "hf" in variants:
                 m["time_ratio"] = statistics.median(r[v]["s_per_step"] / r["hf"]["s_per_step"] for r in rows)
+                m["cpu_ratio"] = statistics.median(r[v]["cpu_s_per_step"] / r["hf"]["cpu_s_per_step"] for r in rows)
                 m["acc_diff"] = statistics.mean(r[v]["acc"] - r["hf"]["acc"] for r in rows)
             summary[dataset][v] = m
             ratio = f"{m['time_ratio']:.3f}" if "time_ratio" in m else "-"
-            print(f"| {v} | {m['s_per_step']:.3f} | {m['padded_tokens_per_s']:.0f} | {m['real_tokens_per_s']:.0f} "
-                  f"| {m['real_fraction']:.2f} | {m['acc']:.4f} ± {m['acc_sd']:.4f} | {m['f1']:.4f} | {ratio} |")
+            cpu = f"{m['cpu_ratio']:.3f}" if "cpu_ratio" in m else "-"
+            print(f"| {v} | {m['s_per_step']:.3f} | {m['cpu_s_per_step']:.3f} | {m['padded_tokens_per_s']:.0f} "
+                  f"| {m['real_tokens_per_s']:.0f} | {m['real_fraction']:.2f} | {m['acc']:.4f} ± {m['acc_sd']:.4f} "
+                  f"| {m['f1']:.4f} | {ratio} | {cpu} |")
     return summary
 
 
