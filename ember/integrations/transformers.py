@@ -28,10 +28,11 @@ from ember.integrations.hf_data import (CausalLMData, LengthGroupedSampler, PadC
                                         TokenizedDataset)
 from ember.integrations import packing
 from ember.integrations.hf_io import _offline, load_tokenizer
+from ember.integrations.packing import PackCollator
 from ember.module import TrainModule
 
 __all__ = ["TransformersModule", "TextClassificationData", "CausalLMData", "ExportBestPretrained",
-           "TokenizedDataset", "PadCollator", "LengthGroupedSampler", "TASKS"]
+           "TokenizedDataset", "PadCollator", "PackCollator", "LengthGroupedSampler", "TASKS"]
 
 #: task name -> transformers Auto class
 TASKS = {"sequence-classification": "AutoModelForSequenceClassification",
