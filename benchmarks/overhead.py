@@ -42,7 +42,9 @@ VARIANTS = ("raw", "trainer", "accelerator")
 ABLATIONS = {"trainer-nobar": {"enable_progress_bar": False}, "trainer-nolog": {"logger": False},
              "trainer-nockpt": {"enable_checkpointing": False},
              "trainer-bare": {"enable_progress_bar": False, "logger": False, "enable_checkpointing": False,
-                              "enable_model_summary": False}}
+                              "enable_model_summary": False},
+             # the TensorBoard logger handing every scalar to its writer thread at once (before handoff_secs)
+             "trainer-tb-immediate": {"logger": "tb-immediate"}}
 
 
 DATA = "samples"   # set from --data in the child
@@ -130,6 +132,9 @@ def run_trainer(steps, **trainer_kw):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     root = tempfile.mkdtemp(prefix="ember-bench-")
+    if trainer_kw.get("logger") == "tb-immediate":
+        from ember.loggers import TensorBoardLogger
+        trainer_kw["logger"] = TensorBoardLogger(root, handoff_secs=0)
     # defaults: progress bar, summary, logger, checkpoints (an ablation switches one off)
     trainer = Trainer(max_epochs=1, default_root_dir=root, **trainer_kw)
     module = Tiny()
