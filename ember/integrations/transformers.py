@@ -489,7 +489,7 @@ class TransformersModule(TrainModule):
                 g.mul_(f)
 
     def _eval_step(self, batch, stage: str):
-        model = self._require_model()
+        self._require_model()
         m = self.metrics[stage] if stage in self.metrics else {}
         bs = self._batch_size(batch)
         if self.task in _TOKEN_TASKS:
