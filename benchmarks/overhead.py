@@ -38,9 +38,18 @@ import tempfile
 import time
 
 VARIANTS = ("raw", "trainer", "accelerator")
+#: the Trainer with one default switched off (``--variants raw,trainer,trainer-nobar,...``): where its time goes
+ABLATIONS = {"trainer-nobar": {"enable_progress_bar": False}, "trainer-nolog": {"logger": False},
+             "trainer-nockpt": {"enable_checkpointing": False},
+             "trainer-bare": {"enable_progress_bar": False, "logger": False, "enable_checkpointing": False,
+                              "enable_model_summary": False},
+             # the TensorBoard logger handing every scalar to its writer thread at once (before handoff_secs)
+             "trainer-tb-immediate": {"logger": "tb-immediate"}}
 
 
 DATA = "samples"   # set from --data in the child
+CPU_STAMPS: list = []   # the main thread's CPU time at each batch (time.thread_time)
+PROC_STAMPS: list = []   # the process's CPU time (every thread) at each batch (time.process_time)
 
 
 def _setup(steps: int):
@@ -50,9 +59,16 @@ def _setup(steps: int):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     stamps = []
+    cpu_stamps, proc_stamps = CPU_STAMPS, PROC_STAMPS
+    cpu_stamps.clear()
+    proc_stamps.clear()
 
     def collate(samples):
         stamps.append(time.perf_counter())
+        cpu_stamps.append(time.thread_time())
+        proc_stamps.append(time.process_time())
+        for h in _HOOKS:
+            h()
         return default_collate(samples)
 
     if DATA == "batches":
@@ -69,6 +85,8 @@ def _setup(steps: int):
 
         def convert(batch):
             stamps.append(time.perf_counter())
+            cpu_stamps.append(time.thread_time())
+            proc_stamps.append(time.process_time())
             return default_convert(batch)
 
         loader = DataLoader(Batches(), batch_size=None, shuffle=True, collate_fn=convert)
@@ -94,7 +112,7 @@ def run_raw(steps):
     return go, stamps
 
 
-def run_trainer(steps):
+def run_trainer(steps, **trainer_kw):
     torch, loader, net, stamps = _setup(steps)
     import torch.nn.functional as F
     from ember import Trainer, TrainModule
@@ -114,7 +132,11 @@ def run_trainer(steps):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     root = tempfile.mkdtemp(prefix="ember-bench-")
-    trainer = Trainer(max_epochs=1, default_root_dir=root)   # defaults: progress bar, summary, logger, checkpoints
+    if trainer_kw.get("logger") == "tb-immediate":
+        from ember.loggers import TensorBoardLogger
+        trainer_kw["logger"] = TensorBoardLogger(root, handoff_secs=0)
+    # defaults: progress bar, summary, logger, checkpoints (an ablation switches one off)
+    trainer = Trainer(max_epochs=1, default_root_dir=root, **trainer_kw)
     module = Tiny()
     return (lambda: trainer.fit(module, loader)), stamps
 
@@ -137,7 +159,10 @@ def run_accelerator(steps):
 
 
 def child(variant: str, steps: int, warmup: int, profile: bool) -> dict:
-    go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator}[variant](steps)
+    if variant in ABLATIONS:
+        go, stamps = run_trainer(steps, **ABLATIONS[variant])
+    else:
+        go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator}[variant](steps)
     if profile:
         import cProfile
         import pstats
@@ -148,7 +173,61 @@ def child(variant: str, steps: int, warmup: int, profile: bool) -> dict:
         return {"calls_per_step": pstats.Stats(pr).total_calls / steps}
     go()
     n = len(stamps) - 1 - warmup
-    return {"steps_per_s": n / (stamps[-1] - stamps[warmup])}
+    return {"steps_per_s": n / (stamps[-1] - stamps[warmup]),
+            "main_cpu_us_per_step": 1e6 * (CPU_STAMPS[-1] - CPU_STAMPS[warmup]) / n,
+            "proc_cpu_us_per_step": 1e6 * (PROC_STAMPS[-1] - PROC_STAMPS[warmup]) / n}
+
+
+def thread_report(variant: str, steps: int, warmup: int) -> list[dict]:
+    """Every thread of the process between step ``warmup`` and the last step: its context
+    switches per step (a voluntary switch is a wake-up after waiting) and its CPU time
+    (Linux ``/proc/self/task``). Shows what runs beside the training thread."""
+    import threading
+
+    def table():
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    st = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[tid] = (st["Name"].strip(), int(st["voluntary_ctxt_switches"]),
+                        int(st["nonvoluntary_ctxt_switches"]),
+                        (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        return out
+
+    if variant in ABLATIONS:
+        go, stamps = run_trainer(steps, **ABLATIONS[variant])
+    else:
+        go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator}[variant](steps)
+    marks = {}
+
+    def hook():   # one snapshot at step ``warmup`` and one at the end, taken from the collate function
+        if len(stamps) == warmup:
+            marks["a"] = (table(), len(stamps))
+        elif len(stamps) == steps - 1:
+            marks["b"] = (table(), len(stamps))
+            marks["names"] = {t.native_id: f"{t.name} ({type(t).__module__}.{type(t).__qualname__})"
+                              for t in threading.enumerate()}
+    _HOOKS.append(hook)
+    go()
+    (a, sa), (b, sb) = marks["a"], marks["b"]
+    n = sb - sa
+    names = dict(marks.get("names", {}))
+    names[threading.get_native_id()] = "training thread"
+    rows = []
+    for tid, (name, vol, invol, cpu) in sorted(b.items()):
+        v0, i0, c0 = a[tid][1:] if tid in a else (0, 0, 0.0)
+        label = names.get(int(tid), name)
+        rows.append({"thread": label, "voluntary_per_step": (vol - v0) / n, "involuntary_per_step": (invol - i0) / n,
+                     "cpu_us_per_step": 1e6 * (cpu - c0) / n})
+    return rows
+
+
+_HOOKS: list = []
 
 
 def main():
@@ -156,7 +235,9 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--warmup", type=int, default=300)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated: {', '.join(VARIANTS)}, or an ablation: {', '.join(ABLATIONS)}")
+    p.add_argument("--no-calls", action="store_true", help="skip the cProfile call counts (timings only)")
     p.add_argument("--data", choices=("samples", "batches"), default="samples",
                    help="samples: TensorDataset, batch_size=64; batches: pre-made batches, batch_size=None")
     p.add_argument("--callgrind", action="store_true",
@@ -164,11 +245,20 @@ def main():
     p.add_argument("--callgrind-steps", type=int, default=300)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--threads-of", default=None, metavar="VARIANT",
+                   help="print every thread's context switches and CPU time per step for one variant, and exit")
     args = p.parse_args()
     global DATA
     DATA = args.data
     if args.child:
         print(json.dumps(child(args.child, args.steps, args.warmup, args.profile)))
+        return
+    if args.threads_of:
+        print(f"| thread ({args.threads_of}, {args.steps} steps, after step {args.warmup}) | voluntary switches/step "
+              "| involuntary/step | CPU µs/step |\n|---|---:|---:|---:|")
+        for r in thread_report(args.threads_of, args.steps, args.warmup):
+            print(f"| {r['thread']} | {r['voluntary_per_step']:.4f} | {r['involuntary_per_step']:.4f} "
+                  f"| {r['cpu_us_per_step']:.1f} |")
         return
     variants = args.variants.split(",")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -181,14 +271,19 @@ def main():
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     rates = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
+    proc = {v: [] for v in variants}
     for r in range(args.reps):
         for v in variants:   # interleaved
-            rates[v].append(run(v)["steps_per_s"])
+            res = run(v)
+            rates[v].append(res["steps_per_s"])
+            cpu[v].append(res["main_cpu_us_per_step"])
+            proc[v].append(res["proc_cpu_us_per_step"])
         print(f"rep {r + 1}/{args.reps}: " + ", ".join(f"{v} {rates[v][-1]:.0f}" for v in variants), file=sys.stderr)
     # marginal calls per step: profile a run of N and of 2N steps, so one-time setup
     # (imports of tensorboard, the summary table, the final checkpoint) cancels out
-    calls, calls_total = {}, {}
-    for v in variants:
+    calls, calls_total = {v: float("nan") for v in variants}, {v: float("nan") for v in variants}
+    for v in ([] if args.no_calls else variants):
         c1 = run(v, "--profile")["calls_per_step"] * args.steps
         c2 = json.loads(subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(2 * args.steps),
                                         "--warmup", str(args.warmup), "--data", args.data, "--profile"], capture_output=True, text=True,
@@ -201,9 +296,12 @@ def main():
           f"{args.reps} interleaved reps, median steady-state steps/s after step {args.warmup}\n")
     print("ratio vs raw: of the medians | median of the per-repetition ratios (each variant against the raw run "
           "of its own repetition, which cancels slow drifts of the machine) | of the best repetitions\n")
+    print("main-thread CPU: time.thread_time() of the training thread per step (median); wall time per step "
+          "beyond it is time the thread was off the CPU (other threads, other processes)\n")
     print("| variant | steps/s (median) | ratio vs raw | per-rep ratio (median) | best vs best "
-          "| Python calls/step, steady state | incl. setup |" + (" instructions/step (callgrind) |" if instr else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if instr else ""))
+          "| main-thread CPU µs/step | process CPU µs/step | Python calls/step, steady state | incl. setup |"
+          + (" instructions/step (callgrind) |" if instr else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if instr else ""))
     for v in variants:
         med = statistics.median(rates[v])
         ratio = pair = best = "-"
@@ -214,7 +312,9 @@ def main():
         extra = ""
         if instr:
             extra = f" {instr[v] / 1e6:.3f} M" + (f" ({instr[v] / instr['raw']:.3f}x)" if "raw" in instr else "") + " |"
-        print(f"| {v} | {med:.0f} | {ratio} | {pair} | {best} | {calls[v]:.0f} | {calls_total[v]:.0f} |{extra}")
+        print(f"| {v} | {med:.0f} | {ratio} | {pair} | {best} | {statistics.median(cpu[v]):.0f} "
+              f"| {statistics.median(proc[v]):.0f} | {calls[v]:.0f} "
+              f"| {calls_total[v]:.0f} |{extra}")
 
 
 def callgrind_instructions(variants, args, env) -> dict:

@@ -4,8 +4,8 @@
 :mod:`~ember.data.loader` is the loader ``Accelerator.prepare`` returns,
 :mod:`~ember.data.worker_seed` seeds DataLoader workers, :mod:`~ember.data.prefetch`
 copies the next batch to the GPU while a step runs."""
-from ember.data.sampling import (LookAhead, ResumableSampler, ShardedIterable, agree_generator,  # noqa: F401
-                                 batch_padding, dataset_length, draws_global_rng, generator_checkpoint_state,
-                                 has_length, index_sampler, is_shuffled, num_padded, own_generator,
+from ember.data.sampling import (LengthGroupedSampler, LookAhead, ResumableSampler, ShardedIterable,  # noqa: F401
+                                 agree_generator, batch_padding, dataset_length, draws_global_rng,
+                                 generator_checkpoint_state, has_length, index_sampler, is_shuffled, num_padded, own_generator,
                                  prepare_dataloader, restore_generator, sampler_of, samples_per_rank, set_epoch,
                                  skip_batches)

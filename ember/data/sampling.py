@@ -68,13 +68,17 @@ class ResumableSampler(Sampler[int]):
     def set_start(self, start: int) -> None:
         self.start = start
 
-    def global_indices(self) -> list[int]:
+    def order(self) -> list[int]:
+        """The epoch's order of the whole dataset, before padding and sharding (a
+        subclass may order it otherwise: :class:`LengthGroupedSampler`)."""
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            idx = torch.randperm(self.dataset_len, generator=g).tolist()
-        else:
-            idx = list(range(self.dataset_len))
+            return torch.randperm(self.dataset_len, generator=g).tolist()
+        return list(range(self.dataset_len))
+
+    def global_indices(self) -> list[int]:
+        idx = self.order()
         if self.padding:
             idx += (idx * math.ceil(self.padding / max(1, len(idx))))[: self.padding]
         return idx[: self.total_size]
@@ -258,6 +262,8 @@ def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, ran
         if dl.batch_size is None:
             return DataLoader(ds, batch_size=None, generator=gen, **kw)
         return DataLoader(ds, batch_size=dl.batch_size, drop_last=dl.drop_last, generator=gen, **kw)
+    if isinstance(getattr(dl, "sampler", None), LengthGroupedSampler):
+        return _regroup(dl, gen, kw, seed=seed, num_replicas=num_replicas, rank=rank)
     if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas:
         return dl
     user_sampler = dl.sampler
@@ -292,6 +298,83 @@ def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, ran
                                rank=rank, drop_last=dl.drop_last and num_replicas > 1)
     return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler, drop_last=dl.drop_last,
                       generator=gen, **kw)
+
+
+# -- length grouping: batches of similar lengths, seeded, resumable, sharded like any ResumableSampler --
+class LengthGroupedSampler(ResumableSampler):
+    """A shuffled order in which each batch holds samples of similar length (little
+    padding), as ``group_by_length`` does in transformers' Trainer.
+
+    Each epoch: a permutation drawn from ``seed + epoch`` is cut into mega-batches of
+    ``mega_batch_mult`` global batches (``batch_size * num_replicas`` samples), each
+    sorted by length, longest first, and cut into global batches; the global batches
+    are then put in a random order (the same generator), the one holding the longest
+    sample first (an out-of-memory shows at the first step, not late in the epoch),
+    an incomplete last batch last. Rank ``r`` takes every ``num_replicas``-th index, as
+    :class:`ResumableSampler` does, so each global batch is split over the ranks, each
+    rank's share of similar lengths, and an epoch gives every sample once (plus the
+    duplicates that even the shards, counted in ``padding``). Resuming skips indices.
+
+    ``seed=None`` takes the run seed when the Trainer or the Accelerator prepares the
+    loader (``Trainer(seed=)``); preparing also sets ``num_replicas`` and ``rank``.
+    """
+
+    def __init__(self, lengths, batch_size: int, seed: int | None = None, mega_batch_mult: int = 50,
+                 num_replicas: int = 1, rank: int = 0, drop_last: bool = False):
+        lengths = [int(n) for n in lengths]
+        super().__init__(len(lengths), shuffle=True, seed=0 if seed is None else seed, num_replicas=num_replicas,
+                         rank=rank, drop_last=drop_last)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} is not valid; use an int >= 1")
+        self.lengths, self.batch_size = lengths, batch_size
+        self.mega_batch_mult = max(1, int(mega_batch_mult))
+        self.run_seed = seed is None   # prepare_dataloader gives it the run seed
+
+    def order(self) -> list[int]:
+        n = self.dataset_len
+        if n == 0:
+            return []
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(n, generator=g)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        glob = self.batch_size * self.num_replicas
+        mega = glob * self.mega_batch_mult
+        parts = []
+        for i in range(0, n, mega):   # each mega-batch sorted, longest first (stable: ties keep the draw)
+            chunk = perm[i:i + mega]
+            parts.append(chunk[torch.sort(lengths[chunk], descending=True, stable=True).indices])
+        grouped = torch.cat(parts)
+        full = n // glob
+        batches = list(grouped[:full * glob].view(full, glob)) if full else []
+        rest = grouped[full * glob:]
+        shuffled = [batches[int(j)] for j in torch.randperm(full, generator=g)] if full else []
+        if shuffled:   # the batch with the longest sample first
+            first = max(range(full), key=lambda j: (int(lengths[shuffled[j][0]]), -j))
+            shuffled.insert(0, shuffled.pop(first))
+        return torch.cat(shuffled + [rest]).tolist() if shuffled else rest.tolist()
+
+    def sharded(self, num_replicas: int, rank: int, seed: int, drop_last: bool = False) -> "LengthGroupedSampler":
+        """A copy for ``rank`` of ``num_replicas`` (the epoch kept; the run ``seed`` when this one
+        was made with ``seed=None``)."""
+        out = LengthGroupedSampler(self.lengths, self.batch_size, seed if self.run_seed else self.seed,
+                                   self.mega_batch_mult, num_replicas=num_replicas, rank=rank, drop_last=drop_last)
+        out.run_seed, out.epoch = self.run_seed, self.epoch
+        return out
+
+
+def _regroup(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, rank: int) -> DataLoader:
+    """A loader over a :class:`LengthGroupedSampler`, rebuilt for this rank and the run seed."""
+    s = dl.sampler
+    if dl.batch_size is not None and dl.batch_size != s.batch_size:
+        raise ValueError(f"LengthGroupedSampler(batch_size={s.batch_size}) sits in a DataLoader with "
+                         f"batch_size={dl.batch_size}; give both the same batch size")
+    drop_last = bool(dl.drop_last and num_replicas > 1)
+    if s.num_replicas == num_replicas and s.rank == rank and s.drop_last == drop_last \
+            and (not s.run_seed or s.seed == int(seed)):
+        return dl
+    return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=s.sharded(num_replicas, rank, seed, drop_last),
+                      drop_last=dl.drop_last, generator=gen, **kw)
 
 
 class _ShardedSampler(Sampler[int]):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
+
+from ember.data.sampling import LengthGroupedSampler
 
 from ember.errors import MisconfigurationError
 from ember.integrations.hf_io import (column, data_hash, ensure_pad_token, load_tokenizer, read_columns,
@@ -125,34 +127,6 @@ class PadCollator:
         return out
 
 
-class LengthGroupedSampler(Sampler[int]):
-    """Random order in which neighbours have similar lengths (less padding).
-
-    A seeded permutation (``seed + epoch``) is cut into mega-batches of
-    ``mega_batch_mult * batch_size`` samples, each sorted by length, longest first.
-    An ordering of the dataset, so ember's loaders can shard it over ranks and
-    skip into it when resuming."""
-
-    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, mega_batch_mult: int = 50):
-        self.lengths, self.batch_size, self.seed = list(lengths), batch_size, int(seed)
-        self.mega = max(1, mega_batch_mult * batch_size)
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        perm = torch.randperm(len(self.lengths), generator=g).tolist()
-        out = []
-        for i in range(0, len(perm), self.mega):
-            out += sorted(perm[i:i + self.mega], key=lambda j: -self.lengths[j])
-        return iter(out)
-
-
 def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train, val) index lists; the val part is ``round(n * fraction)`` samples drawn with ``seed``."""
     if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 < fraction < 1:
@@ -162,6 +136,61 @@ def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[i
         raise MisconfigurationError(f"val_split={fraction!r} leaves no training data ({n} samples)")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(perm[k:]), sorted(perm[:k])
+
+
+# ---------------------------------------------------------------------------------- tokenising in processes
+#: from this many texts on, a split is tokenised by several processes (``num_proc=None``)
+PARALLEL_MIN_TEXTS = 100_000
+_WORKER_TOKENIZER: list = []
+
+
+def _encode_chunk(tokenizer, texts: list[str], pairs: list[str] | None, kw: dict) -> dict[str, list[list[int]]]:
+    enc = tokenizer(texts, pairs, **kw) if pairs is not None else tokenizer(texts, **kw)
+    out = {"input_ids": list(enc["input_ids"])}
+    if "token_type_ids" in enc:
+        out["token_type_ids"] = list(enc["token_type_ids"])
+    return out
+
+
+def _worker_init(tokenizer) -> None:
+    _WORKER_TOKENIZER[:] = [tokenizer]
+
+
+def _worker_encode(job) -> dict[str, list[list[int]]]:
+    texts, pairs, kw = job
+    return _encode_chunk(_WORKER_TOKENIZER[0], texts, pairs, kw)
+
+
+def _encode_in_processes(tokenizer, texts: list[str], pairs: list[str] | None, kw: dict,
+                         procs: int) -> dict[str, list[list[int]]]:
+    """Tokenise in ``procs`` processes, in order: the same token ids as one process.
+
+    A fast tokenizer already encodes a batch on several threads in Rust; what one process
+    cannot spread is turning the encodings into Python lists, most of the time for short
+    texts. Workers are forked where the platform allows it (the tokenizer is not pickled),
+    with the tokenizers library's own threads off in them (TOKENIZERS_PARALLELISM=false:
+    one thread per process, and no warning about forking after its threads ran)."""
+    import multiprocessing as mp
+    n = len(texts)
+    step = -(-n // (procs * 4))
+    jobs = [(texts[i:i + step], pairs[i:i + step] if pairs is not None else None, kw) for i in range(0, n, step)]
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = mp.get_context(method).Pool(procs, initializer=_worker_init, initargs=(tokenizer,))
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+    with pool:
+        parts = pool.map(_worker_encode, jobs, chunksize=1)
+    out: dict[str, list[list[int]]] = {k: [] for k in parts[0]} if parts else {"input_ids": []}
+    for part in parts:
+        for k, v in part.items():
+            out[k].extend(v)
+    return out
 
 
 # ---------------------------------------------------------------------------------- base DataModule
@@ -174,10 +203,13 @@ class _HFTextData(DataModule):
 
     def __init__(self, tokenizer, *, train=None, val=None, test=None, predict=None, text_column="text",
                  max_length: int = 128, batch_size: int = 32, eval_batch_size: int | None = None,
-                 val_split: float | None = None, seed: int = 42, group_by_length: bool = False,
+                 val_split: float | None = None, seed: int = 42, group_by_length: bool = True,
                  cache_dir: str | None = None, num_workers: int = 0, pad_to_multiple_of: int | None = None,
-                 local_files_only: bool = True):
+                 local_files_only: bool = True, num_proc: int | None = None):
         super().__init__()
+        if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+            raise MisconfigurationError(f"num_proc={num_proc!r} is not valid; use an int >= 1 or None (automatic)")
+        self.num_proc = num_proc
         for name, v in (("max_length", max_length), ("batch_size", batch_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise MisconfigurationError(f"{name}={v!r} is not valid; use an int >= 1")
@@ -257,11 +289,28 @@ class _HFTextData(DataModule):
         kw = dict(truncation=truncation, add_special_tokens=add_special_tokens, return_attention_mask=False)
         if truncation:
             kw["max_length"] = self.max_length
-        enc = self.tokenizer(texts, pairs, **kw) if pairs is not None else self.tokenizer(texts, **kw)
-        feats = {"input_ids": list(enc["input_ids"])}
+        procs = self._processes(len(texts))
+        if procs > 1:
+            enc = _encode_in_processes(self.tokenizer, texts, pairs, kw, procs)
+        else:
+            enc = _encode_chunk(self.tokenizer, texts, pairs, kw)
+        feats = {"input_ids": enc["input_ids"]}
         if "token_type_ids" in enc and any(any(t) for t in enc["token_type_ids"]):
-            feats["token_type_ids"] = list(enc["token_type_ids"])
+            feats["token_type_ids"] = enc["token_type_ids"]
         return feats
+
+    def _processes(self, n: int) -> int:
+        """How many processes tokenise ``n`` texts: ``num_proc``, or automatically up to 8
+        (the CPUs this process may use) from :data:`PARALLEL_MIN_TEXTS` texts on."""
+        if self.num_proc is not None:
+            return max(1, min(self.num_proc, n // 1000 or 1))
+        if n < PARALLEL_MIN_TEXTS:
+            return 1
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        return max(1, min(8, cpus))
 
     # -- DataModule hooks ---------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -293,8 +342,8 @@ class _HFTextData(DataModule):
         bs = self.batch_size if split == "train" else self.eval_batch_size
         kw = dict(batch_size=bs, collate_fn=self._collator(split), num_workers=self.num_workers,
                   persistent_workers=self.num_workers > 0)
-        if split == "train" and self.group_by_length:
-            return DataLoader(ds, sampler=LengthGroupedSampler(ds.lengths, bs, self.seed), **kw)
+        if split == "train" and self.group_by_length:   # seeded by the run seed when prepared (Trainer(seed=))
+            return DataLoader(ds, sampler=LengthGroupedSampler(ds.lengths, bs), **kw)
         return DataLoader(ds, shuffle=shuffle, **kw)
 
     def train_dataloader(self):
@@ -342,23 +391,39 @@ class TextClassificationData(_HFTextData):
         max_length: truncation length in tokens. Padding is per batch (dynamic).
         batch_size / eval_batch_size: per-process batch sizes.
         val_split: hold out this fraction of ``train`` (drawn with ``seed``) for validation.
-        group_by_length: order training batches so that similar lengths meet (less padding).
+        group_by_length: order training batches so that similar lengths meet (little padding; the
+            default): a :class:`~ember.data.LengthGroupedSampler`, shuffled with the run seed
+            (``Trainer(seed=)``), resumable mid-epoch and sharded exactly over DDP ranks.
+            ``False``: plain shuffling, each batch padded to its longest sample.
         cache_dir: keep tokenised splits here (keyed by tokenizer, settings and data).
         label_names: the class names in id order. Without it, integer labels (or integer
             strings) are used as ids and other labels are mapped to ids in sorted order.
+        padding_free: batches without padding: the texts of a batch concatenated into one
+            row with per-text positions and boundaries (:class:`~ember.integrations.packing.PackCollator`),
+            for ``TransformersModule`` with BERT-architecture models. Per text, the logits, the
+            loss and the metrics are those of the padded batch.
+        num_proc: processes that tokenise a split (``None``: several for splits of 100,000
+            texts or more, one otherwise). The result is the same whatever the number.
     """
 
     def __init__(self, tokenizer, train=None, val=None, test=None, predict=None, text_column: str = "text",
                  label_column: str = "label", max_length: int = 128, batch_size: int = 32,
                  eval_batch_size: int | None = None, val_split: float | None = None, seed: int = 42,
-                 group_by_length: bool = False, cache_dir: str | None = None, num_workers: int = 0,
+                 group_by_length: bool = True, cache_dir: str | None = None, num_workers: int = 0,
                  label_names: list[str] | None = None, text_pair_column: str | None = None,
-                 pad_to_multiple_of: int | None = None, local_files_only: bool = True):
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True, padding_free: bool = False,
+                 num_proc: int | None = None):
         super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
                          max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
                          num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
-                         local_files_only=local_files_only)
+                         local_files_only=local_files_only, num_proc=num_proc)
+        if not isinstance(padding_free, bool):
+            raise MisconfigurationError(f"padding_free={padding_free!r} is not valid; use True or False")
+        if padding_free and pad_to_multiple_of:
+            raise MisconfigurationError("padding_free=True and pad_to_multiple_of are both set; a padding-free "
+                                        "batch has no padding to round up")
+        self.padding_free = padding_free
         if label_names is not None and (not isinstance(label_names, (list, tuple)) or len(label_names) < 2
                                         or len(set(map(str, label_names))) != len(label_names)):
             raise MisconfigurationError(f"label_names={label_names!r}: give at least two distinct class names")
@@ -455,6 +520,12 @@ class TextClassificationData(_HFTextData):
         feats = self._encode(payload["texts"], payload["pairs"])
         return TokenizedDataset.from_lists(feats, payload["labels"])
 
+    def _collator(self, split: str):
+        if self.padding_free:
+            from ember.integrations.packing import PackCollator
+            return PackCollator()
+        return super()._collator(split)
+
 
 class CausalLMData(_HFTextData):
     """Text for causal language modelling.
@@ -472,12 +543,12 @@ class CausalLMData(_HFTextData):
                  max_length: int = 512, batch_size: int = 8, eval_batch_size: int | None = None,
                  val_split: float | None = None, seed: int = 42, packing: bool = False, add_eos: bool = True,
                  group_by_length: bool = False, cache_dir: str | None = None, num_workers: int = 0,
-                 pad_to_multiple_of: int | None = None, local_files_only: bool = True):
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True, num_proc: int | None = None):
         super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
                          max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
                          num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
-                         local_files_only=local_files_only)
+                         local_files_only=local_files_only, num_proc=num_proc)
         self.packing, self.add_eos = packing, add_eos
 
     def _settings(self) -> dict:

@@ -26,11 +26,13 @@ from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 from ember.integrations.hf_data import (CausalLMData, LengthGroupedSampler, PadCollator, TextClassificationData,
                                         TokenizedDataset)
+from ember.integrations import packing
 from ember.integrations.hf_io import _offline, load_tokenizer
+from ember.integrations.packing import PackCollator
 from ember.module import TrainModule
 
 __all__ = ["TransformersModule", "TextClassificationData", "CausalLMData", "ExportBestPretrained",
-           "TokenizedDataset", "PadCollator", "LengthGroupedSampler", "TASKS"]
+           "TokenizedDataset", "PadCollator", "PackCollator", "LengthGroupedSampler", "TASKS"]
 
 #: task name -> transformers Auto class
 TASKS = {"sequence-classification": "AutoModelForSequenceClassification",
@@ -137,6 +139,10 @@ class TransformersModule(TrainModule):
         local_files_only: never reach the network when loading by name (default True).
         model_config: a config dict to build an untrained model from (how checkpoints of
             modules made from model objects are rebuilt).
+        packed_attention: the attention kernel for padding-free batches
+            (``TextClassificationData(padding_free=True)``): ``"sdpa"`` (PyTorch's SDPA per
+            text, training and inference) or ``"flex"`` (FlexAttention with a document mask;
+            inference only on CPU). See :mod:`ember.integrations.packing`.
     """
 
     def __init__(self, model: Any = None, task: Any = None, lr: float = 2e-5, weight_decay: float = 0.01,
@@ -145,11 +151,14 @@ class TransformersModule(TrainModule):
                  gradient_checkpointing: bool = False, freeze_base: bool = False, model_kwargs: dict | None = None,
                  token_exact_accumulation: bool = True, generate_kwargs: dict | None = None,
                  tokenizer: Any = None, local_files_only: bool = True, model_config: dict | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8):
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 packed_attention: str = "sdpa"):
         super().__init__()
         self.save_hyperparameters(ignore=["model", "tokenizer", "task"])
         if scheduler not in SCHEDULERS:
             raise invalid_choice("scheduler", scheduler, SCHEDULERS)
+        if packed_attention not in packing.ATTENTION:
+            raise invalid_choice("packed_attention", packed_attention, packing.ATTENTION)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
             raise MisconfigurationError(f"lr={lr!r} is not valid; use a positive number")
         if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
@@ -181,6 +190,7 @@ class TransformersModule(TrainModule):
         self.lr, self.weight_decay, self.scheduler = float(lr), float(weight_decay), scheduler
         self.warmup_ratio, self.warmup_steps = float(warmup_ratio), warmup_steps
         self.adam_betas, self.adam_eps = tuple(adam_betas), float(adam_eps)
+        self.packed_attention = packed_attention
         self.gradient_checkpointing, self.freeze_base = gradient_checkpointing, freeze_base
         self.model_kwargs = dict(model_kwargs or {})
         self.token_exact_accumulation = token_exact_accumulation
@@ -212,7 +222,7 @@ class TransformersModule(TrainModule):
     CHECKPOINT_HPARAMS = frozenset({
         "model", "task", "lr", "weight_decay", "warmup_ratio", "warmup_steps", "scheduler", "num_labels",
         "id2label", "label2id", "gradient_checkpointing", "freeze_base", "model_kwargs", "token_exact_accumulation",
-        "generate_kwargs", "tokenizer", "model_config", "adam_betas", "adam_eps"})
+        "generate_kwargs", "tokenizer", "model_config", "adam_betas", "adam_eps", "packed_attention"})
     #: the ``model_kwargs`` a checkpoint may set (nothing that loads code or picks remote files)
     CHECKPOINT_MODEL_KWARGS = frozenset({"attn_implementation", "torch_dtype", "dtype", "low_cpu_mem_usage"})
 
@@ -376,10 +386,29 @@ class TransformersModule(TrainModule):
     def forward(self, **inputs):
         return self._require_model()(**inputs)
 
+    def _run(self, batch: dict):
+        """The model on a batch: padded (``model(**batch)``) or padding-free
+        (:func:`~ember.integrations.packing.packed_forward`)."""
+        model = self._require_model()
+        if packing.is_packed(batch):
+            if not self.__dict__.get("_packable"):
+                packing.check_packable(model, self.task)
+                self._packable = True
+            return packing.packed_forward(model, batch, self.packed_attention)
+        return model(**batch)
+
+    @staticmethod
+    def _batch_size(batch) -> int | None:
+        if packing.is_packed(batch):
+            return packing.num_texts(batch)
+        return batch["input_ids"].shape[0] if "input_ids" in batch else None
+
     # ------------------------------------------------------------------ losses
     def _token_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sum of token losses, number of target tokens, logits); labels -100 are ignored,
         causal LM labels are shifted as the model does."""
+        if packing.is_packed(batch):
+            packing.check_packable(self._require_model(), self.task)   # raises: token-level losses are padded
         if "labels" not in batch:
             raise MisconfigurationError(f"the batch has no 'labels' (keys: {sorted(batch)}); the {self.task} "
                                         "loss needs them")
@@ -402,6 +431,14 @@ class TransformersModule(TrainModule):
         return loss_sum, (targets != -100).sum(), logits
 
     # ------------------------------------------------------------------ steps
+    def on_fit_start(self) -> None:
+        """On a CPU that multiplies bfloat16 in hardware (AVX512-BF16, AMX), a float32 fit
+        suggests ``precision="bf16-mixed"`` once per process (rank zero)."""
+        from ember.precision.hardware import suggest_bf16
+        t = self.trainer
+        if t.is_global_zero:
+            suggest_bf16(t.precision, self.device.type)
+
     def on_train_start(self) -> None:
         t = self.trainer
         self._exact = bool(self.token_exact_accumulation and self.task in _TOKEN_TASKS
@@ -410,7 +447,7 @@ class TransformersModule(TrainModule):
         self._win_tokens, self._win_micro = 0, 0
 
     def training_step(self, batch, batch_idx):
-        bs = batch["input_ids"].shape[0] if "input_ids" in batch else None
+        bs = self._batch_size(batch)
         if self._exact:
             loss_sum, n, _ = self._token_loss(batch)
             if self._loss_norm is None:
@@ -422,8 +459,7 @@ class TransformersModule(TrainModule):
             self._win_micro += 1
             self.log("train/loss", loss_sum.detach() / n.clamp(min=1), prog_bar=True, batch_size=bs)
             return loss_sum / self._loss_norm
-        model = self._require_model()
-        out = model(**batch)
+        out = self._run(batch)
         if getattr(out, "loss", None) is None:
             raise MisconfigurationError(f"the model returned no loss; the batch needs 'labels' (keys: {sorted(batch)})")
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)
@@ -453,9 +489,9 @@ class TransformersModule(TrainModule):
                 g.mul_(f)
 
     def _eval_step(self, batch, stage: str):
-        model = self._require_model()
+        self._require_model()
         m = self.metrics[stage] if stage in self.metrics else {}
-        bs = batch["input_ids"].shape[0] if "input_ids" in batch else None
+        bs = self._batch_size(batch)
         if self.task in _TOKEN_TASKS:
             loss_sum, n, logits = self._token_loss(batch)
             m["loss"].update(loss_sum / n.clamp(min=1), n)
@@ -467,7 +503,7 @@ class TransformersModule(TrainModule):
                 m["acc"](logits.argmax(-1), batch["labels"])
                 self.log(f"{stage}/acc", m["acc"])
             return None
-        out = model(**batch)
+        out = self._run(batch)
         if getattr(out, "loss", None) is not None:
             self.log(f"{stage}/loss", out.loss, on_epoch=True, sync_dist=True, batch_size=bs, prog_bar=stage == "val")
         if self.task == "sequence-classification" and "labels" in batch and m:
@@ -490,7 +526,7 @@ class TransformersModule(TrainModule):
         model = self._require_model()
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         if self.task in ("sequence-classification", "token-classification"):
-            probs = model(**inputs).logits.float().softmax(-1)
+            probs = self._run(inputs).logits.float().softmax(-1)
             label = probs.argmax(-1)
             if self.task == "token-classification" and "attention_mask" in inputs:
                 label = label.masked_fill(inputs["attention_mask"] == 0, -100)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from ember.loggers.base import DEFAULT_NAME, FileLogger, add_prefix, check_status, flatten_params, to_scalar
@@ -18,12 +19,17 @@ class TensorBoardLogger(FileLogger):
         default_hp_metric: also log ``hp_metric = -1`` with the hparams so the
             HPARAMS tab has a metric column (the Lightning default is True).
         prefix: prepended to every metric name as ``"{prefix}-{name}"``.
+        handoff_secs: scalars are kept here and handed to the writer at most every this
+            many seconds (and at every ``save``/``finalize``), each with the wall time it
+            was logged at. The SummaryWriter's thread then wakes once per hand-off instead
+            of once per scalar, and takes the GIL from the training thread that rarely
+            (docs/benchmarks.md). ``0``: hand each call's scalars over at once.
         **writer_kwargs: passed to ``torch.utils.tensorboard.SummaryWriter``
             (``max_queue``, ``flush_secs``, ``filename_suffix``...).
     """
 
     def __init__(self, save_dir: str | os.PathLike, name: str | None = DEFAULT_NAME, version: int | str | None = None,
-                 default_hp_metric: bool = False, prefix: str = "", **writer_kwargs: Any):
+                 default_hp_metric: bool = False, prefix: str = "", handoff_secs: float = 5.0, **writer_kwargs: Any):
         super().__init__(save_dir, name=name, version=version, prefix=prefix)
         self._default_hp_metric = default_hp_metric
         self._writer_kwargs = writer_kwargs
@@ -31,6 +37,9 @@ class TensorBoardLogger(FileLogger):
         self._hp_metric_names: dict[str, None] = {}   # the HPARAMS tab's metric columns (ordered)
         self._session: dict | None = None   # the hparams session waiting to be written, None when up to date
         self._session_written: dict | None = None   # what the run's event file first got (TensorBoard shows it)
+        self._handoff_secs = float(handoff_secs)
+        self._pending: list[tuple[str, Any, int, float]] = []
+        self._handed_at = time.monotonic()
 
     @property
     def experiment(self):
@@ -43,17 +52,29 @@ class TensorBoardLogger(FileLogger):
         return self._experiment
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._write_session()
-        self._write_scalars(metrics, step)
+        self._write_session()   # the hparams session goes before the first metrics
+        self._keep(metrics, step)
 
-    def _write_scalars(self, metrics: dict[str, float], step: int) -> None:
+    def _keep(self, metrics: dict[str, float], step: int) -> None:
+        """Keep scalars with their step and time; hand them to the writer every
+        ``handoff_secs`` (its thread then wakes once for many)."""
+        wall = time.time()
+        self._pending.extend((k, to_scalar(v), step, wall) for k, v in add_prefix(metrics, self._prefix).items())
+        if time.monotonic() - self._handed_at >= self._handoff_secs or len(self._pending) >= 1000:
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        """Give the kept scalars to the SummaryWriter (its thread writes them)."""
+        self._handed_at = time.monotonic()
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
         writer = self.experiment
-        for k, v in add_prefix(metrics, self._prefix).items():
-            v = to_scalar(v)
+        for k, v, step, wall in pending:
             if isinstance(v, dict):
-                writer.add_scalars(k, v, step)
+                writer.add_scalars(k, v, step, walltime=wall)
             else:
-                writer.add_scalar(k, v, step)
+                writer.add_scalar(k, v, step, walltime=wall)
 
     def log_hyperparams(self, params, metrics: dict[str, float] | None = None) -> None:
         """Merge ``params`` with the hyperparameters logged before (by hand or by the
@@ -83,7 +104,7 @@ class TensorBoardLogger(FileLogger):
         else:
             self._session = {"hparams": flat, "metrics": list(self._hp_metric_names)}
         if metrics:
-            self._write_scalars(metrics, 0)
+            self._keep(metrics, 0)
         if self._session_written is not None:
             self._write_session()   # TensorBoard keeps the first set: warned there
 
@@ -111,12 +132,14 @@ class TensorBoardLogger(FileLogger):
 
     def save(self) -> None:
         self._write_session()
+        self._hand_off()
         if self._experiment is not None:
             self._experiment.flush()
 
     def finalize(self, status: str) -> None:
         check_status(status)
         self._write_session()
+        self._hand_off()
         if self._experiment is not None:
             self._experiment.flush()
             self._experiment.close()

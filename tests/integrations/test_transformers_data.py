@@ -158,7 +158,7 @@ def test_dynamic_padding_and_truncation(tok):
     dm = TextClassificationData(tok, train=ROWS, batch_size=2, max_length=6)
     lens = [len(x) for x in _ids(dm)[0]]
     assert max(lens) == 6   # truncated, [SEP] kept
-    dm2 = TextClassificationData(tok, train=ROWS, batch_size=2, max_length=64)
+    dm2 = TextClassificationData(tok, train=ROWS, batch_size=2, max_length=64, group_by_length=False)
     dl = prepare_dataloader(dm2.train_dataloader(), seed=0, shuffle=False)
     widths = [b["input_ids"].shape[1] for b in dl]
     assert widths == [6, 6, 11]   # each batch padded to its own longest
@@ -169,10 +169,10 @@ def test_dynamic_padding_and_truncation(tok):
 
 def test_length_grouped_sampler_groups_and_resumes(tok):
     rows = hf_tiny.sentiment_rows(200)
-    dm = TextClassificationData(tok, train=rows, batch_size=8, group_by_length=True, seed=3)
+    dm = TextClassificationData(tok, train=rows, batch_size=8)   # grouped by default
     dl = dm.train_dataloader()
     assert isinstance(dl.sampler, LengthGroupedSampler)
-    plain = TextClassificationData(tok, train=rows, batch_size=8)
+    plain = TextClassificationData(tok, train=rows, batch_size=8, group_by_length=False)
 
     def padding(loader):
         return sum(int((b["attention_mask"] == 0).sum()) for b in loader)
@@ -187,8 +187,11 @@ def test_length_grouped_sampler_groups_and_resumes(tok):
     rest = [b["input_ids"] for b in grouped]
     assert len(rest) == len(first) - 10 and all(torch.equal(a, b) for a, b in zip(rest, first[10:]))
     # another epoch, another order; the same epoch, the same order
-    dl.sampler.set_epoch(1)
-    assert list(dl.sampler) != list(LengthGroupedSampler(dl.sampler.lengths, 8, 3))
+    grouped.sampler.set_epoch(1)
+    assert list(grouped.sampler) != list(LengthGroupedSampler(dl.sampler.lengths, 8, 0))
+    assert list(LengthGroupedSampler(dl.sampler.lengths, 8, 0)) == list(LengthGroupedSampler(dl.sampler.lengths, 8))
+    # the run seed orders it
+    assert list(prepare_dataloader(dl, seed=1).sampler) != list(prepare_dataloader(dl, seed=0).sampler)
     # two ranks: disjoint halves that cover the data set
     shards = [list(prepare_dataloader(dm.train_dataloader(), seed=0, num_replicas=2, rank=r).sampler) for r in (0, 1)]
     assert sorted(shards[0] + shards[1]) == list(range(200))

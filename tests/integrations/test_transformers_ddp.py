@@ -18,7 +18,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import ember  # noqa: E402
 import hf_tiny  # noqa: E402
-from ember.integrations.transformers import PadCollator, TransformersModule  # noqa: E402
+from ember.integrations.transformers import PadCollator, TextClassificationData, TransformersModule  # noqa: E402
 from ember.strategies.environments import find_free_port  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
@@ -65,3 +65,27 @@ def test_ddp_fine_tuning_exports_the_best_checkpoint_once(ddp_run):
     with torch.no_grad():
         assert torch.equal(model(**enc).logits, best.model(**enc).logits)
         assert model(**enc).logits.argmax(-1).tolist() == [1, 0]
+
+
+def test_length_grouped_ddp_trains_every_sample_once_per_epoch(ddp_run):
+    """TextClassificationData groups by length by default; over the two ranks each epoch
+    trains on every one of the 512 samples exactly once, each rank on 16 batches of
+    similar lengths, and the epochs differ in order."""
+    _, (r0, r1) = ddp_run
+    assert r0["sampler"] == r1["sampler"] == "LengthGroupedSampler"
+    data = TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(512, 0, string_labels=True))
+    data.setup("fit")
+    ds = data.datasets["train"]
+    expected = sorted(ds[i]["input_ids"].tolist() for i in range(len(ds)))
+    assert sorted(r0["seen"]) == sorted(r1["seen"]) == ["0", "1", "2", "3"]
+    orders = []
+    for epoch in r0["seen"]:
+        b0, b1 = r0["seen"][epoch], r1["seen"][epoch]
+        assert len(b0) == len(b1) == 16
+        rows = [row for b in b0 + b1 for row in b]
+        assert sorted(rows) == expected   # every sample once: none twice, none left out
+        # the two ranks' j-th batches are one global batch of similar lengths
+        spread = [max(map(len, x + y)) - min(map(len, x + y)) for x, y in zip(b0, b1)]
+        assert sum(spread) / len(spread) <= 2
+        orders.append([row for b in b0 for row in b])
+    assert orders[0] != orders[1]

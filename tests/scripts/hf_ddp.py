@@ -8,7 +8,9 @@ Each rank writes OUT_DIR/rank<R>.json and OUT_DIR/exact_grads_rank<R>.pt:
    micro-batches of 2 = one optimizer step over all 12; the gradients must equal one
    process on one batch of 12.
 2. sequence classification fit with ModelCheckpoint(monitor=val/acc) and
-   ExportBestPretrained: rank zero writes the export once.
+   ExportBestPretrained: rank zero writes the export once. The data is length-grouped
+   (TextClassificationData's default): each rank records the texts of every batch it
+   trained on, per epoch (``seen``), so the test checks every sample once per epoch.
 """
 import json
 import os
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_tiny  # noqa: E402
 
 from ember import Trainer  # noqa: E402
-from ember.callbacks import ModelCheckpoint  # noqa: E402
+from ember.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from ember.integrations.transformers import (ExportBestPretrained, PadCollator,  # noqa: E402
                                              TextClassificationData, TransformersModule)
 
@@ -29,6 +31,17 @@ from ember.integrations.transformers import (ExportBestPretrained, PadCollator, 
 def quiet(root, **kw):
     return Trainer(strategy="ddp", devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
                    default_root_dir=root, num_sanity_val_steps=0, **kw)
+
+
+class SeenTexts(Callback):
+    """The real tokens of every training sample of this rank, per epoch."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        self.seen.setdefault(str(trainer.current_epoch), []).append(rows)
 
 
 def main(out):
@@ -48,12 +61,14 @@ def main(out):
     module = TransformersModule(hf_tiny.tiny_bert(), lr=3e-3, warmup_ratio=0.1)
     ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), monitor="val/acc", mode="max")
     export = ExportBestPretrained(os.path.join(out, "export"))
-    trainer = quiet(out, max_epochs=4, callbacks=[ckpt, export], seed=0)
+    seen = SeenTexts()
+    trainer = quiet(out, max_epochs=4, callbacks=[ckpt, export, seen], seed=0)
     trainer.fit(module, datamodule=data)
     res = {"rank": trainer.global_rank, "world": trainer.world_size,
            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
            "best": ckpt.best_model_path, "exported_from": export.exported_from,
-           "id2label": {str(k): v for k, v in module.id2label.items()}}
+           "id2label": {str(k): v for k, v in module.id2label.items()},
+           "sampler": type(trainer.train_dataloader.sampler).__name__, "seen": seen.seen}
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(res, f)
 

@@ -1,0 +1,217 @@
+"""Padding-free batches for sequence classification: no compute on padding.
+
+A padded batch of B texts is a ``(B, L)`` tensor, ``L`` its longest text: the
+embeddings, every linear layer, the layer norms and the MLPs run over the padding
+too. :class:`PackCollator` concatenates the B texts instead into one ``(1, T)`` row
+of ``T`` real tokens, with ``position_ids`` restarting at 0 for each text and
+``cu_seq_lens`` (the ``B + 1`` text boundaries). :func:`packed_forward` runs a
+Hugging Face model on it:
+
+- every per-token layer runs on the T real tokens only;
+- attention stays within each text: the attention function registered here
+  (``"ember_packed"``) scatters queries, keys and values into a ``(B, heads, L, d)``
+  layout, runs PyTorch's SDPA (``torch.nn.functional.scaled_dot_product_attention``,
+  dropout included) with a key-padding mask, and gathers the T rows back; padded
+  batches (evaluation with another loader, ``generate``) fall through to the plain
+  SDPA path;
+- the classification head reads the first token of each text (a forward hook on the
+  base model hands the head a ``(B, 1, hidden)`` sequence), so the logits, the
+  loss and the metrics are per text what the padded batch gives (to float rounding:
+  tested to 1e-5).
+
+FlexAttention with a document mask is the other PyTorch kernel for this; on CPU in
+torch 2.13 it has no backward (``NotImplementedError``), and its compiled forward
+took 33 ms against 12 ms for the SDPA path above on MiniLM shapes
+(docs/benchmarks.md), so SDPA is what training uses; ``attention="flex"`` is
+offered for inference only.
+
+Supported: sequence classification with BERT-architecture encoders (``model_type``
+``"bert"``: BERT, MiniLM, most sentence-transformers checkpoints), whose position
+ids start at 0 and whose head reads the first token. Anything else raises, naming
+the argument.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from ember.errors import MisconfigurationError
+
+#: model types whose packed form is supported (absolute positions from 0, head on the first token)
+PACKABLE_MODEL_TYPES = frozenset({"bert"})
+ATTENTION = ("sdpa", "flex")
+_IMPL = "ember_packed"
+_registered = threading.Lock()
+_done: list[bool] = []
+
+
+class PackCollator:
+    """Concatenate a batch of tokenised texts into one padding-free row.
+
+    Returns ``input_ids``, ``position_ids`` and ``token_type_ids`` of shape ``(1, T)``
+    (T: the batch's real tokens), ``cu_seq_lens`` (``B + 1`` cumulative lengths, from
+    0) and ``labels`` (one per text). :func:`packed_forward` runs a model on it."""
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [it["input_ids"] for it in items]
+        lens = torch.tensor([len(x) for x in ids], dtype=torch.long)
+        cu = torch.zeros(len(ids) + 1, dtype=torch.long)
+        cu[1:] = lens.cumsum(0)
+        out = {"input_ids": torch.cat(ids).unsqueeze(0),
+               "position_ids": torch.cat([torch.arange(n) for n in lens.tolist()]).unsqueeze(0),
+               "cu_seq_lens": cu}
+        if "token_type_ids" in items[0]:
+            out["token_type_ids"] = torch.cat([it["token_type_ids"] for it in items]).unsqueeze(0)
+        else:
+            out["token_type_ids"] = torch.zeros_like(out["input_ids"])
+        if "labels" in items[0]:
+            if items[0]["labels"].ndim != 0:
+                raise MisconfigurationError("padding_free=True packs sequence-classification batches (one label per "
+                                            "text); these items have per-token labels")
+            out["labels"] = torch.stack([it["labels"] for it in items])
+        return out
+
+
+def is_packed(batch: Any) -> bool:
+    return isinstance(batch, dict) and "cu_seq_lens" in batch
+
+
+def num_texts(batch: dict) -> int:
+    return int(batch["cu_seq_lens"].numel() - 1)
+
+
+# -- attention -------------------------------------------------------------------------------------
+def _layout(cu: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(index of each packed token in the flattened (B, L) layout, key mask (B, 1, 1, L), L)."""
+    lens = cu[1:] - cu[:-1]
+    b, longest = lens.numel(), int(lens.max())
+    doc = torch.repeat_interleave(torch.arange(b, device=device), lens.to(device))
+    pos = torch.arange(int(cu[-1]), device=device) - cu.to(device)[:-1].repeat_interleave(lens.to(device))
+    keep = torch.arange(longest, device=device)[None, :] < lens.to(device)[:, None]
+    return doc * longest + pos, keep[:, None, None, :], longest
+
+
+def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers attention function: per-text attention on a packed (1, heads, T, d)
+    row; plain SDPA for a padded batch."""
+    layout = kwargs.get("ember_layout")
+    if layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    index, keep, longest = layout
+    heads, d = query.shape[1], query.shape[-1]
+    b = keep.shape[0]
+
+    def spread(x):   # (1, heads, T, d) -> (B, heads, L, d), zeros at padding
+        out = x.new_zeros(heads, b * longest, d).index_copy(1, index, x[0])
+        return out.view(heads, b, longest, d).transpose(0, 1)
+
+    if kwargs.get("ember_attention") == "flex":
+        return _packed_flex(query, key, value, kwargs["ember_doc"], scaling)
+    out = F.scaled_dot_product_attention(spread(query), spread(key), spread(value), attn_mask=keep,
+                                         dropout_p=dropout, scale=scaling)
+    out = out.transpose(0, 1).reshape(heads, b * longest, d).index_select(1, index)   # (heads, T, d)
+    return out.transpose(0, 1).unsqueeze(0), None   # (1, T, heads, d), as transformers expects
+
+
+_flex_cache: dict = {}
+
+
+def _packed_flex(query, key, value, doc: torch.Tensor, scaling):
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        raise MisconfigurationError("packed_attention='flex' runs without gradients only: FlexAttention has no "
+                                    "backward on CPU in this torch; use packed_attention='sdpa' for training")
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if "fn" not in _flex_cache:
+        _flex_cache["fn"] = torch.compile(flex_attention, dynamic=True)
+
+    def same_text(b, h, q, k):
+        return doc[q] == doc[k]
+
+    n = doc.numel()
+    mask = create_block_mask(same_text, None, None, n, n, device=doc.device)
+    out = _flex_cache["fn"](query, key, value, block_mask=mask, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def register_attention() -> str:
+    """Register ``"ember_packed"`` with transformers (attention and mask functions), once."""
+    with _registered:
+        if not _done:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+            AttentionInterface.register(_IMPL, _packed_sdpa)
+            AttentionMaskInterface.register(_IMPL, sdpa_mask)
+            _done.append(True)
+    return _IMPL
+
+
+# -- the model -------------------------------------------------------------------------------------
+def check_packable(model, task: str) -> None:
+    """Raise unless ``model`` can run padding-free batches for ``task``."""
+    cfg = getattr(model, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if task != "sequence-classification" or mtype not in PACKABLE_MODEL_TYPES:
+        raise MisconfigurationError(
+            f"padding_free=True supports sequence classification with {sorted(PACKABLE_MODEL_TYPES)} models; this "
+            f"is task={task!r} with model_type={mtype!r}. Use padding_free=False (length-grouped padded batches, "
+            "the default, also leave little padding)")
+    if getattr(cfg, "is_decoder", False):
+        raise MisconfigurationError("padding_free=True needs an encoder (bidirectional attention); this model has "
+                                    "is_decoder=True")
+
+
+class _FirstTokens:
+    """Forward hook on the base model: during a packed call, hand the head the first
+    token of each text as a (B, 1, hidden) sequence (and the pooler's output of it)."""
+
+    def __init__(self):
+        self.starts: torch.Tensor | None = None
+
+    def __call__(self, base, args, output):
+        if self.starts is None:
+            return output
+        first = output[0][0].index_select(0, self.starts.to(output[0].device)).unsqueeze(1)   # (B, 1, hidden)
+        output["last_hidden_state"] = first
+        pooler = getattr(base, "pooler", None)
+        if pooler is not None and output.get("pooler_output") is not None:
+            output["pooler_output"] = pooler(first)
+        return output
+
+
+def _prepare(model) -> _FirstTokens:
+    hook = getattr(model, "_ember_first_tokens", None)
+    if hook is None:
+        impl = register_attention()
+        if getattr(model.config, "_attn_implementation", None) != impl:
+            model.set_attn_implementation(impl)
+        hook = _FirstTokens()
+        model.base_model.register_forward_hook(hook)
+        model._ember_first_tokens = hook
+    return hook
+
+
+def packed_forward(model, batch: dict, attention: str = "sdpa"):
+    """Run a sequence-classification model on a :class:`PackCollator` batch: the model's
+    output with ``logits`` of shape ``(B, num_labels)`` and, when the batch has labels,
+    the model's own ``loss`` over the B texts."""
+    if attention not in ATTENTION:
+        raise MisconfigurationError(f"packed_attention={attention!r} is not valid; choose one of {list(ATTENTION)}")
+    hook = _prepare(model)
+    cu = batch["cu_seq_lens"]
+    ids = batch["input_ids"]
+    layout = _layout(cu, ids.device)
+    extra = {"ember_layout": layout, "ember_attention": attention}
+    if attention == "flex":
+        lens = cu[1:] - cu[:-1]
+        extra["ember_doc"] = torch.repeat_interleave(torch.arange(lens.numel(), device=ids.device), lens.to(ids.device))
+    hook.starts = cu[:-1]
+    try:
+        return model(input_ids=ids, position_ids=batch["position_ids"], token_type_ids=batch["token_type_ids"],
+                     labels=batch.get("labels"), **extra)
+    finally:
+        hook.starts = None

@@ -1,0 +1,121 @@
+"""Padding-free batches (TextClassificationData(padding_free=True)): per text, the
+logits, the loss and the metrics equal those of the padded batch; gradients too."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+
+import ember  # noqa: E402
+import hf_tiny  # noqa: E402
+from ember.data import prepare_dataloader  # noqa: E402
+from ember.errors import MisconfigurationError  # noqa: E402
+from ember.integrations.packing import PackCollator, packed_forward  # noqa: E402
+from ember.integrations.transformers import PadCollator, TextClassificationData, TransformersModule  # noqa: E402
+
+TOL = 1e-5   # float32 rounding: the packed and the padded runs sum in another order
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _items(n=12, seed=0, pairs=False):
+    tok = hf_tiny.make_tokenizer()
+    rows = hf_tiny.sentiment_rows(n, seed)
+    if pairs:
+        enc = tok([t for t, _ in rows], [t[::-1] for t, _ in rows])
+        return [{"input_ids": torch.tensor(i), "token_type_ids": torch.tensor(tt), "labels": torch.tensor(lab)}
+                for i, tt, (_, lab) in zip(enc["input_ids"], enc["token_type_ids"], rows)]
+    enc = tok([t for t, _ in rows])
+    return [{"input_ids": torch.tensor(i), "labels": torch.tensor(lab)} for i, (_, lab) in zip(enc["input_ids"], rows)]
+
+
+def _bert(dropout=0.0):
+    model = hf_tiny.tiny_bert(num_labels=3)
+    model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = dropout
+    return model
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_per_text_logits_losses_and_gradients_equal_the_padded_batch(pairs):
+    items = _items(pairs=pairs)
+    padded, packed = PadCollator(0)(items), PackCollator()(items)
+    lengths = [len(it["input_ids"]) for it in items]
+    assert packed["input_ids"].shape == (1, sum(lengths)) and padded["input_ids"].numel() > sum(lengths)
+    model = _bert().train()   # dropout 0: train mode is deterministic
+    ref = model(**padded)
+    ref.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    out = packed_forward(model, packed)
+    out.loss.backward()
+    assert out.logits.shape == ref.logits.shape == (len(items), 3)
+    assert torch.allclose(out.logits, ref.logits, atol=TOL, rtol=0)
+    per_text = torch.nn.functional.cross_entropy(out.logits, packed["labels"], reduction="none")
+    per_text_ref = torch.nn.functional.cross_entropy(ref.logits, padded["labels"], reduction="none")
+    assert torch.allclose(per_text, per_text_ref, atol=TOL, rtol=0)
+    assert abs(float(out.loss.detach()) - float(ref.loss.detach())) < TOL
+    for n, p in model.named_parameters():
+        if n in ref_grads:
+            assert torch.allclose(p.grad, ref_grads[n], atol=TOL, rtol=1e-4), n
+    # the model still runs padded batches afterwards (evaluation with another loader)
+    assert torch.allclose(model(**padded).logits, ref.logits, atol=TOL, rtol=0)
+
+
+def test_flex_attention_kernel_gives_the_same_logits_without_gradients():
+    items = _items(6)
+    model = _bert().eval()
+    with torch.no_grad():
+        ref = model(**PadCollator(0)(items)).logits
+        try:
+            out = packed_forward(model, PackCollator()(items), attention="flex").logits
+        except Exception as err:   # no C++ compiler for the compiled kernel on this machine
+            pytest.skip(f"FlexAttention cannot compile here: {err}")
+    assert torch.allclose(out, ref, atol=TOL, rtol=0)
+    with pytest.raises(MisconfigurationError, match="packed_attention='flex'"):
+        packed_forward(model.train(), PackCollator()(items), attention="flex").loss.backward()
+
+
+def test_validation_and_test_metrics_equal_the_padded_run(tmp_path):
+    tok = hf_tiny.make_tokenizer()
+    rows, val = hf_tiny.sentiment_rows(64, 0), hf_tiny.sentiment_rows(37, 1)
+    results = {}
+    for free in (False, True):
+        data = TextClassificationData(tok, train=rows, val=val, test=val, batch_size=8, padding_free=free)
+        module = TransformersModule(hf_tiny.tiny_bert(), lr=3e-3)
+        trainer = ember.Trainer(max_steps=8, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                enable_checkpointing=False, default_root_dir=tmp_path, seed=0)
+        trainer.fit(module, datamodule=data)
+        fit = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        test = trainer.test(module, datamodule=data)[0]
+        results[free] = (fit, test, module.model.classifier.weight.detach().clone())
+    (fit0, test0, w0), (fit1, test1, w1) = results[False], results[True]
+    assert test0.keys() == test1.keys() and {"test/acc", "test/f1", "test/loss"} <= test0.keys()
+    for k in test0:
+        assert abs(test0[k] - test1[k]) < TOL, k
+    assert abs(fit0["val/loss"] - fit1["val/loss"]) < TOL and fit0["val/acc"] == fit1["val/acc"]
+    # the same batches (length-grouped, the same order), so the same training to rounding
+    assert torch.allclose(w0, w1, atol=1e-4, rtol=0)
+
+
+def test_padding_free_batches_and_unsupported_models(tmp_path):
+    tok = hf_tiny.make_tokenizer()
+    data = TextClassificationData(tok, train=hf_tiny.sentiment_rows(40), batch_size=8, padding_free=True)
+    batch = next(iter(prepare_dataloader(data.train_dataloader(), seed=0)))
+    assert batch["input_ids"].shape[0] == 1 and batch["cu_seq_lens"].numel() == 9
+    assert batch["position_ids"][0, 0] == 0 and int(batch["cu_seq_lens"][-1]) == batch["input_ids"].shape[1]
+    with pytest.raises(MisconfigurationError, match="pad_to_multiple_of"):
+        TextClassificationData(tok, train=hf_tiny.sentiment_rows(8), padding_free=True, pad_to_multiple_of=8)
+    gpt = TransformersModule(hf_tiny.tiny_gpt2(), task="causal-lm")
+    with pytest.raises(MisconfigurationError, match="padding_free=True supports sequence classification"):
+        gpt.training_step(batch, 0)
