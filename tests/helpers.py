@@ -294,3 +294,29 @@ class LinearModule(ember.TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+# -- what a TensorBoard logger wrote --------------------------------------------------------
+def tensorboard_events(log_dir):
+    """TensorBoard's reader of the event files in ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(log_dir))
+    ea.Reload()
+    return ea
+
+
+def tensorboard_scalars(ea, tag):
+    """``[(step, value)]`` of scalar ``tag``."""
+    return [(e.step, e.value) for e in ea.Scalars(tag)]
+
+
+def tensorboard_hparams(ea):
+    """The hparams session TensorBoard shows: ``(values, metric tags)``."""
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    content = ea.PluginTagToContent("hparams")
+    ssi = HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    exp = HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    values = {k: getattr(v, v.WhichOneof("kind")) for k, v in ssi.hparams.items()}
+    return values, [m.name.tag for m in exp.metric_infos]

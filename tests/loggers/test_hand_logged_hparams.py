@@ -15,7 +15,7 @@ import ember
 from ember.loggers import CSVLogger, TensorBoardLogger
 from tests.conftest import LinearModule, regression_data
 from helpers import wandb_config as _config, wandb_records
-from test_loggers import _accumulator, _session_hparams
+from helpers import tensorboard_events as _accumulator, tensorboard_hparams as _session_hparams
 
 BY_HAND = {"model": {"net": "mlp", "params/total": 5}, "seed": 12, "tags": ["dev"]}
 BY_HAND_FLAT = {"model/net": "mlp", "model/params/total": 5.0, "seed": 12.0, "tags": "['dev']"}

@@ -17,6 +17,9 @@ from ember.errors import MisconfigurationError
 from ember.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger, build_logger
 from ember.loggers.base import flatten_params, sanitize_params
 from helpers import ROOT, wandb_artifacts, wandb_config, wandb_history, wandb_records
+from helpers import tensorboard_events as _accumulator  # noqa: E402
+from helpers import tensorboard_hparams as _session_hparams  # noqa: E402
+from helpers import tensorboard_scalars as _scalars  # noqa: E402
 
 
 class Opaque:
@@ -62,27 +65,6 @@ def test_flatten_and_sanitize_params():
 # ---------------------------------------------------------------------------
 # TensorBoard
 
-
-def _accumulator(log_dir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    ea = EventAccumulator(str(log_dir))
-    ea.Reload()
-    return ea
-
-
-def _scalars(ea, tag):
-    return [(e.step, e.value) for e in ea.Scalars(tag)]
-
-
-def _session_hparams(ea):
-    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-
-    content = ea.PluginTagToContent("hparams")
-    ssi = HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
-    exp = HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
-    values = {k: getattr(v, v.WhichOneof("kind")) for k, v in ssi.hparams.items()}
-    return values, [m.name.tag for m in exp.metric_infos]
 
 
 def test_tensorboard_scalars_hparams_and_files(tmp_path):
