@@ -90,6 +90,7 @@ def main(root):
     fit(os.path.join(root, "topk"), callbacks=[watch], devices=2, strategy=DDPStrategy(timeout=30, async_save=True),
         checkpoint=ModelCheckpoint(dirpath=ckdir, every_n_train_steps=1, save_top_k=1, save_last=True,
                                    filename="{step}"), max_epochs=None, max_steps=4)
+    torch.distributed.barrier()   # rank 0 (the writer) has finished its deletions before anyone lists the folder
     out["topk"] = {"seen": watch.seen, "final": committed_steps(ckdir), "last": last_step(ckdir)}
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(root, f"result_{rank}.json"), "w") as f:
