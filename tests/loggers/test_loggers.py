@@ -114,7 +114,12 @@ def test_tensorboard_log_after_finalize_and_hp_metric(tmp_path):
     assert _scalars(ea, "hp_metric") == [(0, -1.0), (0, -1.0)]
     assert _scalars(ea, "loss") == [(1, 2.0)]
     assert _scalars(ea, "test/acc") == [(1, 0.5)]
-    hp, metric_tags = _session_hparams(ea)
+    # the first event file's session (TensorBoard lists a folder's event files by name, and a
+    # name ends in the writer's number in this process: 9 sorts after 10, so read the first one alone)
+    files = sorted(glob.glob(os.path.join(logger.log_dir, "events.out.tfevents.*")),
+                   key=lambda f: int(f.rsplit(".", 1)[1]))
+    assert len(files) == 2
+    hp, metric_tags = _session_hparams(_accumulator(files[0]))
     assert hp == {"lr": 0.5}  # TensorBoard keeps the first hparams of a run...
     assert metric_tags == ["hp_metric"]
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:  # ...hparams.yaml has them all
