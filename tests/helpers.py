@@ -106,7 +106,7 @@ def start_ember(*args, env: dict[str, str], **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (torchrun starts each worker in its own session)."""
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
@@ -130,7 +130,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pids = [proc.pid, *_descendants(proc.pid)]
+        pids = [proc.pid, *descendants(proc.pid)]
         for sig in (signal.SIGABRT, signal.SIGKILL):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):

@@ -20,10 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import SCRIPTS, descendants
+
 pytestmark = pytest.mark.multiproc
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-SCRIPT = os.path.join(SCRIPTS, "multinode_train.py")
+SCRIPT = str(SCRIPTS / "multinode_train.py")
 TIMEOUT = 150
 
 
@@ -40,23 +41,6 @@ def node_env(out, node: int, **extra) -> dict:
                XDG_CONFIG_HOME=os.path.join(out, "xdg"), NODE_DIR=os.path.join(out, f"node{node}"), **extra)
     os.makedirs(env["NODE_DIR"], exist_ok=True)
     return env
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 class Node:
@@ -159,11 +143,11 @@ def ranks(out) -> dict[int, dict]:
 
 def one_process(tmp_path, monkeypatch) -> dict:
     """The same fit in this process (one rank, the global batch of 16)."""
-    sys.path.insert(0, SCRIPTS)
+    sys.path.insert(0, str(SCRIPTS))
     try:
         import multinode_train as mt
     finally:
-        sys.path.remove(SCRIPTS)
+        sys.path.remove(str(SCRIPTS))
     import ember
     tmp_path.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("NODE_DIR", str(tmp_path))
