@@ -215,6 +215,14 @@ class _Zygote:
         self.send(f"wait {pid}")
         return int(self.expect(f"exit {pid} ").split()[2])
 
+    def poll(self, pid) -> int | None:
+        """The child's exit code, or None while it runs."""
+        self.send(f"poll {pid}")
+        answer: list = []
+        while answer[:1] not in (["exit"], ["alive"]) or answer[1:2] != [str(pid)]:
+            answer = self.expect("", 60).split()     # (the children's own lines are skipped)
+        return int(answer[2]) if answer[0] == "exit" else None
+
     def close(self):
         try:
             self.send("quit")
@@ -229,11 +237,20 @@ def _newest_step(ckpt_dir) -> int:
     return max(steps, default=0)
 
 
-def _wait_for_progress(ckpt_dir, past_step: int, total_steps: int, timeout: float = 60.0) -> None:
-    """Until the running fit has written a checkpoint beyond ``past_step`` (or has none left to write)."""
-    end = time.monotonic() + timeout
+def _wait_for_progress(z: _Zygote, pid: int, ckpt_dir, past_step: int, total_steps: int,
+                       timeout: float = 60.0) -> None:
+    """Until the running fit ``pid`` has written a checkpoint beyond ``past_step`` (or has none
+    left to write). Fails at once, naming its exit code, if the fit ends before that (its
+    traceback is on stderr)."""
+    end, polled = time.monotonic() + timeout, time.monotonic()
     while past_step < total_steps and _newest_step(ckpt_dir) <= past_step:
         assert time.monotonic() < end, f"no checkpoint past step {past_step} within {timeout}s"
+        if time.monotonic() - polled > 0.5:
+            polled = time.monotonic()
+            code = z.poll(pid)
+            if code is not None and _newest_step(ckpt_dir) <= past_step:
+                raise AssertionError(f"the fit resumed at step {past_step} ended (exit code {code}) before "
+                                     "writing a newer checkpoint; its traceback is on stderr")
         time.sleep(0.001)
 
 
@@ -262,7 +279,7 @@ def test_stress_random_sigkills_then_resume_is_bit_exact(tmp_path):
             pid = z.run(root, bool(cio.list_checkpoints(root / "checkpoints")))
             start = z.expect("start").split()
             resumed_from.append((int(start[1]), start[2]))
-            _wait_for_progress(root / "checkpoints", int(start[1]), _Zygote.RUN_EPOCHS * STEPS_PER_EPOCH)
+            _wait_for_progress(z, pid, root / "checkpoints", int(start[1]), _Zygote.RUN_EPOCHS * STEPS_PER_EPOCH)
             time.sleep(rng.uniform(0.0, duration / 15))
             os.kill(pid, signal.SIGKILL)
             code = z.wait(pid)

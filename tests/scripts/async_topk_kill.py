@@ -101,16 +101,22 @@ def _state(module, trainer) -> dict:
     return out
 
 
-def in_child(fn) -> int:
-    """Run ``fn`` in a forked child; its exit status (negative: killed by that signal)."""
+def in_child(fn, error_file=None) -> int:
+    """Run ``fn`` in a forked child; its exit status (negative: killed by that signal). An
+    exception's traceback goes to stderr and to ``error_file``."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             fn()
             code = 0
-        except BaseException as err:   # noqa: BLE001 - reported through the result file
-            print(f"child error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        except BaseException:   # noqa: BLE001 - reported through the result file
+            import traceback
+            text = traceback.format_exc()
+            print(f"child error: {text}", file=sys.stderr, flush=True)
+            if error_file:
+                with open(error_file, "w") as f:
+                    f.write(text)
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
@@ -150,10 +156,12 @@ def main(root, timings):
                 json.dump({"global_step": trainer.global_step,
                            "equal": sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref)},
                           f)
-        code = in_child(resume)
+        err_file = os.path.join(root, f"resume_error_{timing}.txt")
+        code = in_child(resume, err_file)
         resumed = json.load(open(res_file)) if os.path.exists(res_file) else None
         out[timing] = {"status": status, "left": left, "complete": complete, "resume_code": code,
-                       "resumed": resumed}
+                       "resumed": resumed,
+                       "resume_error": open(err_file).read()[-3000:] if os.path.exists(err_file) else None}
     with open(os.path.join(root, "result.json"), "w") as f:
         json.dump(out, f, indent=1)
 

@@ -7,6 +7,7 @@ Commands on stdin, one per line; answers on stdout:
     run ROOT RESUME(0|1) OUT|-  EPOCHS EVERY  ->  "pid <pid>"  (the child prints
                                                    "start ..." and "done" itself)
     wait PID                                   ->  "exit <pid> <code>"  (-9: SIGKILL)
+    poll PID                                   ->  "exit <pid> <code>", or "alive <pid>"
     quit
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ def child(root, resume, out, epochs, every) -> int:
 
 
 def main():
+    exited: dict[int, int] = {}
     print("ready", flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -52,10 +54,13 @@ def main():
                     sys.stderr.flush()
                     os._exit(code)
             print(f"pid {pid}", flush=True)
-        elif cmd[0] == "wait":
+        elif cmd[0] in ("wait", "poll"):
             pid = int(cmd[1])
-            _, status = os.waitpid(pid, 0)
-            print(f"exit {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+            if pid not in exited:        # else reaped by an earlier poll
+                done, status = os.waitpid(pid, os.WNOHANG if cmd[0] == "poll" else 0)
+                if done:
+                    exited[pid] = os.waitstatus_to_exitcode(status)
+            print(f"exit {pid} {exited[pid]}" if pid in exited else f"alive {pid}", flush=True)
         elif cmd[0] == "quit":
             break
 
