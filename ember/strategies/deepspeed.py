@@ -58,7 +58,9 @@ _BUILD_MESSAGE = "ember: compiling DeepSpeed CPU ops once (~1 min)..."
 def import_deepspeed():
     """``import deepspeed`` with an install hint when it is missing."""
     try:
-        import deepspeed
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import deepspeed
     except ImportError as err:
         raise MisconfigurationError(
             "strategy='deepspeed' needs the deepspeed package: pip install 'ember[deepspeed]' "
@@ -94,7 +96,9 @@ def prebuild_ops(verbose: bool = True) -> bool:
     it compiled something. Safe to call from several processes (torch locks the build)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu") if not torch.cuda.is_available() else None
     deepspeed = import_deepspeed()
-    from deepspeed.accelerator import get_accelerator
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from deepspeed.accelerator import get_accelerator
     if get_accelerator().device_name() != "cpu":
         return False
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
@@ -304,7 +308,9 @@ class DeepSpeedStrategy(DDPStrategy):
         deepspeed = import_deepspeed()
         check_version(deepspeed.__version__)            # too old for managed_gradient_accumulation: fail first
         section = self._precision_section()             # unsupported precision: fail before any work
-        from deepspeed.accelerator import get_accelerator
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from deepspeed.accelerator import get_accelerator
         supported = {"fp16": get_accelerator().is_fp16_supported, "bf16": get_accelerator().is_bf16_supported}
         if section is not None and not supported[section]():
             raise MisconfigurationError(
@@ -417,7 +423,9 @@ class DeepSpeedStrategy(DDPStrategy):
     # -- state dicts -----------------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full fp32 weights on CPU, on every rank (a collective under ZeRO)."""
-        from deepspeed.utils import safe_get_full_fp32_param
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from deepspeed.utils import safe_get_full_fp32_param
         raw = self.unwrap_module(module)
         out = {}
         engine = self._engine_for(module)
@@ -425,7 +433,9 @@ class DeepSpeedStrategy(DDPStrategy):
             full = safe_get_full_fp32_param(p) if engine is not None else None
             if full is None:
                 if hasattr(p, "ds_id"):
-                    import deepspeed
+                    from ember.checkpoint.rng import keep_rng_states
+                    with keep_rng_states():   # a first import leaves the user's random streams as they were
+                        import deepspeed
                     with deepspeed.zero.GatheredParameters([p]):
                         full = p.detach().clone()
                 else:
@@ -438,8 +448,10 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def load_module_state_dict(self, module: nn.Module, state: dict, strict: bool = True):
         """Load full weights into the model (and the optimizer's fp32 master copy)."""
-        from deepspeed.utils import safe_set_full_fp32_param
-        import deepspeed
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from deepspeed.utils import safe_set_full_fp32_param
+            import deepspeed
         raw = self.unwrap_module(module)
         params = dict(raw.named_parameters())
         if strict:
@@ -640,7 +652,9 @@ def load_full_weights(path: str) -> dict[str, torch.Tensor]:
     if weights is not None:
         return weights
     import_deepspeed()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     import io
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         sd = get_fp32_state_dict_from_zero_checkpoint(os.fspath(path), tag=TAG)
