@@ -209,6 +209,7 @@ class _CombinedPass:
         self.iters: list = [None] * n
         self.done = [0] * n
         self.cycle = [0] * n
+        self.drawn = [0] * n          # passes of each loader that took their global RNG draws (this epoch)
         self.ran_out = [False] * n
         self.current = 0              # sequential: the loader being read
         self.idx = 0                  # Lightning's batch_idx (sequential: within the current loader)
@@ -227,9 +228,12 @@ class _CombinedPass:
             self.passes[i] = dl
             self.iters[i] = iter(dl)
         else:
-            if not resumed:
+            if not resumed and self.cycle[i] >= self.drawn[i]:
+                # what the user's loader takes per pass; once per pass: a pass opened again by a
+                # resume after the loop had read ahead into it drew before the checkpoint
                 from ember.data.sampling import draw_like_a_dataloader
-                draw_like_a_dataloader(self.c._draws[i])   # what the user's loader takes per pass
+                draw_like_a_dataloader(self.c._draws[i])
+                self.drawn[i] = self.cycle[i] + 1
             if self.cycle[i] and not resumed:
                 _set_epoch(dl, self.c._epoch)   # a restart within the epoch: the epoch's order again
             p = _resume.begin_pass(dl, start, saved, warn=self.warn)
@@ -251,6 +255,7 @@ class _CombinedPass:
         self.current, self.idx = int(saved.get("current", 0)), int(saved.get("idx", self.start))
         for i, s in enumerate(inner):
             self.cycle[i], self.ran_out[i] = int(s["cycle"]), bool(s["ran_out"])
+            self.drawn[i] = int(s.get("drawn", self.cycle[i] + 1))
             if self.mode == "sequential" and i != self.current:
                 continue
             if self.mode == "max_size" and self.ran_out[i]:
@@ -339,15 +344,23 @@ class _CombinedPass:
 
     def __iter__(self) -> Iterator[Any]:
         record = self.read_ahead > 0
-        while True:
-            try:
-                batch, _, self.dataloader_idx = self.next_triple()
-            except StopIteration:
-                return
-            self.produced += 1
-            if record:
-                self._records.append((self.produced, self._snapshot(live=True)))
-            yield batch
+        try:
+            while True:
+                try:
+                    batch, _, self.dataloader_idx = self.next_triple()
+                except StopIteration:
+                    return
+                self.produced += 1
+                if record:
+                    self._records.append((self.produced, self._snapshot(live=True)))
+                yield batch
+        finally:   # the pass is over (or left): its loaders' iterators and workers go (positions stay)
+            for i, it in enumerate(self.iters):
+                if callable(getattr(it, "close", None)):
+                    it.close()
+                elif it is not None:
+                    _resume.release(self.passes[i], it)
+            self.iters = [None] * len(self.iters)
 
     def _replay_to(self, start: int) -> None:
         """No position recorded for this pass: read its first ``start`` batches again."""
@@ -377,12 +390,16 @@ class _CombinedPass:
             pos = None
             if isinstance(p, _resume.TrainPass) and p.holder is not None:
                 pos = {"kind": _resume.STATE, "state": p.state_now()}
-            inner.append({"cycle": self.cycle[i], "done": self.done[i], "ran_out": self.ran_out[i], "pos": pos})
+            inner.append({"cycle": self.cycle[i], "done": self.done[i], "ran_out": self.ran_out[i], "pos": pos,
+                          "drawn": self.drawn[i]})
         return {"kind": "combined", "mode": self.mode, "current": self.current, "idx": self.idx, "inner": inner}
 
     def position(self, done: int) -> dict:
         """What a checkpoint records after ``done`` combined batches were trained."""
         if self.read_ahead and done != self.produced:
             rec = next((r for k, r in reversed(self._records) if k == done), None)
-            return rec if rec is not None else {"kind": "replay"}
+            if rec is None:
+                return {"kind": "replay"}
+            # the draws taken so far, also for the passes the loop read ahead into
+            return dict(rec, inner=[dict(x, drawn=d) for x, d in zip(rec["inner"], self.drawn)])
         return self._snapshot(live=True)

@@ -89,8 +89,9 @@ class DataLoaderShard:
         prev = acc._active_loader
         acc._active_loader = self
         acc._finished_pass = None
+        source = None
         try:
-            it = iter(src)
+            source = it = iter(src)
             self._ahead = None
             if look_ahead:
                 # no length: read gas - 1 batches ahead, so the last accumulation window's size
@@ -112,6 +113,7 @@ class DataLoaderShard:
                 acc.step_rules.flush()   # the pass's last scheduler step (its skip flag is read now)
         finally:
             acc._active_loader = prev
+            resume.release(base, source)   # a StatefulDataLoader left mid-pass keeps its workers otherwise
 
     def state_dict(self) -> dict:
         """Where the pass stands (epoch, batches done, the sampler's state) and, under

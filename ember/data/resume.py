@@ -131,11 +131,14 @@ class TrainPass:
     def __iter__(self) -> Iterator[Any]:
         it = self.open()
         holder, record = self.holder, self.holder is not None and self.read_ahead > 0
-        for batch in it:
-            self.produced += 1
-            if record:
-                self._states.append((self.produced, holder.state_dict()))
-            yield batch
+        try:
+            for batch in it:
+                self.produced += 1
+                if record:
+                    self._states.append((self.produced, holder.state_dict()))
+                yield batch
+        finally:
+            release(self.loader, it)
 
     def open(self) -> Iterator[Any]:
         """The loader's iterator, at batch ``start`` (loading the saved state, or reading
@@ -190,6 +193,16 @@ class TrainPass:
 _END = object()
 
 
+def release(loader: Any, it: Any) -> None:
+    """A pass left before its end (a limit, a stop, a loop that returned): shut down the
+    DataLoader workers of its iterator when the loader keeps that iterator (a
+    StatefulDataLoader does, for its state); otherwise they would live on until the loader
+    is collected, and a later fork would copy them (its state is still readable)."""
+    if getattr(loader, "_iterator", None) is it and not getattr(loader, "persistent_workers", False) \
+            and callable(getattr(it, "_shutdown_workers", None)):
+        it._shutdown_workers()
+
+
 def replay_message(loader: Any, kind: str, start: int, got: int, seconds: float, saved: dict | None) -> str:
     """The warning of a resumed pass that read its first ``start`` batches again."""
     what = describe(loader)
@@ -212,6 +225,13 @@ def replay_message(loader: Any, kind: str, start: int, got: int, seconds: float,
             "the stream yields the same items in the same order on every pass (a shuffle seeded with a fixed "
             f"seed); a stream that does not (reading a changing source, unseeded randomness) continues with other "
             f"samples than the uninterrupted run would. To avoid the replay, {fix}")
+
+
+def end_pass(loader: Any) -> None:
+    """A training pass over ``loader`` is over, to its end or not: shut down the workers of
+    an iterator the loader keeps (:func:`release`; a CombinedLoader's pass does it for its
+    loaders)."""
+    release(loader, getattr(loader, "_iterator", None))
 
 
 # -- epoch boundaries -------------------------------------------------------------------------------

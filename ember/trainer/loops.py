@@ -72,7 +72,7 @@ import torch
 from ember.data import sampling as edata
 from ember.errors import MisconfigurationError
 from ember.trainer.checks import check_epoch_trained, check_finite_loss
-from ember.data.resume import begin_pass
+from ember.data.resume import begin_pass, end_pass
 from ember.trainer.data import batch_transfer, count_batches, maybe_reload, prepare_batch, start_pass
 from ember.trainer.events import Event
 from ember.trainer.state import RunningStage
@@ -456,6 +456,7 @@ class FitLoop:
             if batch_idx < 0 and start == 0:
                 raise MisconfigurationError("the train dataloader yielded no batches; check the dataset "
                                             "and limit_train_batches")
+        end_pass(st.train_dataloader)   # a StatefulDataLoader keeps its iterator: its workers go now
 
 
 class EvalLoop:

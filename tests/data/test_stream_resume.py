@@ -62,6 +62,27 @@ def test_stateful_dataset_resumes_from_its_state(tmp_path, workers):
         assert "_snapshot" in pos["state"]
 
 
+@pytest.mark.parametrize("case", ["stateful", "combined_max_size_cycle"])
+def test_state_of_the_last_batch_trained_when_the_loop_reads_ahead(tmp_path, monkeypatch, case):
+    """Gradient accumulation over a loader of unknown length reads batches ahead (and
+    CUDA prefetch one more; EMBER_PREFETCH=1 turns it on here): the state saved is the
+    one recorded with the last batch trained, not the loader's state further on."""
+    monkeypatch.setenv("EMBER_PREFETCH", "1")
+    full_w, full_seen, _ = sc.fit(case, str(tmp_path / "full"), accumulate_grad_batches=3)
+    per_epoch = len(full_seen) // 2
+    resumed = 0
+    for ck in sorted((tmp_path / "full" / "ck").iterdir()):
+        loop = cio.load_torch(str(ck / cio.STATE_NAME))["loop"]
+        if not 0 < loop["batches_done"] < per_epoch:
+            continue
+        done = loop["epoch"] * per_epoch + loop["batches_done"]
+        w, seen, replays = sc.fit(case, str(tmp_path / ck.name), accumulate_grad_batches=3, ckpt_path=str(ck))
+        assert seen == full_seen[done:], (case, ck.name)
+        assert _equal(w, full_w) and replays == [], (case, ck.name)
+        resumed += 1
+    assert resumed >= 2
+
+
 @pytest.mark.parametrize("case, workers", [("sdl_stateful", 2), ("sdl_map", 0), ("sdl_map", 2)])
 def test_torchdata_stateful_dataloader_is_a_train_loader(tmp_path, case, workers):
     _, replays = _check_resumes(tmp_path, case, workers)

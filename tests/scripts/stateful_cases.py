@@ -148,23 +148,24 @@ def weights(module: nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def trainer(root: str, save: bool, devices: int = 1, timeout: int = 45):
+def trainer(root: str, save: bool, devices: int = 1, timeout: int = 45, **kw):
     from ember.strategies import DDPStrategy
     cbs = [ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=EVERY, save_top_k=-1)] if save \
         else []
     return ember.Trainer(max_epochs=EPOCHS, default_root_dir=root, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, callbacks=cbs, seed=0,
                          devices=devices, strategy=DDPStrategy(timeout=timeout) if devices > 1 else "auto",
-                         accelerator="cpu")
+                         accelerator="cpu", **kw)
 
 
-def fit(case: str, root: str, workers: int = 0, devices: int = 1, ckpt_path: str | None = None):
+def fit(case: str, root: str, workers: int = 0, devices: int = 1, ckpt_path: str | None = None, **trainer_kw):
     """Train ``case`` for two epochs (saving every 3 steps), or resume ``ckpt_path``.
     Returns (weights, seen, the replay warnings)."""
     module = Recorder()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(root, save=ckpt_path is None, devices=devices).fit(module, loader(case, workers), ckpt_path=ckpt_path)
+        trainer(root, save=ckpt_path is None, devices=devices, **trainer_kw).fit(module, loader(case, workers),
+                                                                               ckpt_path=ckpt_path)
     replays = [str(w.message) for w in caught if "replayed to batch" in str(w.message)]
     return weights(module), module.seen, replays
 
