@@ -381,7 +381,9 @@ class DeepSpeedStrategy(DDPStrategy):
             if callable(method) and isinstance(raw, nn.Module):
                 wrapper._methods[name] = method
                 setattr(raw, name, _through_engine(engine, name))
-        from ember.strategies.deepspeed_writes import install
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+            from ember.strategies.deepspeed_writes import install
         install(engine, background=self.async_save)     # a failed write is reported, not waited on
         self._engine = engine
         self._module = raw
@@ -509,7 +511,9 @@ class DeepSpeedStrategy(DDPStrategy):
                 error = err
         from ember.strategies.full_load import raise_rank0_error
         raise_rank0_error(self, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
-        from ember.strategies.deepspeed_writes import EmberCheckpointEngine
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+            from ember.strategies.deepspeed_writes import EmberCheckpointEngine
         writes = engine.checkpoint_engine if isinstance(engine.checkpoint_engine, EmberCheckpointEngine) else None
         if writes is not None:
             writes.begin()
@@ -536,7 +540,9 @@ class DeepSpeedStrategy(DDPStrategy):
         from ember.checkpoint import io as cio
         self._async_in_flight = False
         (path, state, meta, engine, writer, failed), self._ds_pending = self._ds_pending, None
-        from ember.strategies.deepspeed_writes import report, written_by
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+            from ember.strategies.deepspeed_writes import report, written_by
         mine, error = report(writer, failed, lambda: written_by(engine, cio.tmp_path(path), TAG))
         with self._committing():
             try:
@@ -552,7 +558,9 @@ class DeepSpeedStrategy(DDPStrategy):
         pending, self._ds_pending = self._ds_pending, None
         self._async_in_flight = False
         if pending is not None:
-            from ember.strategies.deepspeed_writes import drop
+            from ember.checkpoint.rng import keep_rng_states
+            with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+                from ember.strategies.deepspeed_writes import drop
             drop(pending[0], pending[4], self.is_global_zero, exc)
         super().on_exception(exc)
 
