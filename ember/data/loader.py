@@ -125,7 +125,7 @@ class DataLoaderShard:
                "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
         out.update(edata.generator_checkpoint_state(self.base))   # a user sampler's own generator
         if self._saved is not None:   # restored and not used yet: as it was loaded
-            out["position"] = self._saved
+            out["position"] = resume.as_saved(self._saved)
         else:
             out["position"] = resume.position(self.base, self._pass, self.batches_done)
         return out
@@ -146,7 +146,9 @@ class DataLoaderShard:
         # the state the next pass starts from
         edata.restore_generator(self.base, state, legacy_epoch=epoch, where="load_state (dataloader state)")
         self.epoch, self.batches_done, self._skip = epoch, done, done
-        self._saved = saved
+        # a stateful loader's state is loaded now: a state it refuses raises inside load_state,
+        # where the processes agree on the outcome
+        self._saved = resume.apply_position(self.base, saved, done, "load_state (dataloader state)")
         self._restored = done > 0
 
     def __getattr__(self, name):

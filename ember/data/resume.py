@@ -156,7 +156,8 @@ class TrainPass:
         with _kept_rng():
             state = (saved or {}).get("state") if self.kind == STATE else None
             if state is not None:
-                self.holder.load_state_dict(state)
+                if not saved.get("applied"):   # (apply_position loaded it at the restore)
+                    self.holder.load_state_dict(state)
                 return iter(self.loader)
             it = iter(self.loader)
             t0 = time.perf_counter()
@@ -261,6 +262,48 @@ def restore_boundary(loader: Any, saved: dict | None) -> None:
     ds = _main_dataset_holder(loader)
     if ds is not None and saved.get("dataset") is not None:
         ds.load_state_dict(saved["dataset"])
+
+
+def apply_position(loader: Any, saved: dict | None, start: int, where: str) -> dict | None:
+    """Load the state a checkpoint recorded (:func:`position`) into the loader now, at the
+    restore, for a pass that resumes at batch ``start``: a state the loader (or one of a
+    CombinedLoader's) refuses raises here, where the ranks agree on the outcome of a
+    resume (``ember.checkpoint.agree``), instead of on one rank at its first batch while
+    the others wait in a collective. Returns the position, marked as loaded (the pass
+    then does not load it again); a CheckpointError names ``where`` and the loader."""
+    if not saved or not start:
+        return saved
+
+    def load(dl: Any, pos: dict | None) -> dict | None:
+        if not pos or pos.get("kind") != STATE or pos.get("state") is None or kind_of(dl) != STATE:
+            return pos
+        try:
+            state_holder(dl).load_state_dict(pos["state"])
+        except Exception as err:
+            from ember.errors import CheckpointError
+            raise CheckpointError(f"{where}: the train dataloader ({describe(dl)}) refused the state the checkpoint "
+                                  f"recorded for it: {type(err).__name__}: {err}. Resume with the data the "
+                                  "checkpoint was saved with, or from a checkpoint saved at an epoch end") from err
+        return dict(pos, applied=True)
+    if getattr(loader, "ember_combined", False):
+        if saved.get("kind") != "combined" or len(saved.get("inner") or []) != len(loader.flattened):
+            return saved
+        inner = [dict(x, pos=load(dl, x.get("pos"))) if (saved.get("mode") != "sequential" or
+                                                          i == int(saved.get("current", 0))) else x
+                 for i, (dl, x) in enumerate(zip(loader.flattened, saved["inner"]))]
+        return dict(saved, inner=inner)
+    return load(loader, saved)
+
+
+def as_saved(pos: dict | None) -> dict | None:
+    """A position restored and not used yet, as a checkpoint records it again (without the
+    mark of :func:`apply_position`: the next restore loads it again)."""
+    if not pos:
+        return pos
+    out = {k: v for k, v in pos.items() if k != "applied"}
+    if isinstance(out.get("inner"), list):
+        out["inner"] = [dict(x, pos=as_saved(x.get("pos"))) if isinstance(x, dict) else x for x in out["inner"]]
+    return out
 
 
 # -- the entry points of the Trainer and the Accelerator ----------------------------------------------

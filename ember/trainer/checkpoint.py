@@ -6,6 +6,9 @@ What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.
 - loop position: epoch, global step, batches done in the epoch (the sampler skips
   that many batches of indices on resume, no data is read), a partial gradient
   accumulation window (the accumulated gradients of every rank);
+- every rank's position in a train loader that is not index-based: a stateful
+  loader's or dataset's ``state_dict()``, a CombinedLoader's loaders' positions
+  (a stream without state is replayed to the batch count: ``ember/data/resume.py``);
 - optimizers (through the strategy), schedulers, the GradScaler;
 - callback states, the module's ``on_save_checkpoint`` additions, datamodule state;
 - per-rank RNG states (python, numpy, torch, cuda) and the sampler seed;

@@ -116,7 +116,7 @@ def data_position(t, done: int) -> dict | None:
     from ember.data import resume
     st = t.state
     if st.data_position is not None:
-        return st.data_position
+        return resume.as_saved(st.data_position)
     if st.train_dataloader is None:
         return None
     return resume.position(st.train_dataloader, st.train_pass, done)
@@ -138,4 +138,7 @@ def restore_position(t, saved: list | None, path: str) -> None:
                           "loaders) belong to other shards and are not used; the resumed epoch replays its first "
                           f"{st.batches_done} batches instead (not exact)", UserWarning, stacklevel=5)
         return
-    st.data_position = saved[t.global_rank]
+    from ember.data import resume
+    # loaded now: a state the loader refuses raises where the ranks agree on the restore
+    st.data_position = resume.apply_position(st.train_dataloader, saved[t.global_rank], st.batches_done,
+                                             f"{path} (trainer_state.pt)")

@@ -1,8 +1,9 @@
 """Every kind of train data resumes mid-epoch exactly under two gloo processes with two
 DataLoader workers each: a plain stream (replayed), a stateful stream (each worker's
-state, per rank), a Hugging Face IterableDataset (shards split over ranks and workers), a
-StatefulDataLoader, a dict of loaders (each sharded), and the Accelerator's
-save_state/load_state. One launch runs every case (tests/scripts/stateful_ddp.py)."""
+state, per rank), Hugging Face datasets (an IterableDataset split by shards over ranks and
+workers, one with a shuffle buffer, a map-style one), StatefulDataLoaders, several loaders
+in each CombinedLoader mode (each sharded), and the Accelerator's save_state/load_state.
+One launch runs every case (tests/scripts/stateful_ddp.py)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,9 @@ def _equal(a, b):
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize("case", ["stream", "stateful", "hf_iter", "sdl_map", "combined_max_size_cycle",
-                                  "acc_stateful", "acc_stream"])
+@pytest.mark.parametrize("case", ["stream", "stateful", "hf_iter", "hf_shuffle", "hf_map", "sdl_map", "sdl_stateful",
+                                  "combined_max_size_cycle", "combined_min_size", "combined_max_size",
+                                  "combined_sequential", "acc_stateful", "acc_stream"])
 def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(results, case):
     for rank, res in enumerate(results):
         r = res[case]
@@ -47,13 +49,14 @@ def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(results, case):
         assert _equal(r["w"], r["full_w"]), (case, rank)
         if "rand" in r:
             assert torch.equal(r["rand"], r["full_rand"]), (case, rank)   # the RNG stream too
-        assert bool(r["replays"]) == (case in ("stream", "acc_stream") and rank == 0), (case, rank, r["replays"])
+        replayed = case in ("stream", "hf_shuffle", "combined_min_size", "acc_stream")   # streams without a state
+        assert bool(r["replays"]) == (replayed and rank == 0), (case, rank, r["replays"])
     a, b = (res[case]["full_w"] for res in results)
     assert _equal(a, b)   # DDP: the ranks agree
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize("case", ["stream", "stateful", "hf_iter"])
+@pytest.mark.parametrize("case", ["stream", "stateful", "hf_iter", "hf_shuffle", "hf_map"])
 def test_each_sample_once_per_epoch_over_the_ranks(results, case):
     for epoch in range(2):
         ids = []

@@ -62,6 +62,19 @@ def test_stateful_dataset_resumes_from_its_state(tmp_path, workers):
         assert "_snapshot" in pos["state"]
 
 
+def test_a_state_the_loader_refuses_is_refused_at_the_restore(tmp_path, monkeypatch):
+    """Loaded when the checkpoint is restored (where the ranks agree on a resume's
+    outcome), not at the first batch of one rank while the others wait in a collective."""
+    sc.fit("stateful", str(tmp_path / "full"))
+
+    def refuse(self, state):
+        raise ValueError(f"no position {state['pos']} in this stream")
+    monkeypatch.setattr(sc.StatefulStream, "load_state_dict", refuse)
+    with pytest.raises(Exception, match=r"trainer_state.pt\): the train dataloader \(DataLoader over StatefulStream\) "
+                                        r"refused the state .*ValueError: no position 12 in this stream"):
+        sc.fit("stateful", str(tmp_path / "r"), ckpt_path=sc.checkpoint(str(tmp_path / "full"), 3))
+
+
 @pytest.mark.parametrize("case", ["stateful", "combined_max_size_cycle"])
 def test_state_of_the_last_batch_trained_when_the_loop_reads_ahead(tmp_path, monkeypatch, case):
     """Gradient accumulation over a loader of unknown length reads batches ahead (and

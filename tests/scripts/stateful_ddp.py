@@ -21,9 +21,11 @@ import stateful_cases as sc  # noqa: E402
 
 WORKERS = 2
 #: the Trainer's cases: a plain stream (replayed), a stateful stream (each worker's state),
-#: a Hugging Face IterableDataset (its shards split over ranks and workers), a StatefulDataLoader
-#: over map-style data, and a dict of loaders (each sharded: a map-style one and a stateful stream)
-CASES = ["stream", "stateful", "hf_iter", "sdl_map", "combined_max_size_cycle"]
+#: Hugging Face datasets (an IterableDataset split by shards over ranks and workers, one with a
+#: shuffle buffer (replayed), a map-style one), StatefulDataLoaders (map-style, a stateful stream),
+#: and several loaders in each CombinedLoader mode (each sharded: a map-style one and a stream)
+CASES = ["stream", "stateful", "hf_iter", "hf_shuffle", "hf_map", "sdl_map", "sdl_stateful",
+         "combined_max_size_cycle", "combined_min_size", "combined_max_size", "combined_sequential"]
 ACC_CASES = ["stateful", "stream"]
 
 
