@@ -512,6 +512,8 @@ def set_epoch(dl: Any, epoch: int) -> None:
             s.set_epoch(epoch)
         elif hasattr(getattr(s, "batch_sampler", None), "sampler") and hasattr(s.batch_sampler.sampler, "set_epoch"):
             s.batch_sampler.sampler.set_epoch(epoch)
+    elif callable(getattr(getattr(dl, "sampler", None), "set_epoch", None)):   # a user's stateful sampler, kept
+        dl.sampler.set_epoch(epoch)
     gen = getattr(dl, "generator", None)
     seed = loader_seed(dl, epoch)
     if isinstance(gen, torch.Generator) and seed is not None and gen is not own:   # never reseed the user's

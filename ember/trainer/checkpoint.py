@@ -446,11 +446,11 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
     train = st.train_dataloader
     for dl in (train.flattened if getattr(train, "ember_combined", False) else [train]):   # a CombinedLoader's each
         s = getattr(dl, "sampler", None)
-        if s is not None and hasattr(s, "seed"):
+        if isinstance(s, edata.ResumableSampler):   # ember's: a user's sampler keeps its own seed
             s.seed = st.data_seed
         s = edata.sampler_of(dl)
         inner = getattr(getattr(s, "batch_sampler", None), "sampler", None)   # inside a StatefulDataLoader
-        if inner is not None and hasattr(inner, "seed") and hasattr(inner, "set_start"):
+        if isinstance(inner, edata.ResumableSampler):
             inner.seed = st.data_seed
         if getattr(dl, "ember_seed", None) is not None:
             dl.ember_seed = st.data_seed   # worker seeds follow the run seed (ember.data.worker_seed)

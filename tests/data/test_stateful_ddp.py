@@ -39,9 +39,9 @@ def _equal(a, b):
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize("case", ["stream", "stateful", "hf_iter", "hf_shuffle", "hf_map", "sdl_map", "sdl_stateful",
-                                  "combined_max_size_cycle", "combined_min_size", "combined_max_size",
-                                  "combined_sequential", "acc_stateful", "acc_stream"])
+@pytest.mark.parametrize("case", ["stream", "stateful", "stateful_sampler", "hf_iter", "hf_shuffle", "hf_map",
+                                  "sdl_map", "sdl_stateful", "combined_max_size_cycle", "combined_min_size",
+                                  "combined_max_size", "combined_sequential", "acc_stateful", "acc_stream"])
 def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(results, case):
     for rank, res in enumerate(results):
         r = res[case]

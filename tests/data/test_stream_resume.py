@@ -102,6 +102,18 @@ def test_torchdata_stateful_dataloader_is_a_train_loader(tmp_path, case, workers
     assert replays == []
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_sampler_is_saved_and_restored(tmp_path, workers):
+    """A plain DataLoader whose sampler has state_dict() (torchdata's StatefulDistributedSampler)
+    becomes a StatefulDataLoader that records the sampler's state with every batch (the
+    DataLoader reads its indices ahead); set_epoch reshuffles it every epoch."""
+    seen, replays = _check_resumes(tmp_path, "stateful_sampler", workers)
+    assert replays == [] and seen[:16] != seen[16:]
+    assert sorted(i for s in seen[:16] for i in s) == sorted(i for s in seen[16:] for i in s) == list(range(sc.N))
+    state = cio.load_torch(str(Path(sc.checkpoint(str(tmp_path / "full"), 3)) / cio.STATE_NAME))
+    assert state["data_position"][0]["kind"] == "state"
+
+
 def test_hugging_face_map_style_dataset(tmp_path):
     seen, replays = _check_resumes(tmp_path, "hf_map")
     assert replays == [] and sorted(i for s in seen[:16] for i in s) == list(range(sc.N))

@@ -85,6 +85,10 @@ def loader(case: str, workers: int = 0):
         return stateful_dataloader(StatefulStream(), **kw)
     if case == "sdl_map":             # ... over a map-style dataset, shuffled
         return stateful_dataloader(TensorDataset(*tensors()), shuffle=True, **kw)
+    if case == "stateful_sampler":    # a sampler with state_dict (torchdata's), in a plain DataLoader
+        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+        ds = TensorDataset(*tensors())
+        return DataLoader(ds, sampler=StatefulDistributedSampler(ds, num_replicas=1, rank=0, seed=5), **kw)
     if case == "hf_map":
         return DataLoader(hf_dataset(), shuffle=True, **kw)
     if case == "hf_iter":

@@ -24,7 +24,7 @@ WORKERS = 2
 #: Hugging Face datasets (an IterableDataset split by shards over ranks and workers, one with a
 #: shuffle buffer (replayed), a map-style one), StatefulDataLoaders (map-style, a stateful stream),
 #: and several loaders in each CombinedLoader mode (each sharded: a map-style one and a stream)
-CASES = ["stream", "stateful", "hf_iter", "hf_shuffle", "hf_map", "sdl_map", "sdl_stateful",
+CASES = ["stream", "stateful", "stateful_sampler", "hf_iter", "hf_shuffle", "hf_map", "sdl_map", "sdl_stateful",
          "combined_max_size_cycle", "combined_min_size", "combined_max_size", "combined_sequential"]
 ACC_CASES = ["stateful", "stream"]
 
