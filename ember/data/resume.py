@@ -68,14 +68,16 @@ def _user_state(dl: Any) -> bool:
 def state_holder(dl: Any) -> Any:
     """The object whose ``state_dict()`` is where a pass over ``dl`` stands, or None: the
     loader itself when it is a torchdata ``StatefulDataLoader`` whose dataset or sampler
-    holds a state, or any other non-DataLoader loader with ``state_dict()`` /
-    ``load_state_dict()``; the dataset of a plain DataLoader without workers (its
-    position is the dataset's own, batch by batch)."""
+    holds a state, or any other loader with ``state_dict()`` / ``load_state_dict()`` (a
+    DataLoader subclass of the user's included); the dataset of a plain DataLoader
+    without workers (its position is the dataset's own, batch by batch)."""
     if getattr(dl, "ember_combined", False):
         return None
     if isinstance(dl, DataLoader):
         if is_stateful_loader_class(dl):
             return dl if _user_state(dl) else None
+        if is_stateful(dl):   # a DataLoader subclass with its own state, used as given
+            return dl
         if not int(getattr(dl, "num_workers", 0) or 0) and is_stateful(dl.dataset):
             return dl.dataset
         return None

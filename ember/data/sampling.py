@@ -249,6 +249,15 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
         return dl
     if getattr(dl, "ember_seed", None) is not None and getattr(dl, "ember_rank", None) == (rank, num_replicas):
         return dl   # prepared before
+    if is_stateful(dl) and not is_stateful_loader_class(dl):
+        # a DataLoader subclass of the user's with its own state: rebuilding it would lose both
+        if num_replicas > 1 and warn:
+            warnings.warn(f"the {type(dl).__name__} (a DataLoader with its own state_dict()/load_state_dict()) is "
+                          f"used as it is, its state saved with every checkpoint: under {num_replicas} processes "
+                          "it must give each rank its own share of the data itself (ember does not shard it). "
+                          "Use a plain DataLoader or torchdata's StatefulDataLoader to have it sharded",
+                          UserWarning, stacklevel=4)
+        return dl
     gen = torch.Generator()
     gen.manual_seed(seed)
     user_gen = own_generator(getattr(dl, "sampler", None)) if shuffle is None else None

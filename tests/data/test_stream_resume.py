@@ -114,6 +114,50 @@ def test_stateful_sampler_is_saved_and_restored(tmp_path, workers):
     assert state["data_position"][0]["kind"] == "state"
 
 
+def test_a_dataloader_subclass_with_its_own_state_is_kept_and_resumed(tmp_path):
+    """Not rebuilt (that would lose its class and its state): its state_dict() is saved
+    and loaded; under several processes a warning says it must shard itself."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ember
+    from ember.callbacks import ModelCheckpoint
+    from ember.data import prepare_dataloader
+
+    class Cursor(DataLoader):
+        """Counts its passes, part of its state."""
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            return super().__iter__()
+
+        def state_dict(self):
+            return {"passes": self.passes}
+
+        def load_state_dict(self, state):
+            self.passes = state["passes"] - 1   # the resumed pass counts again
+
+    def make():
+        return Cursor(TensorDataset(*sc.tensors()), batch_size=sc.BATCH)
+    kept = prepare_dataloader(make(), seed=0)
+    assert type(kept) is Cursor
+    with pytest.warns(UserWarning, match=r"Cursor \(a DataLoader with its own state_dict.*must give each rank"):
+        prepare_dataloader(make(), seed=0, num_replicas=2, rank=0)
+    t = ember.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"),
+                                                                         every_n_train_steps=3, save_top_k=-1)])
+    full = make()
+    t.fit(sc.Recorder(), full)
+    state = cio.load_torch(str(Path(sc.checkpoint(str(tmp_path), 21)) / cio.STATE_NAME))
+    assert state["data_position"][0] == {"kind": "state", "state": {"passes": 2}}
+    resumed = make()
+    ember.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0).fit(sc.Recorder(), resumed, ckpt_path=sc.checkpoint(str(tmp_path), 21))
+    assert resumed.passes == full.passes == 2
+
+
 def test_hugging_face_map_style_dataset(tmp_path):
     seen, replays = _check_resumes(tmp_path, "hf_map")
     assert replays == [] and sorted(i for s in seen[:16] for i in s) == list(range(sc.N))
