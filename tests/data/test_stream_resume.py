@@ -215,6 +215,9 @@ def test_accelerator_resumed_iterable_keeps_the_random_streams(tmp_path, case, w
 def test_accelerator_prepares_a_stateful_dataloader(tmp_path, case):
     full_w, full_seen, full_rand = sc.acc_run(case, str(tmp_path), 2)
     sc.acc_run(case, str(tmp_path), 2, stop=11)
+    saved = cio.load_torch(str(tmp_path / "state" / cio.STATE_NAME))["data_positions"][0][0]
+    # a map-style one resumes by index; a stateful stream from each worker's state (nothing replayed)
+    assert saved is None if case == "sdl_map" else saved["kind"] == "state"
     w, seen, rand = sc.acc_run(case, str(tmp_path), 2, resume=True)
     assert seen == full_seen[11:] and _equal(w, full_w) and torch.equal(rand, full_rand)
 
