@@ -146,14 +146,15 @@ def test_a_dataloader_subclass_with_its_own_state_is_kept_and_resumed(tmp_path):
     with pytest.warns(UserWarning, match=r"Cursor \(a DataLoader with its own state_dict.*must give each rank"):
         prepare_dataloader(make(), seed=0, num_replicas=2, rank=0)
     t = ember.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"),
-                                                                         every_n_train_steps=3, save_top_k=-1)])
+                      default_root_dir=str(tmp_path), num_sanity_val_steps=0,
+                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3, save_top_k=-1)])
     full = make()
     t.fit(sc.Recorder(), full)
     state = cio.load_torch(str(Path(sc.checkpoint(str(tmp_path), 21)) / cio.STATE_NAME))
     assert state["data_position"][0] == {"kind": "state", "state": {"passes": 2}}
     resumed = make()
     ember.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=False, default_root_dir=str(tmp_path / "r"),
                   num_sanity_val_steps=0).fit(sc.Recorder(), resumed, ckpt_path=sc.checkpoint(str(tmp_path), 21))
     assert resumed.passes == full.passes == 2
 
