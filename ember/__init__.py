@@ -26,6 +26,7 @@ _LAZY = {
     "notebook_launcher": "ember.launch.notebook",
     "find_executable_batch_size": "ember.utils",
     "seed_everything": "ember.utilities",
+    "CombinedLoader": "ember.data.combined",
 }
 
 __all__ = ["Trainer", "TrainModule", "DataModule", "Accelerator", "Fabric", "seed_everything", "__version__"]

@@ -7,6 +7,7 @@ from ember.compat.accelerate import AcceleratorState as AcceleratorState
 from ember.compat.accelerate import DistributedType as DistributedType
 from ember.compat.accelerate import PartialState as PartialState
 from ember.compat.fabric import Fabric as Fabric
+from ember.data.combined import CombinedLoader as CombinedLoader
 from ember.launch.notebook import notebook_launcher as notebook_launcher
 from ember.module import DataModule as DataModule
 from ember.module import TrainModule as TrainModule

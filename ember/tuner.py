@@ -165,9 +165,13 @@ class LRFinderResult:
         The y axis spans the curve up to its lowest point (the starting level down to the
         minimum, with a margin): the losses of the last, diverging steps, which can reach
         1e20, would flatten the rest."""
-        import matplotlib
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import matplotlib
         matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6.4, 4), dpi=110)
         ax.plot(self.lrs, self.losses, label="smoothed loss")
         ax.plot(self.lrs, self.raw_losses, alpha=0.3, label="loss")

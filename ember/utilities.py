@@ -1,6 +1,7 @@
 """``ember.utilities``: the rank-zero helpers Lightning users import from
 ``lightning.pytorch.utilities`` (``rank_zero_only``, ``rank_zero_info``,
-``rank_zero_warn``, ``rank_zero_debug``).
+``rank_zero_warn``, ``rank_zero_debug``), ``seed_everything``, and ``CombinedLoader``
+(:class:`ember.data.combined.CombinedLoader`, imported on first use).
 
 The rank comes from the environment the launcher sets (``RANK``, then
 ``LOCAL_RANK``, then ``SLURM_PROCID``; 0 when none is set), read when this module
@@ -23,7 +24,14 @@ import warnings
 from typing import Any, Callable, Optional, TypeVar
 
 __all__ = ["rank_zero_only", "rank_zero_info", "rank_zero_warn", "rank_zero_debug",
-           "rank_zero_deprecation", "rank_prefixed_message", "seed_everything"]
+           "rank_zero_deprecation", "rank_prefixed_message", "seed_everything", "CombinedLoader"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CombinedLoader":   # Lightning's lightning.pytorch.utilities.CombinedLoader (imports torch)
+        from ember.data.combined import CombinedLoader
+        return CombinedLoader
+    raise AttributeError(f"module 'ember.utilities' has no attribute {name!r}")
 
 T = TypeVar("T")
 log = logging.getLogger("ember.utilities")

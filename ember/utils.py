@@ -239,7 +239,9 @@ def _agree_on_oom(call: int, batch_size: int, error: BaseException) -> None:
 
 def tqdm(*args, main_process_only: bool = True, **kwargs):
     """``tqdm.auto.tqdm`` that draws on the main process only (``disable`` elsewhere)."""
-    from tqdm.auto import tqdm as _tqdm
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from tqdm.auto import tqdm as _tqdm
     if main_process_only and not is_main_process():
         kwargs["disable"] = True
     return _tqdm(*args, **kwargs)

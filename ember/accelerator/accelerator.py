@@ -103,6 +103,9 @@ class Accelerator(Topology):
         compat.check_data_options(self, data_opts)
         self.gradient_accumulation_steps = data_opts.pop("gradient_accumulation_steps")
         self._data_opts = data_opts
+        if data_opts.get("use_stateful_dataloader"):   # as Accelerate: needs torchdata, checked now
+            from ember.data.stateful import stateful_loader_class
+            stateful_loader_class("DataLoaderConfiguration(use_stateful_dataloader=True)")
         self.log_with = log_with
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
         self.project_configuration = project_config if project_config is not None else compat.ProjectConfiguration()
@@ -217,15 +220,19 @@ class Accelerator(Topology):
         return self.strategy.setup_optimizers(module, list(optimizers))
 
     def setup_dataloader(self, dataloader: Any, *, seed: int | None = None, shuffle: bool | None = None,
-                         even: bool = True) -> Any:
+                         even: bool = True, stateful: bool | None = None) -> Any:
         """Shard ``dataloader`` over the data-parallel ranks (``ember.data.sampling.prepare_for``:
         ``even=False`` keeps every item of an IterableDataset, for evaluation). Under several
         processes, a sampler kept with the user's own generator gets rank 0's generator
         state on every rank (one small collective here, warning when the states differed).
-        Every rank must call it at the same point."""
+        Every rank must call it at the same point. ``stateful`` (default:
+        ``DataLoaderConfiguration(use_stateful_dataloader=...)``): rebuild it as a torchdata
+        ``StatefulDataLoader``."""
         if seed is None:
             seed = self.seed if self.seed is not None else 0
-        return edata.prepare_for(self.strategy, dataloader, seed=seed, shuffle=shuffle, even=even)
+        if stateful is None:
+            stateful = bool(self._data_opts.get("use_stateful_dataloader", False))
+        return edata.prepare_for(self.strategy, dataloader, seed=seed, shuffle=shuffle, even=even, stateful=stateful)
 
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *objs: Any, device_placement: list[bool] | None = None) -> Any:

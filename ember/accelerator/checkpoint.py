@@ -141,10 +141,15 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
         check_save_target(path, "Accelerator.save_state")   # read-only: no collective
     models = acc._models
     raw_opts = [o.optimizer for o in acc._optimizers]
+    loaders = [dl.state_dict() for dl in acc._dataloaders]
+    # each process's own position in its loaders (a stateful loader's state): kept apart from the
+    # state every process holds alike (the token below), one list per process
+    positions = [sd.pop("position", None) for sd in loaders]
     state = {
         "schedulers": [s.scheduler.state_dict() for s in acc._schedulers],
         "precision": strategy.precision.state_dict(),
-        "dataloaders": [dl.state_dict() for dl in acc._dataloaders],
+        "dataloaders": loaders,
+        "data_positions": strategy.all_gather_object(positions) if sharded else [positions],
         "custom_objects": [o.state_dict() for o in acc._custom_objects],
         "rng": strategy.all_gather_object(cio.collect_rng_states()) if sharded else [cio.collect_rng_states()],
         "accelerator": {"step": acc._step, "num_models": len(models), "model_files": {},
@@ -160,7 +165,7 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
         return path
     meta["state_token"] = _state_token(acc, state)
     if not strategy.is_global_zero:   # no collective: add this rank's RNG once the main process committed
-        _write_rank_rng(acc, path, meta["state_token"])
+        _write_rank_rng(acc, path, meta["state_token"], positions)
         return path
     weights = [strategy.module_state_dict(m) for m in models]
     for hook in getattr(acc, "_save_hooks", ()):
@@ -197,10 +202,11 @@ def _state_token(acc, state: dict) -> str:
     return h.hexdigest()
 
 
-def _write_rank_rng(acc, path: str, token: str) -> None:
+def _write_rank_rng(acc, path: str, token: str, positions: list | None = None) -> None:
     """Wait (polling the file system, at most the strategy's timeout) until the main
     process committed this save (its ``meta.json`` holds the same state token), then
-    write this rank's RNG state next to it, atomically."""
+    write this rank's RNG state next to it, atomically, with its ``positions`` in its
+    prepared loaders (``"data_positions"``; the RNG restore ignores that key)."""
     import json
     import time
     limit = getattr(acc.strategy, "timeout", None)
@@ -208,6 +214,8 @@ def _write_rank_rng(acc, path: str, token: str) -> None:
     deadline = time.monotonic() + limit
     meta_file = os.path.join(path, cio.META_NAME)
     states = cio.collect_rng_states()
+    if positions is not None and any(p is not None for p in positions):
+        states["data_positions"] = positions
     while True:
         try:
             with open(meta_file) as f:
@@ -377,18 +385,27 @@ def _load_state(acc: Any, path: str, strict: bool) -> dict:
     for s, sd in zip(acc._schedulers, state.get("schedulers", [])):
         s.scheduler.load_state_dict(sd)
     strategy.precision.load_state_dict(state.get("precision") or {})
-    for dl, sd in zip(acc._dataloaders, state.get("dataloaders", [])):
-        if saved_world != strategy.world_size:
-            sd = dict(sd, batches_done=0)
-        dl.load_state_dict(sd)
-    for o, sd in zip(acc._custom_objects, state.get("custom_objects", [])):
-        o.load_state_dict(sd)
     rng = state.get("rng") or []
     own = rng_file(path, strategy.global_rank)
     if os.path.lexists(own):
         own = cio.checks.member(path, os.path.basename(own))   # no symlink out of the checkpoint
-    if os.path.isfile(own) and not (strategy.is_sharded or strategy.owns_optimizer_step):
-        cio.restore_rng_states(cio.load_torch(own))
+    own_states = cio.load_torch(own) if os.path.isfile(own) and not (strategy.is_sharded or
+                                                                    strategy.owns_optimizer_step) else None
+    # this process's positions in its loaders: its own file, else the state's list (gathered
+    # under sharded strategies; the main process's alone otherwise)
+    positions = (own_states or {}).get("data_positions")
+    saved_positions = state.get("data_positions") or []
+    if positions is None and strategy.global_rank < len(saved_positions) and saved_world == strategy.world_size:
+        positions = saved_positions[strategy.global_rank]
+    for i, (dl, sd) in enumerate(zip(acc._dataloaders, state.get("dataloaders", []))):
+        if saved_world != strategy.world_size:
+            sd = dict(sd, batches_done=0)
+        sd = dict(sd, position=positions[i] if positions is not None and i < len(positions) else None)
+        dl.load_state_dict(sd)
+    for o, sd in zip(acc._custom_objects, state.get("custom_objects", [])):
+        o.load_state_dict(sd)
+    if own_states is not None:
+        cio.restore_rng_states({k: v for k, v in own_states.items() if k != "data_positions"})
     elif rng:
         cio.restore_rng_states(rng[strategy.global_rank % len(rng)])
     acc._step = int(info.get("step", 0))

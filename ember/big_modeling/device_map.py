@@ -188,7 +188,9 @@ def torch_device(key: int | str) -> torch.device:
 
 def _cpu_available() -> int:
     try:
-        import psutil
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import psutil
         return int(psutil.virtual_memory().available)
     except ImportError:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

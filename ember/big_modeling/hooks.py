@@ -138,7 +138,9 @@ class AlignDevicesHook:
                     t = cache[id(s.source)] = s.source.to(dev, non_blocking=s.source.is_pinned())
                 s.put(t)
         if by_file:
-            from safetensors import safe_open
+            from ember.checkpoint.rng import keep_rng_states
+            with keep_rng_states():   # a first import leaves the user's random streams as they were
+                from safetensors import safe_open
             for file, slots in by_file.items():
                 # opened and closed per forward: the mapping (and its pages) goes away with it
                 with safe_open(file, framework="pt", device="cpu") as f:
@@ -328,7 +330,9 @@ def dispatch_model(model: nn.Module, device_map: dict | str = "auto", main_devic
                 _Slot(m, attr, True, t.requires_grad, src, placeholder))
 
     if to_write:
-        from safetensors.torch import save_file
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from safetensors.torch import save_file
         os.makedirs(os.fspath(offload_dir), exist_ok=True)
         for entry, tensors in to_write.items():
             save_file({k: v.contiguous() for k, v in tensors.items()}, _block_file(offload_dir, entry))

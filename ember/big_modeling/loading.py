@@ -49,7 +49,9 @@ def _shards(checkpoint: str) -> tuple[list[str], str | None]:
 def checkpoint_key_map(checkpoint: str | os.PathLike) -> dict[str, tuple[str, str]]:
     """Every tensor name of a safetensors checkpoint -> (file, key stored in that file), tied
     names recorded as ``ember.aliases`` included. Reads only the file headers."""
-    from safetensors import safe_open
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from safetensors import safe_open
     files, index = _shards(os.fspath(checkpoint))
     out: dict[str, tuple[str, str]] = {}
     for file in files:
@@ -102,7 +104,9 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike, de
     are accepted for Accelerate compatibility: reading is per entry anyway, so no state dict
     is ever held whole.
     """
-    from safetensors import safe_open
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from safetensors import safe_open
     dtype = _as_dtype(dtype)
     dmap = check_device_map(model, device_map) if device_map is not None else {"": "cpu"}
     entries = list(dmap)
@@ -239,10 +243,14 @@ def load_pretrained(auto_cls: Any, name: str | os.PathLike, device_map: Any = "a
     cached Hub name, built with :func:`init_empty_weights` and loaded by
     :func:`load_checkpoint_and_dispatch`; ``no_split_module_classes`` defaults to the model
     class's ``_no_split_modules``. Returned in eval mode, like ``from_pretrained``."""
-    from transformers import AutoConfig
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from transformers import AutoConfig
     folder = os.fspath(name)
     if not os.path.isdir(folder):
-        from huggingface_hub import snapshot_download
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from huggingface_hub import snapshot_download
         try:
             folder = snapshot_download(folder, local_files_only=local_files_only)
         except Exception as err:

@@ -119,7 +119,9 @@ class RichProgressBar(ProgressBar):
     def console(self):
         """The rich Console this bar draws on."""
         if self._console is None:
-            from rich.console import Console
+            from ember.checkpoint.rng import keep_rng_states
+            with keep_rng_states():   # a first import leaves the user's random streams as they were
+                from rich.console import Console
             self._console = Console(file=sys.stderr)
         return self._console
 
@@ -292,9 +294,11 @@ class RichProgressBar(ProgressBar):
 
     # -- rich ------------------------------------------------------------------------
     def _start_rich(self, transient: bool | None = None) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
-        from rich.text import Text
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+                TimeRemainingColumn
+            from rich.text import Text
 
         bar = self
 

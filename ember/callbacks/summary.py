@@ -71,8 +71,10 @@ class ModelSummary(Callback):
     def on_fit_start(self, trainer, module):
         if not trainer.is_global_zero or self.max_depth == 0:   # 0: no summary (-1: every layer)
             return
-        from rich.console import Console
-        from rich.table import Table
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from rich.console import Console
+            from rich.table import Table
         s = summarize(module, self.max_depth)
         table = Table(title=f"{type(module).__name__}", title_justify="left")
         for col, just in (("", "right"), ("Name", "left"), ("Type", "left"), ("Params", "right"),

@@ -202,7 +202,9 @@ def save_safetensors(state_dict: dict, path: str | os.PathLike,
     and recorded under ``metadata["ember.aliases"]``; :func:`load_safetensors`
     restores every key, tied again. Non-contiguous and non-CPU tensors are copied.
     """
-    from safetensors.torch import save_file
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from safetensors.torch import save_file
     tensors, aliases = _prepare_tensors(state_dict)
     md = _str_metadata(metadata)
     if aliases:
@@ -217,7 +219,9 @@ def _corrupt(path, err: BaseException) -> CheckpointError:
 
 def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     """The text metadata of a safetensors file (without loading tensors)."""
-    from safetensors import safe_open
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from safetensors import safe_open
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"weights file not found: {path}")
@@ -231,7 +235,9 @@ def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
 def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Load a safetensors file written by :func:`save_safetensors` (or anyone else),
     restoring aliased (tied) keys as the same tensor."""
-    from safetensors.torch import load_file
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from safetensors.torch import load_file
     path = os.fspath(path)
     md = read_safetensors_metadata(path)
     try:

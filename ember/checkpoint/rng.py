@@ -69,3 +69,41 @@ def _check_rng(state: dict) -> None:
             return
         np.random.RandomState().set_state((s["bit_generator"], s["keys"].numpy().astype(np.uint32), s["pos"],
                                            s["has_gauss"], s["cached_gaussian"]))
+
+
+class keep_rng_states:
+    """Context manager: the global random streams (python ``random``, numpy's global
+    generator when numpy is imported, torch's CPU generator and, once initialised, the
+    CUDA generators) are as they were when the block ends, whatever it drew. ember wraps
+    in it what a loop written by hand would not run: the first import of a third-party
+    library (``rich`` draws from ``random`` when it is imported), and the batches a
+    resumed pass reads again to reach its position (:mod:`ember.data.resume`). Cheap
+    (one state copy per stream), never used per step. Outside the main thread (a
+    background checkpoint writer) it does nothing: setting the states back there would
+    undo the training thread's draws."""
+
+    def __enter__(self) -> "keep_rng_states":
+        import sys
+        import threading
+        self._on = threading.current_thread() is threading.main_thread()
+        if not self._on:
+            return self
+        np = sys.modules.get("numpy")
+        self._np = np.random.get_state() if np is not None else None
+        self._py = random.getstate()
+        self._torch = torch.get_rng_state()
+        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import sys
+        if not self._on:
+            return
+        random.setstate(self._py)
+        torch.set_rng_state(self._torch)
+        np = sys.modules.get("numpy")
+        if np is not None and self._np is not None:
+            np.random.set_state(self._np)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state_all(self._cuda)

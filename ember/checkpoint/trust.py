@@ -204,7 +204,9 @@ _warned_unverifiable: set = set()
 
 def _hasher(algorithm: str):
     if algorithm == "xxh3_128":
-        import xxhash
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import xxhash
         return xxhash.xxh3_128()
     import hashlib
     return hashlib.new(algorithm)
@@ -213,7 +215,9 @@ def _hasher(algorithm: str):
 def digest_algorithm() -> str:
     """The algorithm new checkpoints record: xxh3_128 where ``xxhash`` imports, else sha256."""
     try:
-        import xxhash  # noqa: F401
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import xxhash  # noqa: F401
     except ImportError:
         return "sha256"
     return "xxh3_128"

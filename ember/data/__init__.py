@@ -2,6 +2,10 @@
 
 :mod:`~ember.data.sampling` shards and resumes a DataLoader (the names below),
 :mod:`~ember.data.loader` is the loader ``Accelerator.prepare`` returns,
+:mod:`~ember.data.resume` resumes every kind of train loader mid-epoch (by index, from a
+stateful loader's state, or by replaying a stream), :mod:`~ember.data.stateful` says which
+object holds that state (torchdata's ``StatefulDataLoader``, Hugging Face datasets),
+:mod:`~ember.data.combined` iterates several loaders together (``CombinedLoader``),
 :mod:`~ember.data.worker_seed` seeds DataLoader workers, :mod:`~ember.data.prefetch`
 copies the next batch to the GPU while a step runs."""
 from ember.data.sampling import (LengthGroupedSampler, LookAhead, ResumableSampler, ShardedIterable,  # noqa: F401

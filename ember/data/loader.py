@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 
+from ember.data import resume
 from ember.data import sampling as edata
 
 _END = object()
@@ -26,6 +27,8 @@ class DataLoaderShard:
         self._draws = edata.global_rng_draws(original) if original is not None and original is not loader else 0
         self._restored = False
         self._ahead: edata.LookAhead | None = None
+        self._saved: dict | None = None   # the position load_state_dict read, for the next pass
+        self._pass: Any = None            # what the current (or last) pass iterates (ember.data.resume)
 
     def __len__(self) -> int:
         return len(self.base)
@@ -59,17 +62,26 @@ class DataLoaderShard:
         self.epoch = int(epoch)
 
     def skip(self, num_batches: int) -> None:
-        """The next pass starts after ``num_batches`` batches (indices are skipped)."""
+        """The next pass starts after ``num_batches`` batches (a map-style loader skips
+        indices; a stream reads them and drops them)."""
         self._skip = int(num_batches)
 
     def __iter__(self):
         acc, base = self._acc, self.base
         skip, self._skip = self._skip, 0
-        if not self._restored:   # a pass resumed by load_state continues the saved RNG stream as is
+        resumed = self._restored
+        if not resumed:   # a pass resumed by load_state continues the saved RNG stream as is
             edata.draw_like_a_dataloader(self._draws)   # what the user's DataLoader takes per pass
         self._restored = False
         edata.set_epoch(base, self.epoch)
-        drop = skip if skip and not edata.skip_batches(base, skip) else 0  # iterable: read and drop
+        saved, self._saved = self._saved, None
+        gas = acc.gradient_accumulation_steps
+        look_ahead = gas > 1 and self.num_batches is None
+        # from batch ``skip``: by index, from a stateful loader's saved state, or read again
+        # (a stream; warned about on a resume, not for skip_first_batches) (ember/data/resume.py)
+        # (read one batch ahead below, to know the last: end_of_dataloader)
+        src = self._pass = resume.begin_pass(base, skip, saved, read_ahead=1 + (gas - 1 if look_ahead else 0),
+                                             warn=resumed and acc.is_main_process)
         self.batches_done = skip
         self.end_of_dataloader = False
         strategy = self._strategy
@@ -77,13 +89,11 @@ class DataLoaderShard:
         prev = acc._active_loader
         acc._active_loader = self
         acc._finished_pass = None
+        source = None
         try:
-            it = iter(base)
-            for _ in range(drop):
-                next(it, None)
-            gas = acc.gradient_accumulation_steps
+            source = it = iter(src)
             self._ahead = None
-            if gas > 1 and self.num_batches is None:
+            if look_ahead:
                 # no length: read gas - 1 batches ahead, so the last accumulation window's size
                 # is known when it starts (known_length), as in the Trainer
                 self._ahead = edata.LookAhead(it, gas - 1, start=skip)
@@ -103,28 +113,42 @@ class DataLoaderShard:
                 acc.step_rules.flush()   # the pass's last scheduler step (its skip flag is read now)
         finally:
             acc._active_loader = prev
+            resume.release(base, source)   # a StatefulDataLoader left mid-pass keeps its workers otherwise
 
     def state_dict(self) -> dict:
-        """Where the pass stands (epoch, batches done, the sampler's state), for a resume."""
+        """Where the pass stands (epoch, batches done, the sampler's state) and, under
+        ``"position"``, this process's position in the loader beyond the batch count (a
+        stateful loader's ``state_dict()``: :func:`ember.data.resume.position`; None for an
+        index-based one), for a resume."""
         s = edata.sampler_of(self.base)
         out = {"epoch": self.epoch, "batches_done": self.batches_done,
                "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
         out.update(edata.generator_checkpoint_state(self.base))   # a user sampler's own generator
+        if self._saved is not None:   # restored and not used yet: as it was loaded
+            out["position"] = resume.as_saved(self._saved)
+        else:
+            out["position"] = resume.position(self.base, self._pass, self.batches_done)
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`: the next pass skips the batches already done."""
+        """Resume from :meth:`state_dict`: the next pass starts after the batches already
+        done (skipping indices, loading a stateful loader's state, or reading a stream
+        again, with a warning)."""
         s = edata.sampler_of(self.base)
         if state.get("sampler") and isinstance(s, edata.ResumableSampler):
             s.load_state_dict(state["sampler"])
         epoch, done = int(state["epoch"]), int(state["batches_done"])
+        saved = state.get("position")
         n = self.num_batches
         if n is not None and done >= n:  # saved on the last batch: resume at the next epoch
-            epoch, done = epoch + 1, 0
+            epoch, done = epoch + 1, 0   # (a stateful loader's state after its last batch still applies)
         # written before generator_epoch was recorded: the epoch start's state mid-pass, else
         # the state the next pass starts from
         edata.restore_generator(self.base, state, legacy_epoch=epoch, where="load_state (dataloader state)")
         self.epoch, self.batches_done, self._skip = epoch, done, done
+        # a stateful loader's state is loaded now: a state it refuses raises inside load_state,
+        # where the processes agree on the outcome
+        self._saved = resume.apply_position(self.base, saved, done, "load_state (dataloader state)")
         self._restored = done > 0
 
     def __getattr__(self, name):

@@ -30,6 +30,8 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, IterableDataset, RandomSampler,
                               Sampler, SequentialSampler, get_worker_info)
 
+from ember.data.stateful import (TORCHDATA_HINT, hf_shard, is_hf_iterable, is_stateful, is_stateful_loader_class,
+                                 stateful_loader_class)
 from ember.data.worker_seed import install_worker_init, loader_seed
 from ember.errors import CheckpointError
 
@@ -220,7 +222,8 @@ def is_shuffled(dl: DataLoader) -> bool:
 
 
 def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int = 0,
-                       shuffle: bool | None = None, pad: bool = True, even: bool = True) -> Any:
+                       shuffle: bool | None = None, pad: bool = True, even: bool = True,
+                       stateful: bool = False, warn: bool = True) -> Any:
     """Rebuild ``dl`` around a :class:`ResumableSampler` (sharded when
     ``num_replicas > 1``); a custom batch sampler is kept and made skippable;
     non-DataLoader iterables are returned as they are. The loader's generator (which
@@ -230,22 +233,46 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
     something to shard (several ranks or workers): each rank and worker reads its
     own share. ``even=True`` (training) gives every rank the same number of items by
     leaving out the incomplete last round, so no rank waits in a collective for
-    another that has run out; ``even=False`` (evaluation) keeps every item.
+    another that has run out; ``even=False`` (evaluation) keeps every item. A Hugging
+    Face ``datasets.IterableDataset`` is split over the ranks with its own
+    ``split_dataset_by_node`` instead (its workers share its shards themselves:
+    :func:`ember.data.stateful.hf_shard`).
 
     ``pad=False`` (evaluation) still pads map-style datasets to even shards, as a
     DistributedSampler does, but ``sampler.padding`` tells metrics how many samples to drop.
+
+    The rebuilt loader is a torchdata ``StatefulDataLoader`` when ``dl`` is one, when
+    ``stateful`` asks for it (``DataLoaderConfiguration(use_stateful_dataloader=True)``),
+    or when its dataset or sampler holds a state that DataLoader workers (or a sampler
+    read ahead of the batches) would otherwise hide: torchdata then records that state
+    with every batch (:mod:`ember.data.stateful`, :mod:`ember.data.resume`). ``warn``:
+    say so when torchdata would be needed and is missing (then the data is replayed on
+    a mid-epoch resume).
     """
     if not isinstance(dl, DataLoader):
         return dl
     if getattr(dl, "ember_seed", None) is not None and getattr(dl, "ember_rank", None) == (rank, num_replicas):
         return dl   # prepared before
+    if is_stateful(dl) and not is_stateful_loader_class(dl):
+        # a DataLoader subclass of the user's with its own state: rebuilding it would lose both
+        if num_replicas > 1 and warn:
+            warnings.warn(f"the {type(dl).__name__} (a DataLoader with its own state_dict()/load_state_dict()) is "
+                          f"used as it is, its state saved with every checkpoint: under {num_replicas} processes "
+                          "it must give each rank its own share of the data itself (ember does not shard it). "
+                          "Use a plain DataLoader or torchdata's StatefulDataLoader to have it sharded",
+                          UserWarning, stacklevel=4)
+        return dl
     gen = torch.Generator()
     gen.manual_seed(seed)
     user_gen = own_generator(getattr(dl, "sampler", None)) if shuffle is None else None
     if user_gen is not None and dl.generator is user_gen:
         gen = user_gen   # DataLoader(shuffle=True, generator=g): g also draws the worker base seed, as in torch
     kw = _loader_kwargs(dl)
-    out = _rebuild(dl, gen, kw, seed=seed, num_replicas=num_replicas, rank=rank, shuffle=shuffle, even=even)
+    cls = _loader_class(dl, stateful, warn)
+    if cls is not DataLoader and is_stateful_loader_class(dl):
+        kw["snapshot_every_n_steps"] = getattr(dl, "snapshot_every_n_steps", 1)
+    out = _rebuild(dl, gen, kw, seed=seed, num_replicas=num_replicas, rank=rank, shuffle=shuffle, even=even,
+                   cls=cls, warn=warn)
     if out is dl:
         return dl
     out.ember_seed, out.ember_rank = int(seed), (rank, num_replicas)
@@ -253,18 +280,76 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
     return out
 
 
-def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, rank: int, shuffle, even: bool):
+def _loader_class(dl: DataLoader, stateful: bool, warn: bool) -> type:
+    """The class of the rebuilt loader: torchdata's StatefulDataLoader when ``dl`` is one,
+    when ``stateful`` asks for it, or when the dataset or the user's sampler holds a state
+    that only it records in step with the batches (a dataset with DataLoader workers, each
+    with its own copy; a sampler, which the DataLoader reads ahead); else DataLoader."""
+    if is_stateful_loader_class(dl):
+        return stateful_loader_class("a StatefulDataLoader")
+    if stateful:
+        return stateful_loader_class("DataLoaderConfiguration(use_stateful_dataloader=True)")
+    workers = int(getattr(dl, "num_workers", 0) or 0)
+    holder = None
+    if is_stateful(dl.dataset) and workers > 0:
+        holder = f"its dataset ({type(dl.dataset).__name__}, read by {workers} DataLoader workers)"
+    sampler = getattr(dl, "sampler", None)
+    if holder is None and not isinstance(dl.dataset, IterableDataset) and is_stateful(sampler) \
+            and not isinstance(sampler, ResumableSampler):
+        holder = f"its sampler ({type(sampler).__name__})"
+    if holder is None:
+        return DataLoader
+    cls = stateful_loader_class()
+    if cls is None:
+        if warn:
+            warnings.warn(
+                f"the DataLoader over {type(dl.dataset).__name__}: {holder} has state_dict()/load_state_dict(), which "
+                "torchdata's StatefulDataLoader records with every batch; torchdata is not installed, so a mid-epoch "
+                f"resume replays the epoch's batches instead of loading that state ({TORCHDATA_HINT})",
+                UserWarning, stacklevel=4)
+        return DataLoader
+    return cls
+
+
+def _make(cls: type, dataset: Any, kw: dict, *, sampler=None, batch_sampler=None, batch_size=1, drop_last=False):
+    """``cls(dataset, ...)``. A StatefulDataLoader gets ember's sampler inside a skippable
+    batch sampler it cannot see into: torchdata would take ember's sampler (which has a
+    ``state_dict``) for one that restores its own position and skip nothing; this way it
+    fast-forwards by index, as ember does (a user's stateful sampler stays visible to it)."""
+    if cls is not DataLoader:
+        if sampler is not None and batch_size is not None and not (is_stateful(sampler) and
+                                                                    not isinstance(sampler, ResumableSampler)):
+            batch_sampler, sampler = _SkipBatchSampler(BatchSampler(sampler, batch_size, drop_last)), None
+        if batch_sampler is not None and not isinstance(batch_sampler, _SkipBatchSampler):
+            batch_sampler = _SkipBatchSampler(batch_sampler)
+    else:
+        kw = {k: v for k, v in kw.items() if k != "snapshot_every_n_steps"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")   # torchdata's own, at construction
+        if batch_sampler is not None:
+            return cls(dataset, batch_sampler=batch_sampler, **kw)
+        if batch_size is None:
+            return cls(dataset, batch_size=None, sampler=sampler, **kw)
+        return cls(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kw)
+
+
+def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, rank: int, shuffle, even: bool,
+             cls: type = DataLoader, warn: bool = True):
+    kw = dict(kw, generator=gen)
     if isinstance(dl.dataset, IterableDataset):
+        # rebuilt even with nothing to shard: the loader's generator (seeded per epoch, set_epoch)
+        # draws its workers' base seed, so a resumed pass draws nothing from the global RNG
         workers = int(kw.get("num_workers", 0) or 0)
-        if getattr(dl.dataset, "ember_sharded", False) or (num_replicas == 1 and workers <= 1):
-            return dl   # shards itself, or nothing to shard
-        ds = ShardedIterable(dl.dataset, num_replicas, rank, even=even, num_workers=workers)
-        if dl.batch_size is None:
-            return DataLoader(ds, batch_size=None, generator=gen, **kw)
-        return DataLoader(ds, batch_size=dl.batch_size, drop_last=dl.drop_last, generator=gen, **kw)
+        ds = dl.dataset
+        if is_hf_iterable(ds):
+            ds = hf_shard(ds, num_replicas, rank, workers, warn=warn and even)
+        elif not getattr(ds, "ember_sharded", False) and (num_replicas > 1 or workers > 1):
+            ds = ShardedIterable(ds, num_replicas, rank, even=even, num_workers=workers)
+        return _make(cls, ds, kw, batch_size=dl.batch_size, drop_last=dl.drop_last)
     if isinstance(getattr(dl, "sampler", None), LengthGroupedSampler):
-        return _regroup(dl, gen, kw, seed=seed, num_replicas=num_replicas, rank=rank)
-    if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas:
+        return _regroup(dl, kw, seed=seed, num_replicas=num_replicas, rank=rank, cls=cls)
+    if isinstance(getattr(dl, "sampler", None), ResumableSampler) and dl.sampler.num_replicas == num_replicas \
+            and (cls is DataLoader or is_stateful_loader_class(dl)):
         return dl
     user_sampler = dl.sampler
     # a user's sampler with its own generator is kept, unless the caller fixes the order (evaluation)
@@ -276,7 +361,7 @@ def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, ran
                                        shuffle=isinstance(user_sampler, RandomSampler) if shuffle is None else shuffle)
         else:
             sampler = _ShardedSampler(user_sampler, num_replicas, rank) if num_replicas > 1 else user_sampler
-        return DataLoader(dl.dataset, batch_size=None, sampler=sampler, generator=gen, **kw)
+        return _make(cls, dl.dataset, kw, sampler=sampler, batch_size=None)
     if dl.batch_size is None or not isinstance(user_sampler, (RandomSampler, SequentialSampler)) or keep:
         if num_replicas > 1:
             # a custom sampler under DDP: shard its output deterministically
@@ -284,20 +369,19 @@ def _rebuild(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, ran
             if dl.batch_size is None:
                 bs = dl.batch_sampler
                 batch_sampler = BatchSampler(sampler, getattr(bs, "batch_size", 1), getattr(bs, "drop_last", False))
-                return DataLoader(dl.dataset, batch_sampler=_SkipBatchSampler(batch_sampler), generator=gen, **kw)
-            return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler,
-                              drop_last=dl.drop_last, generator=gen, **kw)
+                return _make(cls, dl.dataset, kw, batch_sampler=_SkipBatchSampler(batch_sampler))
+            return _make(cls, dl.dataset, kw, sampler=sampler, batch_size=dl.batch_size, drop_last=dl.drop_last)
         if dl.batch_size is None:
-            return DataLoader(dl.dataset, batch_sampler=_SkipBatchSampler(dl.batch_sampler), generator=gen, **kw)
-        sampler = user_sampler
-        bs = BatchSampler(sampler, dl.batch_size, dl.drop_last)
-        return DataLoader(dl.dataset, batch_sampler=_SkipBatchSampler(bs), generator=gen, **kw)
+            return _make(cls, dl.dataset, kw, batch_sampler=_SkipBatchSampler(dl.batch_sampler))
+        if cls is not DataLoader and is_stateful(user_sampler):
+            return _make(cls, dl.dataset, kw, sampler=user_sampler, batch_size=dl.batch_size, drop_last=dl.drop_last)
+        bs = BatchSampler(user_sampler, dl.batch_size, dl.drop_last)
+        return _make(cls, dl.dataset, kw, batch_sampler=_SkipBatchSampler(bs))
     if shuffle is None:
         shuffle = isinstance(user_sampler, RandomSampler)
     sampler = ResumableSampler(len(dl.dataset), shuffle=shuffle, seed=seed, num_replicas=num_replicas,
                                rank=rank, drop_last=dl.drop_last and num_replicas > 1)
-    return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=sampler, drop_last=dl.drop_last,
-                      generator=gen, **kw)
+    return _make(cls, dl.dataset, kw, sampler=sampler, batch_size=dl.batch_size, drop_last=dl.drop_last)
 
 
 # -- length grouping: batches of similar lengths, seeded, resumable, sharded like any ResumableSampler --
@@ -363,7 +447,8 @@ class LengthGroupedSampler(ResumableSampler):
         return out
 
 
-def _regroup(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, rank: int) -> DataLoader:
+def _regroup(dl: DataLoader, kw: dict, *, seed: int, num_replicas: int, rank: int,
+             cls: type = DataLoader) -> DataLoader:
     """A loader over a :class:`LengthGroupedSampler`, rebuilt for this rank and the run seed."""
     s = dl.sampler
     if dl.batch_size is not None and dl.batch_size != s.batch_size:
@@ -371,10 +456,10 @@ def _regroup(dl: DataLoader, gen, kw: dict, *, seed: int, num_replicas: int, ran
                          f"batch_size={dl.batch_size}; give both the same batch size")
     drop_last = bool(dl.drop_last and num_replicas > 1)
     if s.num_replicas == num_replicas and s.rank == rank and s.drop_last == drop_last \
-            and (not s.run_seed or s.seed == int(seed)):
+            and (not s.run_seed or s.seed == int(seed)) and (cls is DataLoader or is_stateful_loader_class(dl)):
         return dl
-    return DataLoader(dl.dataset, batch_size=dl.batch_size, sampler=s.sharded(num_replicas, rank, seed, drop_last),
-                      drop_last=dl.drop_last, generator=gen, **kw)
+    return _make(cls, dl.dataset, kw, sampler=s.sharded(num_replicas, rank, seed, drop_last),
+                 batch_size=dl.batch_size, drop_last=dl.drop_last)
 
 
 class _ShardedSampler(Sampler[int]):
@@ -500,7 +585,17 @@ def sampler_of(dl: Any):
 
 def set_epoch(dl: Any, epoch: int) -> None:
     """Use the data order of ``epoch``, and seed the loader's generator (the base of its
-    worker seeds) from (run seed, ``epoch``, data-parallel rank)."""
+    worker seeds) from (run seed, ``epoch``, data-parallel rank). An ``IterableDataset``
+    with a ``set_epoch`` (a Hugging Face ``IterableDataset``: its shard order and shuffle
+    follow the epoch) gets the epoch too; a :class:`~ember.data.combined.CombinedLoader`
+    passes it to each of its loaders."""
+    own_set = getattr(dl, "ember_set_epoch", None)
+    if own_set is not None:
+        own_set(epoch)
+        return
+    ds = getattr(dl, "dataset", None)
+    if isinstance(ds, IterableDataset) and callable(getattr(ds, "set_epoch", None)):
+        ds.set_epoch(epoch)
     own = own_generator(index_sampler(dl))
     if own is not None:   # before the sampler's set_epoch: a replayed pass is the previous epoch's
         _generator_to_epoch(dl, own, epoch)
@@ -510,6 +605,8 @@ def set_epoch(dl: Any, epoch: int) -> None:
             s.set_epoch(epoch)
         elif hasattr(getattr(s, "batch_sampler", None), "sampler") and hasattr(s.batch_sampler.sampler, "set_epoch"):
             s.batch_sampler.sampler.set_epoch(epoch)
+    elif callable(getattr(getattr(dl, "sampler", None), "set_epoch", None)):   # a user's stateful sampler, kept
+        dl.sampler.set_epoch(epoch)
     gen = getattr(dl, "generator", None)
     seed = loader_seed(dl, epoch)
     if isinstance(gen, torch.Generator) and seed is not None and gen is not own:   # never reseed the user's
@@ -673,15 +770,18 @@ def dataset_length(dl: Any) -> int | None:
         return None
 
 
-def prepare_for(strategy: Any, dl: Any, *, seed: int, shuffle: bool | None = None, even: bool = True) -> Any:
+def prepare_for(strategy: Any, dl: Any, *, seed: int, shuffle: bool | None = None, even: bool = True,
+                stateful: bool = False) -> Any:
     """``dl`` sharded over ``strategy``'s data-parallel ranks (:func:`prepare_dataloader`;
     ``even=False`` keeps every item of an IterableDataset, for evaluation) for the Trainer
     and the Accelerator alike. Under several processes, a sampler kept with the user's own
     generator gets rank 0's generator state on every rank (:func:`agree_generator`: one
     small collective, a warning when the states differed), so every rank must call it at
-    the same point."""
+    the same point. ``stateful``: rebuild it as a torchdata ``StatefulDataLoader``
+    (:func:`prepare_dataloader`)."""
     kw = strategy.distributed_sampler_kwargs() or {}
-    out = prepare_dataloader(dl, seed=seed, shuffle=shuffle, even=even, **kw)
+    out = prepare_dataloader(dl, seed=seed, shuffle=shuffle, even=even, stateful=stateful,
+                             warn=bool(getattr(strategy, "is_global_zero", True)), **kw)
     if strategy.world_size > 1:
         agree_generator(out, strategy.all_gather_object, strategy.broadcast, warn=strategy.is_global_zero)
     return out

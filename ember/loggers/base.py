@@ -235,7 +235,9 @@ def flatten_params(params: Any, sep: str = "/") -> dict[str, bool | int | float 
 
 
 def save_hparams_to_yaml(path: str, hparams: Mapping[str, Any]) -> None:
-    import yaml
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        import yaml
 
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -99,7 +99,9 @@ def _read_csv(path: str) -> dict:
 
 
 def _read_events(path: str) -> dict:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     ea = EventAccumulator(path, size_guidance={"scalars": 0})
     ea.Reload()
     out = {}
@@ -118,7 +120,9 @@ def load_run(path: str) -> RunData:
         run.source, run.scalars = "metrics.csv", _read_csv(os.path.join(d, "metrics.csv"))
     else:
         run.source, run.scalars = "TensorBoard events", _read_events(d)
-    import yaml
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        import yaml
     hp = os.path.join(d, "hparams.yaml")
     if os.path.isfile(hp):
         with open(hp, encoding="utf-8") as f:
@@ -181,9 +185,13 @@ def _split_rank(name: str) -> int:
 def _plot(key: str, names: list[str], runs: list[RunData]) -> bytes:
     """One chart. One run: a color per series. Several runs: a color per run, a line
     style per series (train solid, val dashed...). Dotted lines: epoch ends of the runs shown."""
-    import matplotlib
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        import matplotlib
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
     try:
         multi = len(runs) > 1
@@ -209,7 +217,9 @@ def _plot(key: str, names: list[str], runs: list[RunData]) -> bytes:
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-        from matplotlib.text import Text
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from matplotlib.text import Text
         for text in fig.findobj(Text):    # metric names as written: "$...$" is not math text here
             text.set_parse_math(False)
             text.set_usetex(False)
@@ -321,7 +331,9 @@ def write_report(paths: list[str], out: str | None = None) -> str:
     ``report.html`` in the run's folder for one run, in the current folder for
     several) plus ``<out stem>_charts/<chart>.png``. Returns the page's path."""
     try:
-        import matplotlib  # noqa: F401
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import matplotlib  # noqa: F401
     except ImportError:
         raise MisconfigurationError("the run report draws its charts with matplotlib: "
                                     "pip install 'ember[report]' (or pip install matplotlib)") from None

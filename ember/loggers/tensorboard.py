@@ -45,7 +45,9 @@ class TensorBoardLogger(FileLogger):
     def experiment(self):
         """The ``torch.utils.tensorboard.SummaryWriter`` (created on first use)."""
         if self._experiment is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from ember.checkpoint.rng import keep_rng_states
+            with keep_rng_states():   # a first import leaves the user's random streams as they were
+                from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(self.log_dir, exist_ok=True)
             self._experiment = SummaryWriter(log_dir=self.log_dir, **self._writer_kwargs)
@@ -113,7 +115,9 @@ class TensorBoardLogger(FileLogger):
         session, self._session = self._session, None
         if session is None:
             return
-        from torch.utils.tensorboard.summary import hparams
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from torch.utils.tensorboard.summary import hparams
         if self._session_written is not None and not getattr(self, "_warned_late", False):
             import warnings
             new = sorted(set(session["hparams"]) - set(self._session_written["hparams"]) |

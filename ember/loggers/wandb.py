@@ -15,7 +15,9 @@ _INSTALL_HINT = "WandbLogger needs the `wandb` package, which is not installed: 
 
 def _import_wandb():
     try:
-        import wandb
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import wandb
     except ImportError as e:
         raise ModuleNotFoundError(_INSTALL_HINT) from e
     return wandb

@@ -92,7 +92,9 @@ def compile_blocks(module: nn.Module, options: dict | None = None) -> int:
     opts = dict(options or {})
     targets = find_blocks(module) or list(module.children())
     try:
-        from torchmetrics import Metric
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from torchmetrics import Metric
     except ImportError:     # pragma: no cover - torchmetrics is a dependency
         Metric = ()
     n = 0

@@ -58,7 +58,9 @@ _BUILD_MESSAGE = "ember: compiling DeepSpeed CPU ops once (~1 min)..."
 def import_deepspeed():
     """``import deepspeed`` with an install hint when it is missing."""
     try:
-        import deepspeed
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import deepspeed
     except ImportError as err:
         raise MisconfigurationError(
             "strategy='deepspeed' needs the deepspeed package: pip install 'ember[deepspeed]' "
@@ -94,7 +96,9 @@ def prebuild_ops(verbose: bool = True) -> bool:
     it compiled something. Safe to call from several processes (torch locks the build)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu") if not torch.cuda.is_available() else None
     deepspeed = import_deepspeed()
-    from deepspeed.accelerator import get_accelerator
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from deepspeed.accelerator import get_accelerator
     if get_accelerator().device_name() != "cpu":
         return False
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
@@ -304,7 +308,9 @@ class DeepSpeedStrategy(DDPStrategy):
         deepspeed = import_deepspeed()
         check_version(deepspeed.__version__)            # too old for managed_gradient_accumulation: fail first
         section = self._precision_section()             # unsupported precision: fail before any work
-        from deepspeed.accelerator import get_accelerator
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from deepspeed.accelerator import get_accelerator
         supported = {"fp16": get_accelerator().is_fp16_supported, "bf16": get_accelerator().is_bf16_supported}
         if section is not None and not supported[section]():
             raise MisconfigurationError(
@@ -375,7 +381,9 @@ class DeepSpeedStrategy(DDPStrategy):
             if callable(method) and isinstance(raw, nn.Module):
                 wrapper._methods[name] = method
                 setattr(raw, name, _through_engine(engine, name))
-        from ember.strategies.deepspeed_writes import install
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+            from ember.strategies.deepspeed_writes import install
         install(engine, background=self.async_save)     # a failed write is reported, not waited on
         self._engine = engine
         self._module = raw
@@ -417,7 +425,9 @@ class DeepSpeedStrategy(DDPStrategy):
     # -- state dicts -----------------------------------------------------------------------------
     def module_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Full fp32 weights on CPU, on every rank (a collective under ZeRO)."""
-        from deepspeed.utils import safe_get_full_fp32_param
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from deepspeed.utils import safe_get_full_fp32_param
         raw = self.unwrap_module(module)
         out = {}
         engine = self._engine_for(module)
@@ -425,7 +435,9 @@ class DeepSpeedStrategy(DDPStrategy):
             full = safe_get_full_fp32_param(p) if engine is not None else None
             if full is None:
                 if hasattr(p, "ds_id"):
-                    import deepspeed
+                    from ember.checkpoint.rng import keep_rng_states
+                    with keep_rng_states():   # a first import leaves the user's random streams as they were
+                        import deepspeed
                     with deepspeed.zero.GatheredParameters([p]):
                         full = p.detach().clone()
                 else:
@@ -438,8 +450,10 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def load_module_state_dict(self, module: nn.Module, state: dict, strict: bool = True):
         """Load full weights into the model (and the optimizer's fp32 master copy)."""
-        from deepspeed.utils import safe_set_full_fp32_param
-        import deepspeed
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from deepspeed.utils import safe_set_full_fp32_param
+            import deepspeed
         raw = self.unwrap_module(module)
         params = dict(raw.named_parameters())
         if strict:
@@ -497,7 +511,9 @@ class DeepSpeedStrategy(DDPStrategy):
                 error = err
         from ember.strategies.full_load import raise_rank0_error
         raise_rank0_error(self, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
-        from ember.strategies.deepspeed_writes import EmberCheckpointEngine
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+            from ember.strategies.deepspeed_writes import EmberCheckpointEngine
         writes = engine.checkpoint_engine if isinstance(engine.checkpoint_engine, EmberCheckpointEngine) else None
         if writes is not None:
             writes.begin()
@@ -524,7 +540,9 @@ class DeepSpeedStrategy(DDPStrategy):
         from ember.checkpoint import io as cio
         self._async_in_flight = False
         (path, state, meta, engine, writer, failed), self._ds_pending = self._ds_pending, None
-        from ember.strategies.deepspeed_writes import report, written_by
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+            from ember.strategies.deepspeed_writes import report, written_by
         mine, error = report(writer, failed, lambda: written_by(engine, cio.tmp_path(path), TAG))
         with self._committing():
             try:
@@ -540,7 +558,9 @@ class DeepSpeedStrategy(DDPStrategy):
         pending, self._ds_pending = self._ds_pending, None
         self._async_in_flight = False
         if pending is not None:
-            from ember.strategies.deepspeed_writes import drop
+            from ember.checkpoint.rng import keep_rng_states
+            with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
+                from ember.strategies.deepspeed_writes import drop
             drop(pending[0], pending[4], self.is_global_zero, exc)
         super().on_exception(exc)
 
@@ -640,7 +660,9 @@ def load_full_weights(path: str) -> dict[str, torch.Tensor]:
     if weights is not None:
         return weights
     import_deepspeed()
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     import io
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         sd = get_fp32_state_dict_from_zero_checkpoint(os.fspath(path), tag=TAG)

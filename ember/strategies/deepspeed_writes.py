@@ -152,7 +152,9 @@ def install(engine, background: bool) -> "EmberCheckpointEngine | None":
     chosen in the DeepSpeed config is kept as it is for synchronous saves (None is
     returned: its write errors are raised by DeepSpeed on the failing rank alone) and
     refused for ``background``."""
-    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from ember.errors import MisconfigurationError
     current = engine.checkpoint_engine
     if isinstance(current, EmberCheckpointEngine):

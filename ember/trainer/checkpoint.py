@@ -6,6 +6,9 @@ What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.
 - loop position: epoch, global step, batches done in the epoch (the sampler skips
   that many batches of indices on resume, no data is read), a partial gradient
   accumulation window (the accumulated gradients of every rank);
+- every rank's position in a train loader that is not index-based: a stateful
+  loader's or dataset's ``state_dict()``, a CombinedLoader's loaders' positions
+  (a stream without state is replayed to the batch count: ``ember/data/resume.py``);
 - optimizers (through the strategy), schedulers, the GradScaler;
 - callback states, the module's ``on_save_checkpoint`` additions, datamodule state;
 - per-rank RNG states (python, numpy, torch, cuda) and the sampler seed;
@@ -73,19 +76,23 @@ def trainer_state(t) -> dict:
     ``callback_metrics`` the latest metrics callbacks monitor
     ``data_seed``       the seed of the data order
     ``data``            the train data's shape and a user sampler's generator (resume_data.py)
+    ``data_position``   every rank's position in its train loader beyond the batch count: a
+                        stateful loader's ``state_dict()``, a combined loader's positions
+                        (``ember.data.resume``; None for an index-based loader)
     ``datamodule``      the datamodule's ``state_dict()``
     ==================  ==========================================================
 
     Optimizers are saved by the strategy (sharded under FSDP / DeepSpeed)."""
     from ember.checkpoint import io as cio
-    from ember.trainer.resume_data import data_state
+    from ember.trainer.resume_data import data_position, data_state
     t.step_rules.flush()   # a scheduler step deferred from the last optimizer step (16-mixed)
     st = t.state
     loop = st.state_dict()
     mid_epoch = loop["batches_done"] > 0
     per_rank = {"rng": cio.collect_rng_states(),
                 "results": _results_state(t.metrics.results["train"]) if mid_epoch else [],
-                "grads": _pending_grads(t)}
+                "grads": _pending_grads(t),
+                "position": data_position(t, loop["batches_done"])}
     gathered = t.strategy.all_gather_object(per_rank) if t.world_size > 1 else [per_rank]
     metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     return {
@@ -101,6 +108,7 @@ def trainer_state(t) -> dict:
         "callback_metrics": metrics,
         "data_seed": st.data_seed,
         "data": data_state(t),   # batch size, dataset length, a user sampler's generator
+        "data_position": [g["position"] for g in gathered],   # a stateful / stream / combined loader's, per rank
         "datamodule": t.datamodule.state_dict() if t.datamodule is not None else {},
     }
 
@@ -385,6 +393,7 @@ def restore(t, path: str, full: bool, early: CheckpointError | None = None) -> N
 
 def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
     from ember.checkpoint import io as cio
+    from ember.data import sampling as edata
     if full:
         _restore_callbacks_first(t, path)
     try:
@@ -417,8 +426,9 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
         t.state.load_state_dict(loop)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: the loop position in {cio.STATE_NAME} is unreadable ({err!r})") from err
-    from ember.trainer.resume_data import restore_data
+    from ember.trainer.resume_data import restore_data, restore_position
     restore_data(t, state.get("data"), path, allow_data_change)   # refuses a changed batch size / dataset mid-epoch
+    restore_position(t, state.get("data_position"), path)
     for cfg, s in zip(t.lr_scheduler_configs, scheds):
         cfg["scheduler"].load_state_dict(s)
     t.strategy.precision.load_state_dict(state.get("precision", {}))
@@ -433,11 +443,17 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
     t.module.on_load_checkpoint(state)
     st = t.state
     st.data_seed = state.get("data_seed", st.data_seed)
-    s = getattr(st.train_dataloader, "sampler", None)
-    if s is not None and hasattr(s, "seed"):
-        s.seed = st.data_seed
-    if getattr(st.train_dataloader, "ember_seed", None) is not None:
-        st.train_dataloader.ember_seed = st.data_seed   # worker seeds follow the run seed (ember.data.worker_seed)
+    train = st.train_dataloader
+    for dl in (train.flattened if getattr(train, "ember_combined", False) else [train]):   # a CombinedLoader's each
+        s = getattr(dl, "sampler", None)
+        if isinstance(s, edata.ResumableSampler):   # ember's: a user's sampler keeps its own seed
+            s.seed = st.data_seed
+        s = edata.sampler_of(dl)
+        inner = getattr(getattr(s, "batch_sampler", None), "sampler", None)   # inside a StatefulDataLoader
+        if isinstance(inner, edata.ResumableSampler):
+            inner.seed = st.data_seed
+        if getattr(dl, "ember_seed", None) is not None:
+            dl.ember_seed = st.data_seed   # worker seeds follow the run seed (ember.data.worker_seed)
     same_world = len(state.get("rng") or []) == t.world_size
     rank = t.global_rank
     results = state.get("results") or []

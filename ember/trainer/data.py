@@ -40,7 +40,20 @@ def count_batches(loader: Any, limit: Any) -> int | float:
 
 
 def _as_list(x: Any) -> list:
+    if isinstance(x, dict):   # evaluation loaders by name: in their order, as Lightning's sequential mode
+        return list(x.values())
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _loader_like(v: Any) -> bool:
+    """A loader (anything iterable that is not a batch: a container, a tensor, a string)."""
+    return hasattr(v, "__iter__") and not isinstance(v, (str, bytes, list, tuple, dict)) and not hasattr(v, "shape")
+
+
+def _several(x: Any) -> bool:
+    """A dict, list or tuple of train loaders (not one loader that is a list of batches)."""
+    values = list(x.values()) if isinstance(x, dict) else list(x) if isinstance(x, (list, tuple)) else []
+    return bool(values) and all(_loader_like(v) for v in values)
 
 
 def setup_data(t: Any, stage: str, loaders: dict) -> None:
@@ -65,6 +78,13 @@ def setup_data(t: Any, stage: str, loaders: dict) -> None:
     draws: dict[int, int] = {}   # id(prepared loader) -> what the user's loader takes from the global RNG per pass
 
     def prep(dl: Any, **kw: Any) -> Any:
+        if getattr(dl, "ember_combined", False):   # each of its loaders is prepared (sharded, resumable)
+            def inner(x: Any) -> tuple[Any, int]:
+                out = edata.prepare_for(t.strategy, x, seed=st.data_seed, **kw) if t.use_distributed_sampler else x
+                return out, (edata.global_rng_draws(x) if out is not x else 0)
+            out = dl.ember_prepared(inner)
+            draws[id(out)] = 0   # its passes draw per loader, restarts included
+            return out
         out = edata.prepare_for(t.strategy, dl, seed=st.data_seed, **kw) if t.use_distributed_sampler else dl
         draws[id(out)] = edata.global_rng_draws(dl) if out is not dl else 0
         return out
@@ -74,6 +94,9 @@ def setup_data(t: Any, stage: str, loaders: dict) -> None:
         if train is None:
             raise MisconfigurationError("trainer.fit() needs training data: pass train_dataloaders=, a datamodule, "
                                         "or define train_dataloader() on the module")
+        if _several(train):   # a dict or list of loaders: a dict or list of batches per step, as Lightning
+            from ember.data.combined import CombinedLoader
+            train = CombinedLoader(train, "max_size_cycle")
         if t.overfit_batches:   # the same first batches for training and validation, in order
             st.train_dataloader = prep(train, shuffle=False)
             st.rng_draws = draws

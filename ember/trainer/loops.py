@@ -72,6 +72,7 @@ import torch
 from ember.data import sampling as edata
 from ember.errors import MisconfigurationError
 from ember.trainer.checks import check_epoch_trained, check_finite_loss
+from ember.data.resume import begin_pass, end_pass
 from ember.trainer.data import batch_transfer, count_batches, maybe_reload, prepare_batch, start_pass
 from ember.trainer.events import Event
 from ember.trainer.state import RunningStage
@@ -123,6 +124,14 @@ def step_call(fn: Callable) -> Callable:
     def short(batch, batch_idx, **kwargs):
         return fn(batch, **kwargs)
     return short
+
+
+def _with_dataloader_idx(step: Callable, combined_pass: Any) -> Callable:
+    """``training_step(batch, batch_idx, dataloader_idx=...)`` with the index of the loader
+    the batch came from (a CombinedLoader in ``"sequential"`` mode)."""
+    def run(batch, batch_idx):
+        return step(batch, batch_idx, dataloader_idx=combined_pass.dataloader_idx)
+    return run
 
 
 def with_backward_hooks(backward: Callable, rules: Any, before: Callable | None,
@@ -283,12 +292,18 @@ class FitLoop:
         start, limit = st.batches_done, st.num_training_batches
         if start >= limit:
             return
-        if start and not edata.skip_batches(loader, start):
-            raise MisconfigurationError("cannot resume mid-epoch: the train dataloader is not index-based "
-                                        "(IterableDataset); save checkpoints at epoch ends instead")
         # -- resolved once per epoch: what each step calls (a hook nobody overrides costs nothing)
         acc_n = t.accumulate_grad_batches
         automatic = module.automatic_optimization
+        from ember.data.prefetch import DevicePrefetch, prefetch_enabled
+        prefetch = prefetch_enabled(strategy.root_device)
+        look_ahead = acc_n > 1 and automatic and not edata.has_length(loader)
+        # the pass from batch ``start``: an index-based loader skips by index and is iterated as it
+        # is; a stateful, stream or combined loader continues from the checkpoint's position
+        # (ember/data/resume.py) and records it for the next checkpoint
+        saved, st.data_position = st.data_position, None
+        loader = st.train_pass = begin_pass(loader, start, saved, warn=t.is_global_zero,
+                                            read_ahead=(acc_n - 1 if look_ahead else 0) + (2 if prefetch else 0))
         total = None if limit == math.inf else limit
         window = rules.window if acc_n > 1 else None   # the accumulation window (ember.step)
         no_sync = strategy.no_backward_sync
@@ -307,6 +322,9 @@ class FitLoop:
         multi = strategy.world_size > 1
         agree_due = False
         training_step = step_call(module.training_step)   # training_step(batch) works too
+        if getattr(loader, "mode", None) == "sequential" and \
+                "dataloader_idx" in inspect.signature(module.training_step).parameters:
+            training_step = _with_dataloader_idx(module.training_step, loader)   # CombinedLoader(mode="sequential")
         backward = rules.backward
         emit_step = metrics.emit_step
         prof = t.profiler if t.profiler is not None and t.profiler.active else None
@@ -316,14 +334,13 @@ class FitLoop:
             emit_step = prof.wrap("log (step metrics)", emit_step)
         backward = with_backward_hooks(backward, rules, ev[Event.ON_BEFORE_BACKWARD], ev[Event.ON_AFTER_BACKWARD])
         ahead = None
-        if acc_n > 1 and automatic and not edata.has_length(loader):
+        if look_ahead:
             # unknown epoch length (IterableDataset): look acc_n - 1 batches ahead, so the last
             # accumulation window is known in time to divide by its true size and step on its end
             loader = ahead = edata.LookAhead(loader, acc_n - 1, start=start)
         if prof is not None:
             loader = prof.iterate(loader)
-        from ember.data.prefetch import DevicePrefetch, prefetch_enabled
-        if prefetch_enabled(strategy.root_device):
+        if prefetch:
             # CUDA: batch i + 1 pinned and its copy issued before step i runs (ember/data/prefetch.py)
             loader, to_device = DevicePrefetch(loader, to_device or strategy.batch_to_device, strategy.root_device), None
         # the end of an accumulation window: unscale, clip, step, zero_grad (ember.step)
@@ -439,6 +456,7 @@ class FitLoop:
             if batch_idx < 0 and start == 0:
                 raise MisconfigurationError("the train dataloader yielded no batches; check the dataset "
                                             "and limit_train_batches")
+        end_pass(st.train_dataloader)   # a StatefulDataLoader keeps its iterator: its workers go now
 
 
 class EvalLoop:

@@ -42,9 +42,12 @@ def data_state(t) -> dict:
     size, dataset length, the class of the index sampler and a user sampler's generator
     (its state at the start of the current epoch, :func:`ember.data.generator_checkpoint_state`)."""
     dl = t.state.train_dataloader
-    return {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl),
-            "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
-            **edata.generator_checkpoint_state(dl)}
+    out = {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl),
+           "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
+           **edata.generator_checkpoint_state(dl)}
+    if getattr(dl, "ember_combined", False):   # a CombinedLoader: each loader's sampler generator
+        out["inner_generators"] = [edata.generator_checkpoint_state(x) for x in dl.flattened]
+    return out
 
 
 def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -> None:
@@ -75,6 +78,10 @@ def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -
     # checkpoints written before generator_epoch was recorded hold the state of the loop's
     # epoch: its start when saved mid-epoch or after its last batch, else the state it starts from
     edata.restore_generator(dl, saved, legacy_epoch=ls.epoch, where=f"{path} (trainer_state.pt)")
+    inner = saved.get("inner_generators")
+    if getattr(dl, "ember_combined", False) and isinstance(inner, list) and len(inner) == len(dl.flattened):
+        for x, s in zip(dl.flattened, inner):
+            edata.restore_generator(x, s or {}, legacy_epoch=ls.epoch, where=f"{path} (trainer_state.pt)")
 
 
 def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:
@@ -98,3 +105,40 @@ def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:
         f"changed since ({what}): {effect}. Resume with the batch size and dataset the checkpoint was saved "
         f"with, resume from a checkpoint saved at an epoch end, or set {ALLOW_DATA_CHANGE_ENV}=1 to accept it "
         "(with a warning)")
+
+
+def data_position(t, done: int) -> dict | None:
+    """This rank's position in its train loader beyond the batch count, for
+    ``trainer_state.pt["data_position"]`` (:func:`ember.data.resume.position`): after
+    ``done`` batches of the current epoch (0: at an epoch's end). A position restored
+    from a checkpoint and not yet used (saved again before the resumed pass began) is
+    recorded as it is."""
+    from ember.data import resume
+    st = t.state
+    if st.data_position is not None:
+        return resume.as_saved(st.data_position)
+    if st.train_dataloader is None:
+        return None
+    return resume.position(st.train_dataloader, st.train_pass, done)
+
+
+def restore_position(t, saved: list | None, path: str) -> None:
+    """Keep this rank's saved train-data position for the resumed pass
+    (``trainer.state.data_position``). Saved by another number of processes, the
+    positions belong to other shards: none is used (a stateful or stream loader then
+    replays the batches already trained, with a warning)."""
+    st = t.state
+    st.data_position = None
+    if not saved:
+        return
+    if len(saved) != t.world_size:
+        if st.batches_done and any(p for p in saved) and t.is_global_zero:
+            warnings.warn(f"resuming {path} mid-epoch with {t.world_size} process(es): it was saved by {len(saved)}, "
+                          "so the positions its ranks recorded in their train loaders (the states of stateful "
+                          "loaders) belong to other shards and are not used; the resumed epoch replays its first "
+                          f"{st.batches_done} batches instead (not exact)", UserWarning, stacklevel=5)
+        return
+    from ember.data import resume
+    # loaded now: a state the loader refuses raises where the ranks agree on the restore
+    st.data_position = resume.apply_position(st.train_dataloader, saved[t.global_rank], st.batches_done,
+                                             f"{path} (trainer_state.pt)")

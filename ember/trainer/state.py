@@ -140,6 +140,12 @@ class TrainerState:
         val_every_n_batches: a mid-epoch validation every N training batches (None: at epoch ends).
         rng_draws: per prepared loader (by id), what the user's DataLoader takes from the global
             RNG per pass, taken again at each pass (ember/trainer/data.py, ``start_pass``).
+        train_pass: what the current (or last) training pass iterates
+            (``ember.data.resume.begin_pass``: the loader itself for an index-based one, else
+            the pass object a checkpoint reads this rank's data position from).
+        data_position: this rank's train-data position read from the checkpoint being
+            resumed (``ember.data.resume.position``: a stateful loader's state, a combined
+            loader's positions), applied when the resumed pass starts, then None.
 
     Named objects:
         step_rules: the optimizer-step rules (:class:`ember.step.StepRules`), whose
@@ -188,6 +194,8 @@ class TrainerState:
         self.num_training_batches: int | float = 0
         self.val_every_n_batches: int | None = None
         self.rng_draws: dict[int, int] = {}
+        self.train_pass: Any = None
+        self.data_position: dict | None = None
         self.active = False
 
     # -- Lightning's trainer.state ---------------------------------------------------------

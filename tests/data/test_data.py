@@ -172,14 +172,19 @@ def test_custom_sampler_sharded_over_replicas():
     assert isinstance(prepare_dataloader(dl, seed=0).sampler, ResumableSampler)
 
 
-def test_iterable_datasets_and_plain_iterables_pass_through():
+def test_iterable_datasets_get_a_seeded_generator_and_plain_iterables_pass_through():
     class Stream(IterableDataset):
         def __iter__(self):
             return iter(torch.arange(6).split(2))
 
     dl = DataLoader(Stream(), batch_size=None)
-    assert prepare_dataloader(dl, seed=0) is dl
-    assert not edata.skip_batches(dl, 1)
+    p = prepare_dataloader(dl, seed=0)
+    # rebuilt with nothing to shard: its own generator draws the workers' base seed (per epoch),
+    # so a pass (a resumed one too) draws nothing from the global RNG
+    assert p is not dl and isinstance(p.generator, torch.Generator) and p.dataset is dl.dataset
+    assert [b.tolist() for b in p] == [b.tolist() for b in dl]
+    assert prepare_dataloader(p, seed=0) is p
+    assert not edata.skip_batches(p, 1)
     plain = [torch.zeros(2)]
     assert prepare_dataloader(plain, seed=0) is plain
     assert edata.skip_batches(dl, 0)                 # nothing to skip is always possible

@@ -1,0 +1,97 @@
+"""The stateful protocol of train data: which object of a loader holds its position
+(a loader, dataset or sampler with ``state_dict()`` / ``load_state_dict()``, as in
+torchdata and Lightning), torchdata's ``StatefulDataLoader``, and Hugging Face
+``datasets.IterableDataset`` (sharded over ranks with ``split_dataset_by_node``; its
+DataLoader workers split its shards themselves).
+
+torchdata and ``datasets`` stay optional: they are imported only when such an object
+is given (or ``DataLoaderConfiguration(use_stateful_dataloader=True)`` asks for
+torchdata). How a pass resumes from these states is :mod:`ember.data.resume`.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+from ember.errors import MisconfigurationError
+
+TORCHDATA_HINT = "pip install torchdata"
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` has callable ``state_dict()`` and ``load_state_dict()`` (torchdata's
+    ``Stateful`` protocol)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def stateful_loader_class(required: str | None = None) -> type | None:
+    """torchdata's ``StatefulDataLoader`` class, or None when torchdata is not installed.
+    ``required`` (what needs it): raise MisconfigurationError naming it instead of None."""
+    try:
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        if required is None:
+            return None
+        raise MisconfigurationError(f"{required} needs torchdata's StatefulDataLoader: {TORCHDATA_HINT}") from None
+    return StatefulDataLoader
+
+
+def is_stateful_loader_class(dl: Any) -> bool:
+    """Whether ``dl`` is a torchdata ``StatefulDataLoader`` (or a subclass), without
+    importing torchdata."""
+    mod = sys.modules.get("torchdata.stateful_dataloader")
+    cls = getattr(mod, "StatefulDataLoader", None) if mod is not None else None
+    return cls is not None and isinstance(dl, cls)
+
+
+# -- Hugging Face datasets ------------------------------------------------------------------------
+def is_hf_iterable(ds: Any) -> bool:
+    """Whether ``ds`` is a Hugging Face ``datasets.IterableDataset`` (checked without
+    importing ``datasets``: such an object exists only once it was imported)."""
+    mod = sys.modules.get("datasets")
+    cls = getattr(mod, "IterableDataset", None) if mod is not None else None
+    return cls is not None and isinstance(ds, cls)
+
+
+def hf_shuffle_buffer(ds: Any) -> bool:
+    """Whether a Hugging Face IterableDataset shuffles through a buffer (``.shuffle(seed,
+    buffer_size)``). Its ``state_dict()`` does not hold the buffer's content (the datasets
+    documentation says so: a resume from it refills the buffer with other samples), so
+    ember replays such a stream instead (:mod:`ember.data.resume`)."""
+    seen, todo = set(), [getattr(ds, "_ex_iterable", None)]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        todo.append(getattr(node, "ex_iterable", None))
+        todo.extend(getattr(node, "ex_iterables", None) or ())
+    return False
+
+
+def hf_shard(ds: Any, num_replicas: int, rank: int, num_workers: int, warn: bool = True) -> Any:
+    """This rank's part of a Hugging Face IterableDataset: ``split_dataset_by_node`` (whole
+    shards per rank when ``num_shards`` is a multiple of the ranks, else every
+    ``num_replicas``-th example); the DataLoader workers then share the rank's shards (the
+    dataset splits them itself). Each sample is read once per epoch over all ranks and
+    workers. A rank that reads fewer batches than another would leave it waiting at the
+    epoch's end: with ``warn``, a warning says so when the shards cannot split evenly."""
+    if num_replicas <= 1:
+        return ds
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from datasets.distributed import split_dataset_by_node
+    n, parts = int(ds.num_shards), num_replicas * max(1, int(num_workers))
+    if warn and n % parts:
+        warnings.warn(
+            f"the Hugging Face IterableDataset has {n} shard(s), not a multiple of {num_replicas} ranks x "
+            f"{max(1, num_workers)} DataLoader worker(s): each sample is still read once per epoch, but the ranks "
+            "may read different numbers of samples, and a rank that runs out first leaves the others waiting at the "
+            "epoch's end. Make the shards even (Dataset.to_iterable_dataset(num_shards=a multiple of ranks x "
+            "workers)), or set Trainer(limit_train_batches=N) to a count every rank reaches", UserWarning, stacklevel=4)
+    return split_dataset_by_node(ds, rank=rank, world_size=num_replicas)
