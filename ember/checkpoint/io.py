@@ -367,8 +367,11 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
             files.update(extra_files or {})
             digests.update({n: checks.file_digest(checks.member(tmp, n)) for n in digest_extra})
             meta["files"], meta["digests"] = files, digests
-            with open(os.path.join(tmp, META_NAME), "w") as f:
+            # written whole under a hidden name, then renamed: a kill leaves no half meta.json
+            staged = os.path.join(tmp, ".tmpmeta")
+            with open(staged, "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True, default=str)
+            os.replace(staged, os.path.join(tmp, META_NAME))
             _set_modes(tmp)
     except (OSError, RuntimeError) as err:
         raise checks.write_error(err, path) from err

@@ -395,7 +395,8 @@ def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
     it is one, so that ember may replace or delete it: a ``meta.json`` carrying ember's
     format marker (an integer ``format_version``), and nothing but the files a checkpoint
     holds. ``staging``: a ``NAME.tmp`` folder of an unfinished save (``meta.json`` is
-    written last, so it may be missing). An empty directory counts as one (nothing to lose).
+    written last, so it may be missing, or cut short where an earlier version was killed
+    while writing it). An empty directory counts as one (nothing to lose).
     This one check guards every replace and delete of a save: ``save_checkpoint``'s
     target and its staging folder, the superseded checkpoints ``ModelCheckpoint`` deletes,
     the automatic checkpoints ``Accelerator`` rotates."""
@@ -417,10 +418,26 @@ def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
             raise CheckpointError(f"{meta_file} is not a plain file")
         fv = read_meta(meta_file).get("format_version")
     except CheckpointError as err:
+        if staging and _cut_short(meta_file):
+            return ""
         return f"its {cio.META_NAME} is not ember's ({err})"
     if isinstance(fv, bool) or not isinstance(fv, int):
         return f"its {cio.META_NAME} has no ember format_version (it is another program's {cio.META_NAME})"
     return ""
+
+
+def _cut_short(meta_file: str) -> bool:
+    """Whether ``meta_file`` is empty or the start of a JSON object that does not parse
+    (a writer killed in the middle of it)."""
+    try:
+        with open(meta_file, "rb") as f:
+            text = f.read(1 << 20).strip()
+        json.loads(text)
+    except ValueError:     # JSONDecodeError, UnicodeDecodeError
+        return not text or text.startswith(b"{")
+    except OSError:
+        return False
+    return False
 
 
 def checkpoint_containing(path: str | os.PathLike) -> str:

@@ -86,3 +86,43 @@ def test_remove_checkpoint_refuses_a_folder_that_is_not_one(tmp_path, trainer):
     trainer.save_checkpoint(str(path))
     cio.remove_checkpoint(path)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("meta_text", ["", '{\n  "created": "2026-11-28T07:', '{"digests": {"model.safetensors": "ab'])
+def test_a_staging_folder_left_by_a_kill_inside_meta_json_is_replaced(tmp_path, trainer, meta_text):
+    """A save killed while it wrote meta.json leaves NAME.tmp with the start of one; the
+    next save to NAME (a resumed run re-saving that step) replaces it. Found by the async
+    top-k kill test: the resume refused the folder and failed."""
+    path = tmp_path / "epoch=0-step=3"
+    tmp = Path(cio.tmp_path(path))
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"half")
+    (tmp / "trainer_state.pt").write_bytes(b"half")
+    (tmp / "meta.json").write_text(meta_text)
+    trainer.save_checkpoint(str(path))
+    assert cio.is_checkpoint(path) and not tmp.exists()
+
+
+@pytest.mark.parametrize("meta_text", ['{"name": "cifar-mini"}', "name: cifar-mini\n", "[1, 2"])
+def test_a_tmp_folder_with_another_programs_meta_json_is_still_refused(tmp_path, trainer, meta_text):
+    path = tmp_path / "data"
+    tmp = Path(cio.tmp_path(path))
+    tmp.mkdir()
+    (tmp / "meta.json").write_text(meta_text)
+    with pytest.raises(CheckpointError, match="is not a staging folder of an ember save"):
+        trainer.save_checkpoint(str(path))
+    assert (tmp / "meta.json").read_text() == meta_text
+
+
+def test_meta_json_is_renamed_into_place_whole(tmp_path, trainer, monkeypatch):
+    """meta.json appears in one rename: a kill at any moment leaves none or all of it."""
+    seen = []
+    real = os.replace
+
+    def spy(src, dst, *a, **kw):
+        if os.path.basename(os.fspath(dst)) == "meta.json":
+            seen.append((os.path.basename(os.fspath(src)), json.loads(Path(src).read_text())["format_version"]))
+        return real(src, dst, *a, **kw)
+    monkeypatch.setattr(os, "replace", spy)
+    trainer.save_checkpoint(str(tmp_path / "ckpt"))
+    assert seen == [(".tmpmeta", cio.FORMAT_VERSION)]
