@@ -358,6 +358,10 @@ def launch(args: argparse.Namespace) -> int:
             print(f"ember: error: launch: rank(s) {missing} never arrived at a collective: rank {rank} (local rank "
                   f"{failure.local_rank}) waited for them until the process-group timeout and {how}; its error is "
                   "printed above", file=sys.stderr)
+        elif len(tied := unordered_failures(err.failures)) > 1:
+            print(f"ember: error: launch: ranks {', '.join(map(str, tied))} {how.replace('was', 'were')} within the "
+                  "same second and none recorded its error (a script that does not use ember records none), so "
+                  "which failed first cannot be told; their errors are printed above", file=sys.stderr)
         else:
             print(f"ember: error: launch: rank {rank} (local rank {failure.local_rank}) {how}; "
                   "its error is printed above", file=sys.stderr)
@@ -386,12 +390,25 @@ def first_failure(failures: dict) -> tuple:
     with the time it failed); the ranks stopped because of it (killed by the agent's
     SIGTERM, or reporting that a peer went away, which writes no error file) come after.
     So: the earliest recorded error; else the earliest exit with a code; else any."""
-    def key(item):
-        rank, f = item
-        data = getattr(f, "error_file_data", None) or {}
-        recorded = isinstance(data.get("message"), dict)   # written by ErrorHandler (torchrun's "<NONE>" if not)
-        return (0 if recorded else 1 if f.exitcode > 0 else 2, f.timestamp, rank)
-    return min(failures.items(), key=key)
+    return min(failures.items(), key=_failure_order)
+
+
+def _failure_order(item) -> tuple:
+    rank, f = item
+    data = getattr(f, "error_file_data", None) or {}
+    recorded = isinstance(data.get("message"), dict)   # written by ErrorHandler (torchrun's "<NONE>" if not)
+    return (0 if recorded else 1 if f.exitcode > 0 else 2, f.timestamp, rank)
+
+
+def unordered_failures(failures: dict) -> list:
+    """The global ranks that :func:`first_failure` cannot order: each exited with a code
+    in the same second as the first, and none recorded an error (a plain torch script:
+    the rank that raised and the one that then lost its peer look alike). One rank when
+    the first failure is known."""
+    first = _failure_order(min(failures.items(), key=_failure_order))
+    if first[0] != 1:
+        return [min(failures.items(), key=_failure_order)[0]]
+    return sorted(r for r, f in failures.items() if _failure_order((r, f))[:2] == first[:2])
 
 
 # --------------------------------------------------------------------------- config wizard

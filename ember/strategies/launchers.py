@@ -72,8 +72,10 @@ def relaunch_command() -> list[str]:
     script = sys.argv[0] if sys.argv else ""
     # argv[0] is pytest's own __main__.py under `python -m pytest`: that holds also when a shell
     # (IPython's) replaced sys.modules["__main__"] and with it the spec
+    # a pytest-xdist worker runs under `python -c` (execnet) with xdist imported
+    xdist_worker = script == "-c" and "xdist" in sys.modules and bool(os.environ.get("PYTEST_XDIST_WORKER"))
     if "pytest" in os.path.basename(script) or f"{os.sep}pytest{os.sep}" in script \
-            or (spec is not None and spec.name.startswith("pytest")):
+            or (spec is not None and spec.name.startswith("pytest")) or xdist_worker:
         raise MisconfigurationError(
             "devices>1 with strategy='ddp' cannot start its ranks from inside pytest (they would re-run "
             "the test session); run the training in a script started as a subprocess")

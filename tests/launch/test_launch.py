@@ -109,7 +109,10 @@ def test_failing_rank_stops_the_run_and_reports_once(tmp_path, worker):
     r = run_ember("launch", "--num-processes", 2, worker, env=launch_env(tmp_path, FAIL_RANK="1"), timeout=60)
     assert r.returncode != 0
     assert (r.stdout + r.stderr).count("boom on rank 1") == 1, r.stderr
-    assert "ember: error: launch: rank 1" in r.stderr
+    # a plain torch script records no error: rank 1 is named, or, when rank 0 lost its peer and
+    # exited in the same poll of the agent (a loaded machine), both are, saying so
+    assert "ember: error: launch: rank 1 " in r.stderr or "ember: error: launch: ranks 0, 1 exited" in r.stderr, \
+        r.stderr
     assert "Traceback" in r.stderr      # the worker's own traceback, shown once
     assert not (tmp_path / "out.json").exists()
 
