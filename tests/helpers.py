@@ -8,7 +8,9 @@
   process group or of ember's launcher removed);
 - subprocess runners: ``run_python`` (a Python script from the repository root, exit 0
   asserted) and ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``,
-  every process's stacks shown and all killed on a hang), with ``launch_env``;
+  every process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
+  (a job of several processes, output in files, stacks shown and all killed on a hang or
+  when a process it started outlives it);
 - ``compare_finals`` (a full run's and a resumed run's final state, bit for bit);
 - readers of what loggers wrote: ``wandb_records`` and ``wandb_history`` / ``wandb_config``
   / ``wandb_artifacts`` (an offline W&B run file), and ``CaptureLogger`` (a real Logger that
@@ -28,6 +30,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,62 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
         pytest.fail(f"{proc.args} did not finish in {timeout} s\nstdout:\n{out[-3000:]}\n"
                     f"stderr:\n{err[-8000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _marked(mark: str) -> list[int]:
+    """The live processes whose environment holds ``EMBER_TEST_RUN=<mark>``."""
+    needle = f"EMBER_TEST_RUN={mark}".encode()
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/stat") as st:
+                        if st.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                            out.append(int(entry))
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def run_job(cmd: list, *, out_dir: Path, env: dict[str, str], timeout: float, linger: float = 15,
+            **kw) -> subprocess.CompletedProcess:
+    """Run a job of several processes (torchrun and its ranks) to its end, its output in
+    ``out_dir/stdout.txt`` and ``stderr.txt`` (a pipe would keep the test waiting while
+    any process of the job holds it). On a hang, and when a process the job started
+    (every one carries a mark in its environment: a rank, a DataLoader worker) outlives it
+    by more than ``linger`` seconds, each prints its Python stacks (PYTHONFAULTHANDLER) into
+    the output, all are killed, and the test fails showing the output."""
+    import uuid
+    mark = uuid.uuid4().hex
+    env = dict(env, EMBER_TEST_RUN=mark, PYTHONFAULTHANDLER="1")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    so, se = out_dir / "stdout.txt", out_dir / "stderr.txt"
+    with open(so, "w") as fo, open(se, "w") as fe:
+        proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=fo, stderr=fe, **kw)
+        problem = ""
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            problem = f"did not finish in {timeout} s"
+        end = time.monotonic() + linger
+        while not problem and _marked(mark) and time.monotonic() < end:
+            time.sleep(0.2)
+        left = _marked(mark)
+        if left and not problem:
+            problem = f"ended (exit code {proc.returncode}) but processes it started outlived it by {linger} s: {left}"
+        if problem:
+            for sig in (signal.SIGABRT, signal.SIGKILL):
+                for pid in [proc.pid, *_marked(mark)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                time.sleep(2)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+    out, err = so.read_text(errors="replace"), se.read_text(errors="replace")
+    if problem:
+        pytest.fail(f"{cmd} {problem}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-12000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_ember(*args, env: dict[str, str], timeout: float = 90, **kw) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ state, per rank), Hugging Face datasets (an IterableDataset split by shards over
 workers, one with a shuffle buffer, a map-style one), StatefulDataLoaders, several loaders
 in each CombinedLoader mode (each sharded), and the Accelerator's save_state/load_state.
 One launch runs every case (tests/scripts/stateful_ddp.py)."""
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from ember.strategies.environments import find_free_port
-from helpers import clean_env
+from helpers import clean_env, run_job
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,7 +24,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("stateful_ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(find_free_port()), str(SCRIPTS / "stateful_ddp.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=out, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run_job(cmd, out_dir=out, cwd=out, env=clean_env(), timeout=TIMEOUT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 

@@ -211,7 +211,12 @@ def test_relaunch_command(monkeypatch, tmp_path):
     assert launchers.relaunch_command()[:3] == [sys.executable, "-m", "mypkg"]
     monkeypatch.setattr(__main__, "__spec__", None, raising=False)
     monkeypatch.setattr(sys, "argv", ["-c"])
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)     # `python -c` outside a pytest-xdist worker
     with pytest.raises(MisconfigurationError, match="no script to re-run"):
+        launchers.relaunch_command()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")               # a pytest-xdist worker: `python -c` + xdist
+    monkeypatch.setitem(sys.modules, "xdist", types.ModuleType("xdist"))
+    with pytest.raises(MisconfigurationError, match="cannot start its ranks from inside pytest"):
         launchers.relaunch_command()
 
 
