@@ -149,8 +149,14 @@ CLIP = 0.05
 
 
 def main() -> None:
+    """``mesh_train.py OUT RUN[,RUN...]``: the runs one after the other in this launch."""
+    out = sys.argv[1]
+    for run in sys.argv[2].split(","):
+        one_run(out, run)
+
+
+def one_run(out: str, run: str) -> None:
     from ember.strategies import FSDPStrategy, ModelParallelStrategy
-    out, run = sys.argv[1], sys.argv[2]
     short = dict(timeout=60)
     if run == "ref":
         fit(out, run, "single", 1)

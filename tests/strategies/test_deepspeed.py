@@ -29,16 +29,23 @@ def ds_ops():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda s: f"zero{s}")
-def results(request, ds_ops, tmp_path_factory):
+@pytest.fixture(scope="module")
+def all_stages(ds_ops, tmp_path_factory):
+    """One two-process launch runs the checks of ZeRO stages 1, 2 and 3 (each process pays
+    DeepSpeed's start-up once, not once per stage)."""
+    out = str(tmp_path_factory.mktemp("zero"))
+    r = subprocess.run([sys.executable, SCRIPT, out, "1", "2", "3"], env=quiet_env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"the ZeRO checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return out
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda s: f"zero{s}")
+def results(request, all_stages):
     stage = request.param
-    out = str(tmp_path_factory.mktemp(f"zero{stage}"))
-    r = subprocess.run([sys.executable, SCRIPT, out, str(stage)], env=quiet_env(), capture_output=True, text=True,
-                       timeout=400)
-    assert r.returncode == 0, f"stage {stage} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
 
     def get(name, rank=0):
-        with open(os.path.join(out, f"{name}.rank{rank}.json")) as f:
+        with open(os.path.join(all_stages, f"zero{stage}", f"{name}.rank{rank}.json")) as f:
             return json.load(f)
     get.stage = stage
     return get
