@@ -49,10 +49,11 @@ report-check: $(VENV)/.installed
 		--screenshot=$(REPORT_DIR)/report.png file://$(CURDIR)/$(REPORT_DIR)/report.html 2>/dev/null
 	@test -s $(REPORT_DIR)/report.png && echo "screenshot: $(REPORT_DIR)/report.png"
 
-# Two pytest-xdist workers, each taking whole test files (module fixtures run once): the
-# suite's subprocess-heavy tests leave a core idle half the time when run one by one.
-# `make test PYTEST_WORKERS=0` runs it in one process.
-PYTEST_WORKERS ?= 2
+# Three pytest-xdist workers on the 2-core machines, each taking whole test files (module
+# fixtures run once), the slowest files first (tests/durations.json): many tests wait on
+# other processes (timeouts, restarts, a peer's start-up), and with two workers a fifth of
+# the CPU stayed idle. `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 3
 test: $(VENV)/.dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 

@@ -68,3 +68,39 @@ def _restore_global_torch_state():
         os.environ["EMBER_SEED_WORKERS"] = workers_env
     torch.set_default_dtype(dtype)
     torch.use_deterministic_algorithms(det, warn_only=det_warn)
+
+
+def pytest_configure(config) -> None:
+    """Compile ember's and the tests' sources to bytecode once, before any test starts a
+    process. Most of the suite's time is Python processes starting (each rank of each
+    multi-process test imports ember and the test script); where PYTHONDONTWRITEBYTECODE is
+    set (as on the CI machines) each of them would compile every ember module from source
+    again. Python still reads __pycache__ under that setting; compileall writes it."""
+    if hasattr(config, "workerinput"):      # a pytest-xdist worker: the controller did it
+        return
+    import compileall
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("ember", "tests", "examples", "benchmarks"):
+        if (root / folder).is_dir():
+            compileall.compile_dir(root / folder, quiet=2, workers=0)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The slowest files first (``tests/durations.json``), each file's tests in their
+    order: pytest-xdist hands whole files to its workers in this order, so the long ones
+    start early instead of finishing alone at the end of the run."""
+    from durations import load
+    seconds = load()
+    if not seconds:
+        return
+    root = config.rootpath
+
+    def weight(item) -> float:
+        try:
+            rel = item.path.relative_to(root).as_posix()
+        except ValueError:
+            return 0.0
+        return seconds.get(rel, 0.0)
+
+    items.sort(key=lambda item: -weight(item))    # stable: each file keeps its order
