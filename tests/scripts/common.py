@@ -5,6 +5,8 @@ nothing logged; a script that needs more (hooks, logging, a value that differs p
 subclasses it. ``sum_data`` / ``loader``: 4 features drawn from a generator seeded 0, the
 target their sum (a task the regressor learns); ``noise_data``: the target drawn too.
 Neither touches the global RNG (only the ``nn.Linear`` initialisation does).
+``worker_context``: the DataLoader keywords a rank's worker processes start with (a
+forkserver where forking them can hang).
 
 A script imports it as ``from common import Regressor, loader``: Python puts the
 script's own folder first on ``sys.path``, also in the processes that ember's launcher,
@@ -12,6 +14,9 @@ script's own folder first on ``sys.path``, also in the processes that ember's la
 on ``sys.path``.
 """
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 from torch import nn
@@ -57,3 +62,25 @@ def noise_data(n: int = 32) -> TensorDataset:
 def loader(n: int = 32, batch_size: int = 4) -> DataLoader:
     """``sum_data(n)`` in order, ``batch_size`` rows a batch."""
     return DataLoader(sum_data(n), batch_size=batch_size)
+
+
+def forking_can_hang() -> bool:
+    """CPython before 3.11.8 (and 3.12.0) can deadlock a child forked while another thread
+    holds the thread-list lock (gh-112275): a DataLoader worker forked by a rank (gloo's
+    threads, ember's SIGTERM watcher) hung in ``os.fork`` about once in 30 runs of
+    stateful_ddp.py on a loaded machine."""
+    v = sys.version_info[:3]
+    return v < (3, 11, 8) or v == (3, 12, 0)
+
+
+def worker_context(*preload: str, main: bool = True) -> dict:
+    """``DataLoader`` keywords for worker processes started by a rank: on a Python where
+    forking can hang (``forking_can_hang``) and with more than one process, a forkserver
+    with torch, ``preload`` and, with ``main``, the script itself (``__main__``, whose
+    dataset classes the workers unpickle) imported once; otherwise nothing (forked workers)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not forking_can_hang():
+        return {}
+    import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", *preload, *(["__main__"] if main else [])])
+    return {"multiprocessing_context": ctx}

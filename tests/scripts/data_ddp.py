@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from common import worker_context
 from ember import Accelerator, Trainer, TrainModule
 from ember.callbacks import GatherMetrics
 from ember.strategies import DDPStrategy
@@ -192,7 +193,7 @@ def run_iterable(devices, root):
     trainer = Trainer(devices=devices, strategy=strategy(devices), max_epochs=1, seed=3, default_root_dir=root,
                       **QUIET)
     module = DrawRecorder()
-    trainer.fit(module, DataLoader(Noisy(), batch_size=2, num_workers=2))
+    trainer.fit(module, DataLoader(Noisy(), batch_size=2, num_workers=2, **worker_context()))
     res["draws"] = module.draws
     # evaluation keeps every item of a stream (55 over 2 ranks: 28 + 27); gathered once at epoch end
     seen = {}
@@ -303,7 +304,7 @@ def run_generator_workers(devices, root):
             module = IdRecorder()
             g = torch.Generator().manual_seed(100)
             trainer.fit(module, DataLoader(eval_set(GEN_SIZE), batch_size=GEN_BATCH, shuffle=True, generator=g,
-                                           num_workers=2, persistent_workers=True),
+                                           num_workers=2, persistent_workers=True, **worker_context()),
                         ckpt_path=os.path.join(root, "ck", ckpt) if ckpt else None)
         res[name] = {"seen": module.seen, "weights": [p.detach().tolist() for p in module.parameters()]}
     return trainer, res

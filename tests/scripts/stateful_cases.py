@@ -9,7 +9,6 @@ so the samples each step trained are recorded (``seen``)."""
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
@@ -18,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
+from common import worker_context
 from ember.callbacks import ModelCheckpoint
 
 N, BATCH, EPOCHS, EVERY = 64, 4, 2, 3
@@ -75,29 +75,11 @@ def stateful_dataloader(*args, **kwargs):
         return StatefulDataLoader(*args, **kwargs)
 
 
-def forking_can_hang() -> bool:
-    """CPython before 3.11.8 (and 3.12.0) can deadlock a child forked while another thread
-    holds the thread-list lock (gh-112275): a DataLoader worker forked by a rank (gloo's
-    threads, ember's SIGTERM watcher) hung in ``os.fork`` about once in 30 runs of
-    stateful_ddp.py on a loaded machine."""
-    v = sys.version_info[:3]
-    return v < (3, 11, 8) or v == (3, 12, 0)
-
-
-def forkserver():
-    """A forkserver context with torch and this module preloaded (a worker starts in
-    milliseconds instead of importing torch)."""
-    import multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torchdata.stateful_dataloader", "stateful_cases"])
-    return ctx
-
-
 def loader(case: str, workers: int = 0):
     """The train loader of ``case`` (a fresh one per call)."""
     kw = dict(batch_size=BATCH, num_workers=workers)
-    if workers and int(os.environ.get("WORLD_SIZE", "1")) > 1 and forking_can_hang():
-        kw["multiprocessing_context"] = forkserver()
+    if workers:
+        kw.update(worker_context("torchdata.stateful_dataloader", "stateful_cases", main=False))
     if case == "stream":
         return DataLoader(Stream(), **kw)
     if case == "stateful":
