@@ -195,6 +195,44 @@ def optim_states_equal(a: dict, b: dict) -> bool:
     return True
 
 
+def export_result(strategy, net: Net, folder: str, rank: int) -> dict:
+    """``strategy.export_full(folder)`` of the trained, wrapped ``net``: the files written
+    and, on rank 0, how far a plain ``Net`` loaded from them is from ``net``'s outputs."""
+    from ember.checkpoint import io as cio
+    path = strategy.export_full(folder)
+    x = data().tensors[0][:8]
+    with torch.no_grad():
+        y = net(x)
+    res = {"files": sorted(os.listdir(path))}
+    if rank == 0:
+        plain = Net()
+        plain.load_state_dict(cio.load_model_sharded(path))
+        with torch.no_grad():
+            res["max_out_diff"] = (plain(x) - y).abs().max().item()
+    return res
+
+
+def commit_result(dropping, complete, out_dir: str) -> dict:
+    """A one-step fit and save with the Trainer ``dropping()`` makes (its strategy loses one
+    rank's file before the commit), then with ``complete()``'s: the error the first save
+    raised (or None), whether it was committed, and the files the second's meta.json lists."""
+    res = {}
+    t = dropping()
+    t.fit(make_net(), loader())
+    try:
+        t.save_checkpoint(os.path.join(out_dir, "dropped_ckpt"))
+        res["error"] = None
+    except Exception as err:
+        res["error"] = f"{type(err).__name__}: {err}"
+    res["committed"] = os.path.exists(os.path.join(out_dir, "dropped_ckpt"))
+    t = complete()
+    t.fit(make_net(), loader())
+    t.save_checkpoint(os.path.join(out_dir, "listed_ckpt"))
+    with open(os.path.join(out_dir, "listed_ckpt", "meta.json")) as f:
+        res["listed"] = sorted(json.load(f)["files"])
+    return res
+
+
 def write_result(out_dir: str, name: str, result: dict, rank: int) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:

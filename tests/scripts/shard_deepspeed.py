@@ -4,7 +4,6 @@ starts rank 1 itself, which runs the same stages.
 
     python shard_deepspeed.py OUT STAGE [STAGE ...]   # writes OUT/zero<STAGE>/<check>.rank<r>.json
 """
-import json
 import os
 import sys
 
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shard_common as sc  # noqa: E402
 
-import ember  # noqa: E402
 from ember.checkpoint import io as cio  # noqa: E402
 from ember import Accelerator, Trainer  # noqa: E402
 from ember.callbacks import ModelCheckpoint  # noqa: E402
@@ -98,17 +96,7 @@ def run_stage(OUT: str, STAGE: int) -> None:
     net = sc.make_net(seed=5)
     t = trainer(ds(), max_steps=2)
     t.fit(net, sc.loader())
-    path = t.strategy.export_full(os.path.join(OUT, "export"))
-    xb = sc.data().tensors[0][:8]
-    with torch.no_grad():
-        y_ds = net(xb)
-    res = {"files": sorted(os.listdir(path))}
-    if rank == 0:
-        plain = sc.Net()
-        plain.load_state_dict(cio.load_model_sharded(path))
-        with torch.no_grad():
-            res["max_out_diff"] = (plain(xb) - y_ds).abs().max().item()
-    sc.write_result(OUT, "export", res, rank)
+    sc.write_result(OUT, "export", sc.export_result(t.strategy, net, os.path.join(OUT, "export"), rank), rank)
 
     # 5. memory: parameters (ZeRO-3) and optimizer states (fp32 master + AdamW's 2) are partitioned
     params = [getattr(p, "ds_tensor", p) for p in net.parameters()]
@@ -196,22 +184,9 @@ def run_stage(OUT: str, STAGE: int) -> None:
     # 11. a commit checks every rank's files: rank 1's ZeRO file missing -> nothing committed, an
     #     error on every rank naming rank 1; a complete checkpoint lists every rank's files in meta.json
     DropsRank1File, dropped = sc.deepspeed_dropping_rank1_file()
-    res = {}
-    t = trainer(DropsRank1File(devices=2, stage=STAGE, **ZERO), max_steps=1)
-    t.fit(sc.make_net(), sc.loader())
-    try:
-        t.save_checkpoint(os.path.join(OUT, "dropped_ckpt"))
-        res["error"] = None
-    except Exception as err:
-        res["error"] = f"{type(err).__name__}: {err}"
-    res["dropped"] = dropped
-    res["committed"] = os.path.exists(os.path.join(OUT, "dropped_ckpt"))
-    t = trainer(ds(), max_steps=1)
-    t.fit(sc.make_net(), sc.loader())
-    t.save_checkpoint(os.path.join(OUT, "listed_ckpt"))
-    with open(os.path.join(OUT, "listed_ckpt", "meta.json")) as f:
-        res["listed"] = sorted(json.load(f)["files"])
-    sc.write_result(OUT, "shard_commit", res, rank)
+    res = sc.commit_result(lambda: trainer(DropsRank1File(devices=2, stage=STAGE, **ZERO), max_steps=1),
+                           lambda: trainer(ds(), max_steps=1), OUT)
+    sc.write_result(OUT, "shard_commit", dict(res, dropped=dropped), rank)
 
 
 if __name__ == "__main__":

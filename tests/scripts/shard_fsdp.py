@@ -4,12 +4,10 @@
     torchrun --nproc_per_node 2 shard_fsdp.py OUT w2
     python shard_fsdp.py OUT w1b       # one process: resume the world-2 checkpoint
 """
-import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -207,16 +205,8 @@ elif MODE == "w2":
     t = trainer(fsdp(), max_steps=2)
     net = sc.make_net(seed=5)
     t.fit(net, sc.loader())
-    path = t.strategy.export_full(os.path.join(OUT, "export"))
-    x = sc.data().tensors[0][:8]
-    with torch.no_grad():
-        y_fsdp = net(x)
-    res = {"files": sorted(os.listdir(path))}
-    if rank == 0:
-        plain = sc.Net()
-        plain.load_state_dict(cio.load_model_sharded(path))
-        with torch.no_grad():
-            res["max_out_diff"] = (plain(x) - y_fsdp).abs().max().item()
+    path = os.path.join(OUT, "export")
+    res = sc.export_result(t.strategy, net, path, rank)
     # save_weights_only checkpoints hold full weights (ModelCheckpoint uses module_state_dict)
     wo = os.path.join(OUT, "weights_only")
     t.save_checkpoint(wo, weights_only=True)
@@ -300,20 +290,8 @@ elif MODE == "w2":
                 os.remove(os.path.join(cio.tmp_path(path), cio.DCP_WEIGHTS_DIR, "__1_0.distcp"))
             super()._commit(path, state, meta)
 
-    res = {}
-    t = trainer(DropsRank1Shard(auto_wrap_policy={sc.Block}), max_steps=1)
-    t.fit(sc.make_net(), sc.loader())
-    try:
-        t.save_checkpoint(os.path.join(OUT, "dropped_ckpt"))
-        res["error"] = None
-    except Exception as err:
-        res["error"] = f"{type(err).__name__}: {err}"
-    res["committed"] = os.path.exists(os.path.join(OUT, "dropped_ckpt"))
-    t = trainer(fsdp(), max_steps=1)
-    t.fit(sc.make_net(), sc.loader())
-    t.save_checkpoint(os.path.join(OUT, "listed_ckpt"))
-    with open(os.path.join(OUT, "listed_ckpt", "meta.json")) as f:
-        res["listed"] = sorted(json.load(f)["files"])
+    res = sc.commit_result(lambda: trainer(DropsRank1Shard(auto_wrap_policy={sc.Block}), max_steps=1),
+                           lambda: trainer(fsdp(), max_steps=1), OUT)
     sc.write_result(OUT, "shard_commit", res, rank)
 
     # 13. an exception after an async save started: the save is dropped, not committed at
