@@ -153,7 +153,7 @@ def one_process(tmp_path, monkeypatch) -> dict:
     monkeypatch.setenv("NODE_DIR", str(tmp_path))
     trainer = ember.Trainer(max_epochs=mt.EPOCHS, devices=1, seed=7, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    module = mt.Net()
+    module = mt.SineNet(log_loss=True)
     trainer.fit(module, datamodule=mt.Data(16))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 

@@ -5,7 +5,8 @@ nothing logged; a script that needs more (hooks, logging, a value that differs p
 subclasses it. ``sum_data`` / ``loader``: 4 features drawn from a generator seeded 0, the
 target their sum (a task the regressor learns); ``noise_data``: the target drawn too.
 Neither touches the global RNG (only the ``nn.Linear`` initialisation does).
-``worker_context``: the DataLoader keywords a rank's worker processes start with (a
+``sine_data`` / ``SineNet``: the launcher scripts' task (6 features, the target the sine
+of their sum) and model (a seeded 6-16-1 Tanh MLP, AdamW). ``worker_context``: the DataLoader keywords a rank's worker processes start with (a
 forkserver where forking them can hang).
 
 A script imports it as ``from common import Regressor, loader``: Python puts the
@@ -62,6 +63,36 @@ def noise_data(n: int = 32) -> TensorDataset:
 def loader(n: int = 32, batch_size: int = 4) -> DataLoader:
     """``sum_data(n)`` in order, ``batch_size`` rows a batch."""
     return DataLoader(sum_data(n), batch_size=batch_size)
+
+
+def sine_data(n: int = 64) -> TensorDataset:
+    """``n`` samples of 6 features drawn from a generator seeded 0, the target
+    ``sin(sum(x))``; the global RNG is not touched."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+
+class SineNet(ember.TrainModule):
+    """A 6-16-1 Tanh MLP built from ``torch.manual_seed(0)`` (the same weights on every
+    rank and in every attempt), MSE loss, ``AdamW(lr=0.01)``; with ``log_loss``, the loss
+    is logged as ``loss`` (``sync_dist=True``)."""
+
+    def __init__(self, log_loss: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.log_loss = log_loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        if self.log_loss:
+            self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
 def forking_can_hang() -> bool:

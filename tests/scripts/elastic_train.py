@@ -14,28 +14,13 @@ import argparse
 import os
 import signal
 
-import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from common import SineNet, sine_data
 import ember
 from ember.strategies import DDPStrategy
 from ember.callbacks import Callback, ModelCheckpoint
-
-
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
 class KillAt(Callback):
@@ -59,15 +44,13 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=-1)
     a = p.parse_args()
     ember.seed_everything(0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 6, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4, shuffle=True)
+    loader = DataLoader(sine_data(), batch_size=4, shuffle=True)
     ckpt = ModelCheckpoint(dirpath=os.path.join(a.out, a.tag), every_n_train_steps=2, save_top_k=-1)
     trainer = ember.Trainer(max_epochs=2, devices="cpu", strategy=DDPStrategy(timeout=60),
                             callbacks=[ckpt, KillAt(a.kill_at, a.out, a.tag)], logger=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             default_root_dir=os.path.join(a.out, a.tag))
-    module = Net()
+    module = SineNet()
     trainer.fit(module, loader)
     if trainer.is_global_zero:
         save_file({k: v.contiguous() for k, v in module.state_dict().items()},

@@ -28,40 +28,16 @@ import os
 import signal
 import time
 
-import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from common import SineNet, sine_data
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.loggers import CSVLogger
 
 STEPS_PER_EPOCH = 4     # 64 samples, global batch 16
 EPOCHS = 2
-
-
-def data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 6, generator=g)
-    return TensorDataset(x, x.sum(1, keepdim=True).sin())
-
-
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self.net(x), y)
-        self.log("loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
 class Data(ember.DataModule):
@@ -74,7 +50,7 @@ class Data(ember.DataModule):
             f.write(f"{os.environ.get('RANK', '0')}\n")
 
     def train_dataloader(self):
-        return DataLoader(data(), batch_size=self.batch_size, shuffle=True)
+        return DataLoader(sine_data(), batch_size=self.batch_size, shuffle=True)
 
 
 class Events(Callback):
@@ -147,7 +123,7 @@ def main() -> None:
                             callbacks=[ckpt, Events(a)], logger=CSVLogger(root),
                             log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, default_root_dir=root)
-    module = Net()
+    module = SineNet(log_loss=True)
     trainer.fit(module, datamodule=Data(64 // (STEPS_PER_EPOCH * world)))
     # the whole tensors (an all-gather of the shards under HSDP, on every rank)
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().contiguous()

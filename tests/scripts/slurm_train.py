@@ -18,29 +18,13 @@ import os
 import signal
 import time
 
-import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
+from common import SineNet, sine_data
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.strategies import DDPStrategy
-
-
-class Net(ember.TrainModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
 class Record(Callback):
@@ -89,9 +73,7 @@ def main() -> None:
     p.add_argument("tag")
     p.add_argument("--wait-at", type=int, default=-1)
     a = p.parse_args()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 6, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4, shuffle=True)
+    loader = DataLoader(sine_data(), batch_size=4, shuffle=True)
     ckpt_dir = os.path.join(a.out, a.tag, "checkpoints")
     resumed = os.path.exists(os.path.join(ckpt_dir, "last"))   # the requeued job, or a second srun
     trainer = ember.Trainer(max_epochs=2, devices="cpu", strategy=DDPStrategy(timeout=30), seed=7,
@@ -99,7 +81,7 @@ def main() -> None:
                                        Record(a, resumed)],
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, default_root_dir=os.path.join(a.out, a.tag))
-    module = Net()
+    module = SineNet()
     trainer.fit(module, loader, ckpt_path="last" if resumed else None)
     if trainer.is_global_zero:
         save_file({k: v.contiguous() for k, v in module.state_dict().items()},
