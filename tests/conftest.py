@@ -48,6 +48,19 @@ def data():
     return make
 
 
+@pytest.fixture
+def frozen_heap():
+    """``gc.freeze()`` for the test: the objects that exist before it (in a pytest worker,
+    every module and object the suite has made so far, a million or more) are left out of
+    the full collections that the batch-size searches run on every retry (as Accelerate's
+    do), which took a second or two each there. The collections still run, over what the
+    test makes; ``gc.unfreeze()`` after it."""
+    import gc
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_torch_state():
     """Trainer(seed=..., deterministic=True) and some precisions change process-wide

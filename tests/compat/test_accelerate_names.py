@@ -103,7 +103,7 @@ def test_save_logger_and_utils(tmp_path, caplog):
     assert utils.write_basic_config(save_location=path) is False
 
 
-def test_find_executable_batch_size_takes_ten_percent_off_as_accelerate():
+def test_find_executable_batch_size_takes_ten_percent_off_as_accelerate(frozen_heap):
     """Accelerate's sequence after each out-of-memory error: int(batch_size * 0.9)
     (its automatic_gradient_accumulation.py divides by it), also on the CPU allocator's message."""
     from ember.utils import find_executable_batch_size

@@ -118,7 +118,7 @@ class SizedModule(LinearModule):
         return super().training_step(batch, batch_idx)
 
 
-def test_scale_batch_size_power_and_binsearch(make_trainer):
+def test_scale_batch_size_power_and_binsearch(make_trainer, frozen_heap):
     trainer, module = make_trainer(max_epochs=1), SizedModule()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     # CPU: a user-given bound; the largest power of two within it
