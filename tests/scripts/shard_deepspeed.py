@@ -2,7 +2,8 @@
 imports DeepSpeed takes seconds to start). Started as a plain script: ``Trainer(devices=2)``
 starts rank 1 itself, which runs the same stages.
 
-    python shard_deepspeed.py OUT STAGE [STAGE ...]   # writes OUT/zero<STAGE>/<check>.rank<r>.json
+    python shard_deepspeed.py OUT STAGE [STAGE ...] [async]
+        # writes OUT/zero<STAGE>/<check>.rank<r>.json; "async": async_deepspeed.py's checks in OUT/async
 """
 import os
 import sys
@@ -190,7 +191,11 @@ def run_stage(OUT: str, STAGE: int) -> None:
 
 
 if __name__ == "__main__":
-    for stage in map(int, sys.argv[2:]):
-        out = os.path.join(sys.argv[1], f"zero{stage}")
+    for arg in sys.argv[2:]:
+        if arg == "async":          # async_deepspeed.py's checks (ZeRO-2, async_save=True), in this launch
+            import async_deepspeed
+            async_deepspeed.run(os.path.join(sys.argv[1], "async"))
+            continue
+        out = os.path.join(sys.argv[1], f"zero{arg}")
         os.makedirs(out, exist_ok=True)
-        run_stage(out, stage)
+        run_stage(out, int(arg))

@@ -18,7 +18,6 @@ from helpers import SCRIPTS, quiet_env
 
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
 SCRIPT = str(SCRIPTS / "shard_deepspeed.py")
-ASYNC_SCRIPT = str(SCRIPTS / "async_deepspeed.py")
 
 
 @pytest.fixture(scope="session")
@@ -31,10 +30,10 @@ def ds_ops():
 
 @pytest.fixture(scope="module")
 def all_stages(ds_ops, tmp_path_factory):
-    """One two-process launch runs the checks of ZeRO stages 1, 2 and 3 (each process pays
-    DeepSpeed's start-up once, not once per stage)."""
+    """One two-process launch runs the checks of ZeRO stages 1, 2 and 3, then those of
+    asynchronous saves (each process pays DeepSpeed's start-up once)."""
     out = str(tmp_path_factory.mktemp("zero"))
-    r = subprocess.run([sys.executable, SCRIPT, out, "1", "2", "3"], env=quiet_env(), capture_output=True,
+    r = subprocess.run([sys.executable, SCRIPT, out, "1", "2", "3", "async"], env=quiet_env(), capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, f"the ZeRO checks failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return out
@@ -236,14 +235,10 @@ def test_async_save_is_a_strategy_switch_not_a_zero_key():
 
 
 @pytest.fixture(scope="module")
-def async_results(ds_ops, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("async_zero2"))
-    r = subprocess.run([sys.executable, ASYNC_SCRIPT, out], env=quiet_env(), capture_output=True, text=True,
-                       timeout=400)
-    assert r.returncode == 0, f"async run failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-
+def async_results(all_stages):
+    """tests/scripts/async_deepspeed.py's checks, run in the ZeRO launch after its stages."""
     def get(name, rank=0):
-        with open(os.path.join(out, f"{name}.rank{rank}.json")) as f:
+        with open(os.path.join(all_stages, "async", f"{name}.rank{rank}.json")) as f:
             return json.load(f)
     return get
 
