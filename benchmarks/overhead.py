@@ -17,7 +17,8 @@ cancels; "incl. setup" divides a whole N-step run by N.
 
 Variants: raw (hand-written loop), trainer (ember Trainer with DEFAULT settings:
 progress bar, model summary, TensorBoard logger, checkpointing), accelerator
-(ember Accelerator custom loop).
+(ember Accelerator custom loop), raw-in-trainer-process (the raw loop in a process that
+also imported ember and built a default Trainer it never uses).
 
 ``--data samples`` (default): a TensorDataset of samples, batch_size=64 — the
 DataLoader's per-index RandomSampler runs in the raw loop, ember's resumable
@@ -112,6 +113,14 @@ def run_raw(steps):
     return go, stamps
 
 
+def run_raw_in_trainer_process(steps):
+    """The raw loop in a process that has also imported ember and built a default Trainer it
+    never uses: what the process alone (its imports, heap, threads) costs the raw loop."""
+    import ember
+    ember.Trainer(max_epochs=1, default_root_dir=tempfile.mkdtemp(prefix="ember-bench-"))
+    return run_raw(steps)
+
+
 def run_trainer(steps, **trainer_kw):
     torch, loader, net, stamps = _setup(steps)
     import torch.nn.functional as F
@@ -162,7 +171,8 @@ def child(variant: str, steps: int, warmup: int, profile: bool) -> dict:
     if variant in ABLATIONS:
         go, stamps = run_trainer(steps, **ABLATIONS[variant])
     else:
-        go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator}[variant](steps)
+        go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator,
+                        "raw-in-trainer-process": run_raw_in_trainer_process}[variant](steps)
     if profile:
         import cProfile
         import pstats
@@ -202,7 +212,8 @@ def thread_report(variant: str, steps: int, warmup: int) -> list[dict]:
     if variant in ABLATIONS:
         go, stamps = run_trainer(steps, **ABLATIONS[variant])
     else:
-        go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator}[variant](steps)
+        go, stamps = {"raw": run_raw, "trainer": run_trainer, "accelerator": run_accelerator,
+                        "raw-in-trainer-process": run_raw_in_trainer_process}[variant](steps)
     marks = {}
 
     def hook():   # one snapshot at step ``warmup`` and one at the end, taken from the collate function
