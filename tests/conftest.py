@@ -51,7 +51,7 @@ def data():
 @pytest.fixture
 def frozen_heap():
     """``gc.freeze()`` for the test: the objects that exist before it (in a pytest worker,
-    every module and object the suite has made so far, a million or more) are left out of
+    every module and object the suite has made so far, hundreds of thousands) are left out of
     the full collections that the batch-size searches run on every retry (as Accelerate's
     do), which took a second or two each there. The collections still run, over what the
     test makes; ``gc.unfreeze()`` after it."""
@@ -85,9 +85,9 @@ def _restore_global_torch_state():
 
 def pytest_configure(config) -> None:
     """Compile ember's and the tests' sources to bytecode once, before any test starts a
-    process. Most of the suite's time is Python processes starting (each rank of each
+    process. Much of the suite's time is Python processes starting (each rank of each
     multi-process test imports ember and the test script); where PYTHONDONTWRITEBYTECODE is
-    set (as on the CI machines) each of them would compile every ember module from source
+    set (as on the machines this suite was measured on) each of them would compile every ember module from source
     again. Python still reads __pycache__ under that setting; compileall writes it."""
     if hasattr(config, "workerinput"):      # a pytest-xdist worker: the controller did it
         return

@@ -6,8 +6,9 @@ subclasses it. ``sum_data`` / ``loader``: 4 features drawn from a generator seed
 target their sum (a task the regressor learns); ``noise_data``: the target drawn too.
 Neither touches the global RNG (only the ``nn.Linear`` initialisation does).
 ``sine_data`` / ``SineNet``: the launcher scripts' task (6 features, the target the sine
-of their sum) and model (a seeded 6-16-1 Tanh MLP, AdamW). ``worker_context``: the DataLoader keywords a rank's worker processes start with (a
-forkserver where forking them can hang).
+of their sum) and model (a seeded 6-16-1 Tanh MLP, AdamW). ``worker_context``: the
+DataLoader keywords a rank's worker processes start with (a forkserver where forking them
+can hang).
 
 A script imports it as ``from common import Regressor, loader``: Python puts the
 script's own folder first on ``sys.path``, also in the processes that ember's launcher,
