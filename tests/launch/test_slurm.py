@@ -1,6 +1,6 @@
 """A real SLURM cluster on this host (Debian's ``slurm-wlm``: munged, slurmctld and
 slurmd, set up by the fixture in a temporary folder with its own ports), and a 2-task
-DDP fit under ``srun``: plain, preempted by ``--signal=USR1@...`` and requeued, and
+DDP fit under ``srun``: plain, warned by SIGUSR1 (``--signal=USR1@...``) and requeued, and
 stopped by SIGTERM then resumed (tests/scripts/slurm_train.py). Skipped where the SLURM
 daemons are not installed (``apt-get install slurm-wlm``)."""
 from __future__ import annotations
@@ -154,9 +154,14 @@ def test_srun_fit_usr1_preemption_requeue_and_sigterm(slurm, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     assert attempts(out, "plain") == [[0, 1, 2]]
 
-    # 2. `sbatch --signal=USR1@50 --requeue`: once training runs, the time limit is cut to one
-    # minute, so SLURM sends SIGUSR1 to every task; ember saves `last`, rank 0 requeues the
-    # job, and the requeued job (SLURM_RESTART_COUNT=1) resumes from `last`
+    # 2. a job submitted as `sbatch --signal=USR1@50 --requeue`: once training runs, every task
+    # gets SIGUSR1 (as SLURM's warning before the time limit sends it, to every step); ember
+    # saves `last`, rank 0 requeues the job, and the requeued job (SLURM_RESTART_COUNT=1)
+    # resumes from `last`. The signal is sent with `scancel --signal=USR1`, not by cutting
+    # the time limit: SLURM measures a new limit from the job's start, so on a loaded machine
+    # (a start-up over a minute) a one-minute limit had already passed and SLURM ended the
+    # job for its time (SIGTERM, no requeue) rather than warning it; and the requeued job
+    # kept the short limit, so a slow resume was warned (and requeued) a second time.
     job = out / "job.sh"
     job.write_text("#!/bin/bash\n" + " ".join(srun_argv(out, "usr1", "--wait-at", "3")) + "\n")
     jid = subprocess.run(["sbatch", "--parsable", "-n", "2", "-N", "1", "--time=10", "--signal=USR1@50", "--requeue",
@@ -164,7 +169,7 @@ def test_srun_fit_usr1_preemption_requeue_and_sigterm(slurm, tmp_path):
                          env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip().split(";")[0]
     try:
         wait_for(out / "usr1.ready", timeout=180)
-        subprocess.run(["scontrol", "update", f"JobId={jid}", "TimeLimit=1"], env=env, check=True, timeout=30)
+        subprocess.run(["scancel", "--signal=USR1", jid], env=env, check=True, timeout=30)
         wait_for(out / "usr1.safetensors", timeout=240)
     finally:
         subprocess.run(["scancel", jid], env=env, timeout=30)
