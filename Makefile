@@ -52,10 +52,11 @@ report-check: $(VENV)/.installed
 # Three pytest-xdist workers on the 2-core machines, each taking whole test files (module
 # fixtures run once), the slowest files first (tests/durations.json): many tests wait on
 # other processes (timeouts, restarts, a peer's start-up), and with two workers a fifth of
-# the CPU stayed idle. `make test PYTEST_WORKERS=0` runs it in one process.
+# the CPU stayed idle. --no-loadscope-reorder keeps that order: by default xdist reorders
+# the files by their number of tests. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 3
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(VENV)/.dev
 	$(BIN)/python benchmarks/overhead.py

@@ -101,8 +101,10 @@ def pytest_configure(config) -> None:
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The slowest files first (``tests/durations.json``), each file's tests in their
-    order: pytest-xdist hands whole files to its workers in this order, so the long ones
-    start early instead of finishing alone at the end of the run."""
+    order: pytest-xdist hands whole files to its workers in this order (with
+    ``--no-loadscope-reorder``, as ``make test`` passes; by default xdist reorders the
+    files by their number of tests), so the long ones start early instead of finishing
+    alone at the end of the run."""
     from durations import load
     seconds = load()
     if not seconds:
