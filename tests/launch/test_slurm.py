@@ -161,7 +161,7 @@ def test_srun_fit_usr1_preemption_requeue_and_sigterm(slurm, tmp_path):
     # the time limit: SLURM measures a new limit from the job's start, so on a loaded machine
     # (a start-up over a minute) a one-minute limit had already passed and SLURM ended the
     # job for its time (SIGTERM, no requeue) rather than warning it; and the requeued job
-    # kept the short limit, so a slow resume was warned (and requeued) a second time.
+    # kept the short limit, so a slow resume could be warned (and requeued) a second time.
     job = out / "job.sh"
     job.write_text("#!/bin/bash\n" + " ".join(srun_argv(out, "usr1", "--wait-at", "3")) + "\n")
     jid = subprocess.run(["sbatch", "--parsable", "-n", "2", "-N", "1", "--time=10", "--signal=USR1@50", "--requeue",
