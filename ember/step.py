@@ -54,12 +54,13 @@ Accelerator loop (tests/step/).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
 from ember.errors import MisconfigurationError
-from ember.precision import NULL_CONTEXT
+from ember.precision import NULL_CONTEXT, clear_grads
 
 
 def accumulation_window(index: int, total: int | None, steps: int) -> tuple[bool, int]:
@@ -257,7 +258,10 @@ class StepRules:
         """Clear ``optimizer``'s gradients; nothing when an engine owns the step (DeepSpeed
         zeroes its own)."""
         if not self.strategy.owns_optimizer_step:
-            optimizer.zero_grad(set_to_none=set_to_none)
+            if set_to_none:
+                clear_grads(optimizer)
+            else:
+                optimizer.zero_grad(set_to_none=False)
 
     # -- schedulers -----------------------------------------------------------------------
     def scheduler_step(self, optimizers: Iterable[Any], apply: Callable[[], None], defer: bool = True) -> None:
@@ -325,7 +329,7 @@ class StepRules:
         plain = self._plain_step and step_override is None
         precision_step = self.strategy.precision.optimizer_step
         opt_step = precision_step if plain else self.optimizer_step
-        zero = None if owns else [o.zero_grad for o in raw]
+        zero = None if owns else [functools.partial(clear_grads, o) for o in raw]
         if wrap is not None:
             opt_step = wrap("optimizer_step", opt_step)
             zero = None if zero is None else [wrap("zero_grad", z) for z in zero]
@@ -339,7 +343,7 @@ class StepRules:
                     self.flush()
                 opt_step(opt)                       # skipped on inf/NaN gradients under 16-mixed
                 if zero_one is not None:
-                    zero_one(set_to_none=True)
+                    zero_one()
                 if update is not None:
                     update()                        # the step is complete: one scale update
             return step
@@ -371,7 +375,7 @@ class StepRules:
                 if zero_grad_override is not None:
                     zero_grad_override(epoch, batch_idx, o)
                 elif zero is not None:
-                    zero[i](set_to_none=True)
+                    zero[i]()
             if update is not None:
                 update()
         return step
