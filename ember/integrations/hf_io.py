@@ -48,7 +48,9 @@ def load_tokenizer(tokenizer: Any, local_files_only: bool = True):
             raise MisconfigurationError(f"tokenizer={tokenizer!r}: expected a path/name string or a "
                                         "transformers tokenizer")
         return tokenizer
-    from transformers import AutoTokenizer
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from transformers import AutoTokenizer
     name = os.fspath(tokenizer)
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=local_files_only or _offline())

@@ -21,7 +21,9 @@ from torch import nn
 
 
 def _dtype_kwarg() -> str:
-    import transformers
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        import transformers
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
@@ -29,8 +31,10 @@ def _dtype_kwarg() -> str:
 def pretrained_config(module: Any, name: str) -> tuple[Any, bool]:
     """``(config, mismatched)``: the folder's config with the module's labels applied;
     ``mismatched`` when the labels change the size of the head."""
-    from transformers import AutoConfig
+    from ember.checkpoint.rng import keep_rng_states
     from ember.integrations.hf_io import _offline, not_found_error
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from transformers import AutoConfig
     local = module.local_files_only or _offline()
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=local)
@@ -59,7 +63,9 @@ def load_pretrained(module: Any, name: str) -> nn.Module:
 
 def model_from_config(module: Any, cfg: dict) -> nn.Module:
     """An untrained model from a config dict (``model_config``), with the module's labels."""
-    from transformers import AutoConfig
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        from transformers import AutoConfig
     cfg = dict(cfg)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     for k, v in module._label_kwargs().items():

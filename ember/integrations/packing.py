@@ -98,10 +98,8 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     """transformers attention function: per-text attention on a packed (1, heads, T, d)
     row; plain SDPA for a padded batch."""
     layout = kwargs.get("ember_layout")
-    if layout is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if layout is None:   # transformers' own SDPA function (imported at registration)
+        return _sdpa_forward[0](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     index, keep, longest = layout
     heads, d = query.shape[1], query.shape[-1]
     b = keep.shape[0]
@@ -119,6 +117,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 
 
 _flex_cache: dict = {}
+_sdpa_forward: list = []   # transformers' sdpa_attention_forward, set by register_attention
 
 
 def _packed_flex(query, key, value, doc: torch.Tensor, scaling):
@@ -142,8 +141,12 @@ def register_attention() -> str:
     """Register ``"ember_packed"`` with transformers (attention and mask functions), once."""
     with _registered:
         if not _done:
-            from transformers import AttentionInterface
-            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+            from ember.checkpoint.rng import keep_rng_states
+            with keep_rng_states():   # a first import leaves the user's random streams as they were
+                from transformers import AttentionInterface
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward
+                from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+            _sdpa_forward.append(sdpa_attention_forward)
             AttentionInterface.register(_IMPL, _packed_sdpa)
             AttentionMaskInterface.register(_IMPL, sdpa_mask)
             _done.append(True)

@@ -28,8 +28,10 @@ from ember.errors import MisconfigurationError
 
 
 def _ray_train():
+    from ember.checkpoint.rng import keep_rng_states
     try:
-        import ray.train as ray_train
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import ray.train as ray_train
     except ImportError as err:   # pragma: no cover - depends on the environment
         raise MisconfigurationError("ember.integrations.ray needs Ray Train: pip install \"ray[train]\" "
                                     "(or ember's extra: pip install \"ember[ray]\")") from err

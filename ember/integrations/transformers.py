@@ -58,7 +58,9 @@ def _names_custom_code(config_file: str) -> bool:
 
 def _resolve_task(task) -> tuple[str, type | None]:
     """-> (task name or 'custom', class). Strings may also be dotted class paths."""
-    import transformers
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        import transformers
     if isinstance(task, str) and task in TASKS:
         return task, getattr(transformers, TASKS[task])
     if isinstance(task, str) and "." in task:
@@ -319,8 +321,10 @@ class TransformersModule(TrainModule):
         self._build_metrics()
 
     def _build_metrics(self) -> None:
-        import torchmetrics
-        from torchmetrics import classification as C
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            import torchmetrics
+            from torchmetrics import classification as C
         stages = {}
         for stage in ("val", "test"):
             m = {}
@@ -627,7 +631,9 @@ class TransformersModule(TrainModule):
 
 @functools.lru_cache(maxsize=None)
 def _perplexity_class():
-    import torchmetrics   # imported when a model is built: it takes seconds
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():   # imported when a model is built (it takes seconds), the random streams kept
+        import torchmetrics
 
     class Perplexity(torchmetrics.MeanMetric):
         """exp(token-weighted mean loss)."""
