@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from ember.errors import invalid_choice
 
@@ -25,9 +26,6 @@ PRECISIONS = ("64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-t
 _ALIASES = {"64": "64-true", 64: "64-true", "32": "32-true", 32: "32-true",
             "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed",
             "fp32": "32-true", "fp16": "16-mixed", "no": "32-true"}
-
-
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 _profiler_on = torch._C._autograd._profiler_enabled
 _BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
