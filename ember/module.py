@@ -53,10 +53,17 @@ class TrainModule(HyperparametersMixin, nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """The device the module trains on: the strategy's, or its first parameter's outside a
+        Trainer."""
         if self._trainer is not None:
             return self._trainer.strategy.root_device
         p = next(self.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether :attr:`device` is a CUDA device (Lightning's ``LightningModule.on_gpu``)."""
+        return self.device.type == "cuda"
 
     @property
     def device_mesh(self):

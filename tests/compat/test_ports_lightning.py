@@ -143,3 +143,17 @@ def test_hydra_template_equals_lightning_in_every_number(on_ember, on_lightning)
                                           "model/params/non_trainable", "data", "trainer", "callbacks", "extras",
                                           "task_name", "tags", "ckpt_path", "seed"}
     assert ember["epochs"] == 3 and ember["best"].startswith("epoch_")
+
+
+@pytest.mark.timeout(400)
+def test_dqn_port_trains_on_the_same_experiences_as_lightning(on_ember, on_lightning):
+    """Lightning's DQN example (reinforce_learn_qnet.py): its replay sampling and
+    epsilon-greedy policy draw from python's global ``random`` during the fit, so any draw
+    by the library (a progress bar or logger imported for the first time) changes what it
+    trains on. The weights of both nets, the rewards, the replay buffer and the next draw
+    of python's, numpy's and torch's global generators equal Lightning's."""
+    ember = on_ember("reinforce_learn_qnet")
+    assert ember["world"] == 1 and ember["global_step"] == 8 * 13   # 8 epochs of 200 experiences, batches of 16
+    assert ember["buffer_len"] == 1000 and all(math.isfinite(v) for v in ember["params"].values())
+    lit = on_lightning("reinforce_learn_qnet")
+    assert ember == lit
