@@ -9,7 +9,6 @@ per-batch partial value.
 """
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
@@ -413,10 +412,12 @@ class RichProgressBar(ProgressBar):
         el = time.monotonic() - self._t0
         rate = (done - self._start_batch) / max(el, 1e-9)
         total = self._total
-        eta = (total - done) / rate if rate > 0 and total != float("inf") else math.nan
-        tot = "?" if total == float("inf") else total
+        known = total != float("inf")
+        # no eta for an epoch of unknown length (an IterableDataset without a length)
+        eta = f", eta {(total - done) / rate:.0f}s" if known and rate > 0 else ""
+        tot = total if known else "?"
         line = (f"{self._describe()}: {done}/{tot} batches, step {t.global_step}, {rate:.1f} it/s, "
-                f"elapsed {el:.0f}s, eta {eta:.0f}s {metrics_text(self._metrics(t))}")
+                f"elapsed {el:.0f}s{eta} {metrics_text(self._metrics(t))}")
         err = sys.stderr
         err.write(line.rstrip() + "\n")   # one write: the timer thread and the epoch end may print at once
         err.flush()

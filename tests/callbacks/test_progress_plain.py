@@ -8,6 +8,7 @@ import re
 import time
 
 import pytest
+import torch
 from rich.console import Console
 from torch.utils.data import DataLoader
 
@@ -54,6 +55,28 @@ def test_standalone_test_prints_its_own_lines(tmp_path, capsys):
     t.test(SlowValidation(), data, verbose=False)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("Testing")]
     assert lines and all(re.match(r"Testing: \d+/20 batches", ln) for ln in lines), lines
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Samples with no length: the epoch's size is unknown until it ends."""
+
+    def __init__(self, n):
+        self.ds = regression_data(n)
+
+    def __iter__(self):
+        for i in range(len(self.ds)):
+            time.sleep(0.01)
+            yield self.ds[i]
+
+
+def test_plain_lines_of_an_epoch_of_unknown_length_give_no_eta(tmp_path, capsys):
+    t = ember.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                      devices="cpu", default_root_dir=tmp_path, callbacks=[_bar()])
+    t.fit(LinearModule(), DataLoader(Stream(64), batch_size=2))   # 32 batches, ~0.4 s
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("Epoch 0/0: ")]
+    assert lines, lines
+    assert all(re.match(r"Epoch 0/0: \d+/\? batches, step \d+, [\d.]+ it/s, elapsed \d+s( |$)", ln)
+               for ln in lines), lines   # "?" batches and no "eta": it would be made up (it said "eta nans")
 
 
 @pytest.mark.slow
