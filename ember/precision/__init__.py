@@ -29,6 +29,9 @@ _ALIASES = {"64": "64-true", 64: "64-true", "32": "32-true", 32: "32-true",
 
 _profiler_on = torch._C._autograd._profiler_enabled
 _BASE_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+#: the code of the wrapper torch puts around an optimizer class's ``step`` (every such wrapper
+#: shares it): a class ``step`` with other code, a user's own wrapper, is always called
+_TORCH_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
 
 
 def step_optimizer(optimizer: Any, closure: Any = None) -> Any:
@@ -42,7 +45,7 @@ def step_optimizer(optimizer: Any, closure: Any = None) -> Any:
     optimizer's ``step`` (a learning-rate scheduler's call counter is kept: it sets
     ``_opt_called`` as it would). Anything else goes through ``optimizer.step`` as is."""
     cls_step = type(optimizer).step
-    inner = getattr(cls_step, "__wrapped__", None) if getattr(cls_step, "hooked", False) else None
+    inner = cls_step.__wrapped__ if getattr(cls_step, "__code__", None) is _TORCH_STEP_WRAPPER else None
     own = optimizer.__dict__.get("step")
     if (inner is None or _profiler_on() or _global_optimizer_pre_hooks or _global_optimizer_post_hooks
             or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks

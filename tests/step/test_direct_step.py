@@ -122,6 +122,31 @@ def test_overrides_are_called():
     assert patched == [1]
 
 
+def test_a_users_wrapper_around_the_class_step_is_called():
+    """A wrapper put around an optimizer class's step after torch's (functools.wraps copies
+    torch's attributes onto it) is not skipped."""
+    import functools
+
+    class Wrapped(torch.optim.SGD):
+        pass
+    Wrapped(_model_and_grads().parameters(), lr=0.1)   # torch wraps Wrapped.step here
+    calls = []
+    torch_step = Wrapped.step
+
+    @functools.wraps(torch_step)
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return torch_step(self, *args, **kwargs)
+    Wrapped.step = counting
+    net = _model_and_grads()
+    opt = Wrapped(net.parameters(), lr=0.1)
+    ref = _model_and_grads()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    step_optimizer(opt)
+    assert calls == [1]
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), ref.parameters()))
+
+
 def test_not_a_torch_optimizer_goes_through_its_step():
     class Duck:
         param_groups: list = []
