@@ -389,12 +389,23 @@ _HOOK = None
 
 def _guard(precision: MixedPrecision) -> None:
     """Watch every optimizer step in the process while a loss scaler exists (one
-    global step pre-hook; processes without 16-mixed never install it)."""
+    global step pre-hook; processes without 16-mixed never install it). The hook is
+    removed once no such precision is left: a global hook sends every optimizer step of
+    the process through torch's step wrapper (see :func:`step_optimizer`)."""
     global _HOOK
-    _GUARDED.add(precision)
+    if precision not in _GUARDED:
+        _GUARDED.add(precision)
+        weakref.finalize(precision, _unhook_when_unused)
     if _HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         _HOOK = register_optimizer_step_pre_hook(_unscale_unmanaged)
+
+
+def _unhook_when_unused() -> None:
+    global _HOOK
+    if _HOOK is not None and not list(_GUARDED):   # (a WeakSet yields live precisions only)
+        _HOOK.remove()
+        _HOOK = None
 
 
 def _unscale_unmanaged(optimizer, args, kwargs):
