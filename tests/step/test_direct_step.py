@@ -217,3 +217,95 @@ def test_step_rules_zero_grad_keeps_set_to_none_false():
     assert all(p.grad is not None and not p.grad.any() for p in net.parameters())
     rules.zero_grad(opt)
     assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.fixture
+def no_global_step_hooks():
+    """No global optimizer step hook in this process while the test runs: ember's 16-mixed
+    installs one while a loss-scaling precision is alive, and an earlier test's may not have
+    been collected yet; one that is still alive is put back afterwards."""
+    import gc
+
+    from torch.optim import optimizer as torch_optimizer
+    gc.collect()
+    saved = [(h, dict(h)) for h in (torch_optimizer._global_optimizer_pre_hooks,
+                                    torch_optimizer._global_optimizer_post_hooks)]
+    for h, _ in saved:
+        h.clear()
+    yield
+    for h, items in saved:
+        h.update(items)
+
+
+def test_torch_wrapper_is_skipped_when_idle_in_the_trainer_and_accelerator(tmp_path, monkeypatch,
+                                                                          no_global_step_hooks):
+    """What the direct path is for: with no profiler and no hook, neither torch's step wrapper
+    (it calls ``optimizer._optimizer_step_code()`` on every step) nor a ``record_function``
+    of ``zero_grad`` runs, through the Trainer and through an Accelerator."""
+    opened = []
+    real = torch.autograd.profiler.record_function
+
+    class Counting(real):
+        def __init__(self, name, *args, **kwargs):
+            opened.append(name)
+            super().__init__(name, *args, **kwargs)
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", Counting)
+    x, y = torch.randn(32, 4), torch.randn(32, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    entered = []
+
+    class M(ember.TrainModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            opt._optimizer_step_code = lambda: entered.append("trainer")   # runs inside torch's wrapper only
+            return opt
+    ember.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, default_root_dir=tmp_path).fit(M(), loader)
+
+    acc = ember.Accelerator()
+    net = nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt._optimizer_step_code = lambda: entered.append("accelerator")
+    model, popt = acc.prepare(net, opt)
+    for xb, yb in loader:
+        acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        popt.step()
+        popt.zero_grad()
+    assert entered == []
+    assert not [n for n in opened if n.startswith("Optimizer.")], opened
+
+    step_optimizer(opt)   # the same optimizer with a hook: through torch's wrapper
+    h = opt.register_step_post_hook(lambda *a: None)
+    step_optimizer(opt)
+    h.remove()
+    assert entered == ["accelerator"]
+
+
+def test_the_16_mixed_global_hook_goes_with_its_precision():
+    """16-mixed watches every optimizer step through one global step pre-hook; once no such
+    precision is alive the hook is removed, so later runs in the process get the direct path
+    (in a fresh process: no other test's precision is alive there)."""
+    import subprocess
+    import sys
+    code = """
+import gc, torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks as hooks
+from ember.precision import Precision
+p = Precision.from_string("16-mixed"); p.setup(torch.device("cpu")); p.setup(torch.device("cpu"))
+q = Precision.from_string("16-mixed"); q.setup(torch.device("cpu"))
+counts = [len(hooks)]
+del p; gc.collect(); counts.append(len(hooks))
+del q; gc.collect(); counts.append(len(hooks))
+r = Precision.from_string("16-mixed"); r.setup(torch.device("cpu")); counts.append(len(hooks))
+print(counts)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[1, 1, 0, 1]"   # one hook while any is alive, none after
