@@ -450,6 +450,14 @@ class TrainModule(HyperparametersMixin, nn.Module):
         run; one of the same type as a Trainer callback replaces it (Lightning's rule)."""
         return []
 
+    def configure_precision(self, device: torch.device) -> "str | None":
+        """The precision a Trainer given none (``precision=None``, the default, and no
+        ``$EMBER_PRECISION``) runs this module in on ``device``: a precision string, or
+        None for ``"32-true"``. Asked once, before the first run sets up the device; a
+        precision passed to the Trainer always wins. ``TransformersModule`` returns
+        ``"bf16-mixed"`` where the device multiplies bfloat16 in hardware."""
+        return None
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Alter the batch before it is moved to the device; return the batch."""
         return batch

@@ -48,7 +48,9 @@ class Trainer:
         strategy: "auto", "single", "ddp", "fsdp", "deepspeed", "model_parallel" or a Strategy instance.
         num_nodes: number of machines (each runs ``devices`` processes).
         accelerator: Lightning's "auto", "cpu", "gpu"/"cuda" or "mps", mapped onto ``devices``.
-        precision: "32-true" (default), "64-true", "16-mixed", "bf16-mixed", "16-true" or "bf16-true".
+        precision: "64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true" or a
+            ``Precision``. None (default): ``$EMBER_PRECISION`` if set, else the module's choice
+            (``TrainModule.configure_precision``; "32-true" unless the module overrides it).
         accumulate_grad_batches: micro-batches per optimizer step.
         gradient_clip_val: clip gradients to this norm (or value); None: no clipping.
         gradient_clip_algorithm: "norm" (total norm) or "value" (each element).
@@ -112,8 +114,10 @@ class Trainer:
         from ember.precision import Precision
         from ember.strategies import build_strategy
         devices = resolve_accelerator(accelerator, devices)   # Lightning's accelerator= onto devices=
+        #: no precision given: the module's choice (TrainModule.configure_precision), asked at the first setup
+        self._precision_auto = precision in ("auto", None) and not os.environ.get("EMBER_PRECISION")
         if precision in ("auto", None):
-            precision = os.environ.get("EMBER_PRECISION", "32-true")
+            precision = os.environ.get("EMBER_PRECISION") or "32-true"
         self._precision = Precision.from_string(precision)
         self._strategy_args = (strategy, devices, num_nodes)
         self.strategy = build_strategy(strategy, devices, num_nodes)   # validates; no process work yet
@@ -693,6 +697,22 @@ class Trainer:
                 self.profiler.end(self, stage)
             exit_if_preempted(self)   # SystemExit(0) after a preemption save (docs/checkpointing.md)
 
+    def _choose_precision(self, module: TrainModule) -> None:
+        """No precision was given: run in the module's choice on this device (once, before
+        the device is set up), and say so on rank 0 when it is not float32."""
+        from ember.precision import Precision
+        self._precision_auto = False
+        device = self.strategy.root_device
+        name = module.configure_precision(device)
+        if name is None or Precision.from_string(name).name == self._precision.name:
+            return
+        self._precision = Precision.from_string(name)
+        if self.is_global_zero:
+            from ember.utilities import rank_zero_info
+            rank_zero_info(f"precision: {self._precision.name} on {device.type}, chosen by "
+                           f"{type(module).__name__}.configure_precision (the Trainer was given no precision); "
+                           "pass Trainer(precision=\"32-true\") for float32")
+
     def _setup(self, module: TrainModule, datamodule: DataModule | None, stage: str, loaders: dict) -> None:
         st = self.state
         first = self.module is not module
@@ -701,6 +721,8 @@ class Trainer:
         if datamodule is not None:
             datamodule.trainer = self
         if not self._env_ready:
+            if self._precision_auto:
+                self._choose_precision(module)
             self.strategy.precision = self._precision
             self.strategy.setup_environment()   # processes, process group, device
             self.step_rules = st.step_rules = StepRules(self.strategy, self.accumulate_grad_batches)

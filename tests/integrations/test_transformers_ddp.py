@@ -44,7 +44,7 @@ def test_token_exact_accumulation_across_ranks(ddp_run, tmp_path):
     module = hf_tiny.grad_recorder("causal-lm")
     items = hf_tiny.token_items("causal-lm", 12)
     trainer = ember.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=tmp_path)
+                            enable_model_summary=False, default_root_dir=tmp_path, precision="32-true")
     trainer.fit(module, DataLoader(items, batch_size=12, collate_fn=PadCollator(0, lm_labels=True)))
     assert hf_tiny.max_rel_diff(grads[0], module.seen[0]) < 1e-5
 

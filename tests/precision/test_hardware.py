@@ -46,26 +46,73 @@ def test_suggests_once_for_float32_on_such_a_cpu_and_never_otherwise():
         assert 'precision="bf16-mixed"' in texts[0] and hardware.cpu_bf16_feature() in texts[0]
 
 
-def test_transformers_fit_start_suggests_bf16_once(tmp_path):
+def _hf():
     pytest.importorskip("transformers")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
     import hf_tiny
+    return hf_tiny
 
+
+def _fit(tmp_path, precision):
+    """A one-step TransformersModule fit -> (trainer, the bf16 suggestions it warned)."""
+    hf_tiny = _hf()
     import ember
     from ember.integrations.transformers import TextClassificationData, TransformersModule
     torch.set_num_threads(1)
-    tok = hf_tiny.make_tokenizer()
+    data = TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(16), batch_size=8)
+    trainer = ember.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, default_root_dir=tmp_path, precision=precision)
+    module = TransformersModule(hf_tiny.tiny_bert())
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        trainer.fit(module, datamodule=data)
+    return trainer, [w for w in got if "bfloat16 matrices" in str(w.message)]
 
-    def fit(precision):
-        data = TextClassificationData(tok, train=hf_tiny.sentiment_rows(16), batch_size=8)
-        trainer = ember.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                                enable_checkpointing=False, default_root_dir=tmp_path, precision=precision)
-        with warnings.catch_warnings(record=True) as got:
-            warnings.simplefilter("always")
-            trainer.fit(TransformersModule(hf_tiny.tiny_bert()), datamodule=data)
-        return [w for w in got if "bfloat16 matrices" in str(w.message)]
 
+@pytest.fixture
+def cpu_has_bf16(monkeypatch):
+    """Pretend this CPU has (True) or lacks (False) AMX-BF16: the choice depends on nothing else."""
+    monkeypatch.delenv("EMBER_PRECISION", raising=False)
+
+    def set_to(has: bool):
+        monkeypatch.setattr(hardware, "cpu_bf16_feature", lambda: "amx_bf16" if has else None)
+    return set_to
+
+
+def test_native_bf16_by_device(cpu_has_bf16):
+    cpu_has_bf16(True)
+    assert hardware.native_bf16("cpu") == "amx_bf16" and hardware.native_bf16(torch.device("meta")) is None
+    cpu_has_bf16(False)
+    assert hardware.native_bf16("cpu") is None
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        assert hardware.native_bf16("cuda:0") == (f"cuda sm_{major}{minor}" if major >= 8 else None)
+
+
+def test_transformers_fit_given_no_precision_runs_bf16_where_the_cpu_has_it(tmp_path, cpu_has_bf16):
+    cpu_has_bf16(True)
+    trainer, said = _fit(tmp_path, None)
+    assert trainer.precision == "bf16-mixed" and said == []   # chosen, so nothing to suggest
+    cpu_has_bf16(False)
+    trainer, said = _fit(tmp_path, None)
+    assert trainer.precision == "32-true" and said == []
+
+
+def test_transformers_keeps_float32_for_regression_and_non_float32_weights(cpu_has_bf16):
+    hf_tiny = _hf()
+    from ember.integrations.transformers import TransformersModule
+    cpu_has_bf16(True)
+    cpu = torch.device("cpu")
+    assert TransformersModule(hf_tiny.tiny_bert()).configure_precision(cpu) == "bf16-mixed"
+    assert TransformersModule(hf_tiny.tiny_bert(num_labels=1)).configure_precision(cpu) is None
+    assert TransformersModule(hf_tiny.tiny_bert().to(torch.float64)).configure_precision(cpu) is None
+    assert TransformersModule(hf_tiny.tiny_gpt2(), task="causal-lm").configure_precision(cpu) == "bf16-mixed"
+    cpu_has_bf16(False)
+    assert TransformersModule(hf_tiny.tiny_bert()).configure_precision(cpu) is None
+
+
+def test_transformers_fit_start_in_float32_suggests_bf16_once(tmp_path):
     expected = int(hardware.cpu_bf16_feature() is not None)
-    assert len(fit("bf16-mixed")) == 0
-    assert len(fit("32-true")) == expected
-    assert len(fit("32-true")) == 0   # once per process
+    assert len(_fit(tmp_path, "bf16-mixed")[1]) == 0
+    assert len(_fit(tmp_path, "32-true")[1]) == expected
+    assert len(_fit(tmp_path, "32-true")[1]) == 0   # once per process
