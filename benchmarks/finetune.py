@@ -18,11 +18,17 @@ decay, gradient norm clipped at 1.0, batch 32, ``--steps`` optimizer steps. Vari
 
 - ``hf``: transformers' Trainer with its own defaults for everything else (random
   batches padded to their longest text, fp32);
-- ``ember``: ember's defaults (``TextClassificationData``: length-grouped batches), fp32;
-- ``ember-bf16``: the same with ``precision="bf16-mixed"`` (what ember suggests at fit
-  start on a CPU with AVX512-BF16/AMX);
-- ``ember-nogroup``: ``group_by_length=False``, fp32: the gain of the grouping default;
-- ``ember-padfree-bf16``: ``padding_free=True`` (grouped), bf16.
+- ``ember``: ember's defaults: length-grouped batches (``TextClassificationData``) and no
+  precision given, so ``bf16-mixed`` on a CPU with AVX512-BF16/AMX and fp32 elsewhere
+  (``TransformersModule.configure_precision``; the precision run is reported);
+- ``ember-fp32``: the same with ``precision="32-true"`` by hand: the gain of the bf16 default;
+- ``ember-nogroup``: ``group_by_length=False`` and fp32: with ``ember-fp32``, the gain of
+  the grouping default;
+- ``ember-bf16``: length-grouped, ``precision="bf16-mixed"`` by hand (on such a CPU, ``ember``);
+- ``ember-padfree``: ``padding_free=True`` (grouped), ember's precision;
+  ``ember-padfree-bf16``: the same with bf16 by hand.
+
+Before ember chose bf16 by itself (November 2026), ``ember`` meant fp32, today's ``ember-fp32``.
 
 For each (dataset, seed) the variants run one after another in this process, their
 order rotated from seed to seed, so drifts of a shared machine spread over all of
@@ -50,8 +56,11 @@ import torch
 import ember
 from ember.integrations.transformers import TextClassificationData, TransformersModule
 
-VARIANTS = ("hf", "ember", "ember-bf16", "ember-nogroup", "ember-padfree-bf16")
-DEFAULT_VARIANTS = ("hf", "ember", "ember-bf16", "ember-nogroup")
+VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup", "ember-bf16", "ember-padfree", "ember-padfree-bf16")
+DEFAULT_VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup")
+#: the precision each ember variant passes to the Trainer (None: ember's choice)
+PRECISION = {"ember": None, "ember-fp32": "32-true", "ember-nogroup": "32-true", "ember-bf16": "bf16-mixed",
+             "ember-padfree": None, "ember-padfree-bf16": "bf16-mixed"}
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -152,9 +161,9 @@ def run_ember(args, texts, labels, variant: str) -> dict:
     train, test = texts
     data = CountingData(minilm_path(), train=train, test=test, max_length=args.max_length,
                         batch_size=args.batch_size, eval_batch_size=args.batch_size * 2, label_names=labels,
-                        group_by_length=variant != "ember-nogroup", padding_free=variant == "ember-padfree-bf16")
+                        group_by_length=variant != "ember-nogroup", padding_free=variant.startswith("ember-padfree"))
     data.setup("fit")
-    precision = "bf16-mixed" if variant.endswith("bf16") else "32-true"
+    precision = PRECISION[variant]
     clock = _StepClock()
     module = TransformersModule(minilm_path(), lr=args.lr, weight_decay=args.weight_decay,
                                 warmup_ratio=args.warmup, scheduler="linear")
@@ -166,6 +175,7 @@ def run_ember(args, texts, labels, variant: str) -> dict:
     counter = data.counter
     res = trainer.test(module, datamodule=data, verbose=False)[0]
     return {"acc": res["test/acc"], "f1": res["test/f1"], "s_per_step": clock.seconds / clock.steps,
+            "precision": trainer.precision,
             "cpu_s_per_step": clock.cpu_seconds / clock.steps,
             "steps": clock.steps, "padded_tokens_per_s": counter.padded / clock.seconds,
             "real_tokens_per_s": counter.real / clock.seconds, "real_fraction": counter.real / max(1, counter.padded)}
@@ -224,7 +234,7 @@ def run_seed(args, dataset: str, k: int) -> dict:
     for v in order:
         r = run_hf(args, (train, test), labels, tokenized) if v == "hf" else run_ember(args, (train, test), labels, v)
         out[v] = r
-        print(f"  {v:20s} acc {r['acc']:.4f}  f1 {r['f1']:.4f}  {r['s_per_step']:.3f} s/step  "
+        print(f"  {v:20s} {r.get('precision', '32-true'):10s} acc {r['acc']:.4f}  f1 {r['f1']:.4f}  {r['s_per_step']:.3f} s/step  "
               f"{r['cpu_s_per_step']:.3f} CPU s/step  "
               f"{r['padded_tokens_per_s']:.0f} tok/s (with padding)  {r['real_tokens_per_s']:.0f} real tok/s  "
               f"real/computed {r['real_fraction']:.2f}", flush=True)
@@ -252,10 +262,11 @@ def summarise(runs: list[dict], variants) -> dict:
                 m["time_ratio"] = statistics.median(r[v]["s_per_step"] / r["hf"]["s_per_step"] for r in rows)
                 m["cpu_ratio"] = statistics.median(r[v]["cpu_s_per_step"] / r["hf"]["cpu_s_per_step"] for r in rows)
                 m["acc_diff"] = statistics.mean(r[v]["acc"] - r["hf"]["acc"] for r in rows)
+            m["precision"] = "/".join(sorted({g.get("precision", "32-true") for g in got}))
             summary[dataset][v] = m
             ratio = f"{m['time_ratio']:.3f}" if "time_ratio" in m else "-"
             cpu = f"{m['cpu_ratio']:.3f}" if "cpu_ratio" in m else "-"
-            print(f"| {v} | {m['s_per_step']:.3f} | {m['cpu_s_per_step']:.3f} | {m['padded_tokens_per_s']:.0f} "
+            print(f"| {v} ({m['precision']}) | {m['s_per_step']:.3f} | {m['cpu_s_per_step']:.3f} | {m['padded_tokens_per_s']:.0f} "
                   f"| {m['real_tokens_per_s']:.0f} | {m['real_fraction']:.2f} | {m['acc']:.4f} ± {m['acc_sd']:.4f} "
                   f"| {m['f1']:.4f} | {ratio} | {cpu} |")
     return summary
