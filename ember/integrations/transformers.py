@@ -452,7 +452,7 @@ class TransformersModule(TrainModule):
         with AMX or AVX512-BF16, a GPU of compute capability 8.0 or later), else None
         (float32). Used when the Trainer is given no precision. Float32 is kept for a
         regression head and for a model whose weights are not float32. In ember's
-        benchmark a bf16-mixed step took 0.68-0.71x of a float32 one on such a CPU, at the
+        benchmark a bf16-mixed step took 0.64-0.71x of a float32 one on such a CPU, at the
         same accuracy (docs/transformers.md, "bf16 on the CPU")."""
         from ember.precision.hardware import native_bf16
         if self._float32_regression() or native_bf16(device) is None:

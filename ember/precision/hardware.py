@@ -69,7 +69,7 @@ def suggest_bf16(precision: str, device_type: str, *, what: str = "fine-tuning")
     _suggested.append(True)
     warnings.warn(
         f"this CPU multiplies bfloat16 matrices in hardware ({feature}), and {what} runs in float32: "
-        "Trainer(precision=\"bf16-mixed\") (what a Trainer given no precision picks here) took 0.68-0.71x of "
+        "Trainer(precision=\"bf16-mixed\") (what a Trainer given no precision picks here) took 0.64-0.71x of "
         "float32's time per step in ember's fine-tuning benchmark on such a CPU, at the same accuracy "
         "(docs/transformers.md, \"bf16 on the CPU\"). This is said once per process", UserWarning, stacklevel=3)
     return True

@@ -221,7 +221,8 @@ class Trainer:
     local_rank = property(lambda self: self.strategy.local_rank, doc="int: its rank on this machine")
     node_rank = property(lambda self: self.strategy.node_rank, doc="int: this machine's rank")
     is_global_zero = property(lambda self: self.strategy.is_global_zero, doc="bool: global rank 0")
-    precision = property(lambda self: self._precision.name, doc='str: the precision ("32-true", ...)')
+    precision = property(lambda self: self._precision.name,
+                         doc='str: the precision ("32-true", ...); given none, the module\'s choice from the first run on')
     logger = property(lambda self: self.loggers[0] if self.loggers else None, doc="the first logger, or None")
     lightning_module = property(lambda self: self.module, doc="the module (Lightning's name)")
 
