@@ -136,6 +136,25 @@ def describe_missing_metric(t, name: str) -> str:
     return f"{name!r} was never logged; log it with self.log({name!r}, ...) or change the argument"
 
 
+def agree_chosen_precision(t) -> None:
+    """A Trainer given no precision runs the module's choice for each rank's device
+    (``configure_precision``): ranks on machines that differ (one CPU with bfloat16 units,
+    one without) could choose differently and train one model in two number formats.
+    One gather at setup: every rank raises, naming the ranks and the fix."""
+    names = t.strategy.all_gather_object(t.precision)
+    if len(set(names)) < 2:
+        return
+    ranks: dict = {}
+    for r, n in enumerate(names):
+        ranks.setdefault(n, []).append(r)
+    said = "; ".join(f"{n!r} on rank(s) {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''}"
+                     for n, rs in ranks.items())
+    raise MisconfigurationError(
+        f"the Trainer was given no precision, and {type(t.module).__name__}.configure_precision chose "
+        f"differently on the ranks' devices ({said}): their machines differ (bfloat16 hardware on some). "
+        "Pass Trainer(precision=...) so that every rank trains in one precision")
+
+
 def warn_fp16_on_cpu(t) -> None:
     """``16-mixed`` on a CPU device: ember runs real fp16 autocast with a GradScaler, where
     Lightning switches to ``bf16-mixed``; say so once, with the fix."""

@@ -722,12 +722,15 @@ class Trainer:
         if datamodule is not None:
             datamodule.trainer = self
         if not self._env_ready:
-            if self._precision_auto:
+            chosen = self._precision_auto
+            if chosen:
                 self._choose_precision(module)
             self.strategy.precision = self._precision
             self.strategy.setup_environment()   # processes, process group, device
             self.step_rules = st.step_rules = StepRules(self.strategy, self.accumulate_grad_batches)
             self._env_ready = True
+            if chosen and self.world_size > 1:
+                _checks.agree_chosen_precision(self)   # one gather, at setup: one precision on every rank
             _checks.warn_fp16_on_cpu(self)
             if self.seed is not None:
                 st.data_seed = self.seed

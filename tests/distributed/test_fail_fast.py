@@ -96,3 +96,15 @@ def test_no_sync_is_left_when_the_step_raises(tmp_path):
     for r in _run("no_sync_exception", tmp_path, launch=True):
         assert r["error"] == "raised under no_sync" and r["trainer_sync"] is True, r
         assert r["acc_error"] == "raised in accumulate" and r["acc_sync"] is True, r
+
+
+@pytest.mark.timeout(200)
+def test_ranks_that_choose_different_precisions_all_raise_at_setup(tmp_path):
+    """A Trainer given no precision asks the module on each rank's device; machines that
+    differ in bfloat16 hardware would train one model in two formats: every rank raises."""
+    r0, r1 = _run("precision_differs", tmp_path)
+    for r in (r0, r1):
+        assert r["error"] is not None and r["error"].startswith("MisconfigurationError"), r
+        assert "'bf16-mixed' on rank(s) 0" in r["error"] and "'32-true' on rank(s) 1" in r["error"], r
+        assert "Trainer(precision=...)" in r["error"] and r["seconds"] < 20, r
+        assert r["agreed"] == "bf16-mixed" and r["agreed_step"] == 2, r   # the same choice everywhere: trains

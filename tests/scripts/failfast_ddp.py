@@ -19,6 +19,10 @@ MODE ``collective_timeout`` (under ``ember launch``): rank 1 sleeps 20 s after i
 step while rank 0 waits in ModelCheckpoint's save-point broadcast (not an agreement
 point) under a 4 s process-group timeout; the error is not caught: the report must name
 rank 1 as the rank that never arrived.
+MODE ``precision_differs``: the Trainer is given no precision and the module chooses
+bf16-mixed on rank 0's device and float32 on rank 1's (as on two machines, one with
+bfloat16 hardware): every rank raises at setup, naming both; then a module that chooses
+bf16-mixed on both trains in it.
 MODE ``ckpt_last``: ``ckpt_path="last"`` where rank 1's view of the run folder (its
 ``default_root_dir``, a separate folder) holds no checkpoint: both ranks restore rank 0's.
 Every rank writes ROOT/<MODE>_<rank>.json.
@@ -86,6 +90,29 @@ def ckpt_last(root):
         err = f"{type(e).__name__}: {e}"
     return {"error": err, "resumed": getattr(t2, "ckpt_path", None), "global_step": t2.global_step, "rank": rank,
             "weights": [p.detach().flatten().tolist() for p in t2.module.parameters()]}
+
+
+def precision_differs(root):
+    class Chooses(Regressor):
+        def __init__(self, per_rank):
+            super().__init__()
+            self.per_rank = per_rank
+
+        def configure_precision(self, device):
+            return self.per_rank[int(os.environ.get("LOCAL_RANK", "0"))]
+
+    t = trainer(root, max_steps=2)
+    start = time.monotonic()
+    try:
+        t.fit(Chooses(["bf16-mixed", None]), loader())
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - start
+    agreed = trainer(root, max_steps=2)
+    agreed.fit(Chooses(["bf16-mixed", "bf16-mixed"]), loader())
+    return {"error": err, "seconds": seconds, "rank": agreed.global_rank, "agreed": agreed.precision,
+            "agreed_step": agreed.global_step}
 
 
 def agree_timeout(root):
@@ -210,6 +237,6 @@ if __name__ == "__main__":
         ready(int(os.environ["RANK"]))
     out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last, "agree_timeout": agree_timeout,
            "no_sync_exception": no_sync_exception, "collective_timeout": collective_timeout,
-           "peer_fails": peer_fails, "peer_killed": peer_killed}[mode](root)
+           "peer_fails": peer_fails, "peer_killed": peer_killed, "precision_differs": precision_differs}[mode](root)
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
