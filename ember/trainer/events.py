@@ -5,6 +5,9 @@ order), then the module's hook of the same name.
 Event order of ``trainer.fit`` (an event nobody handles costs nothing: it is never
 called)::
 
+    configure_precision(device)              # module: only at a Trainer's first run, when it was given
+                                             # no precision; then the device is set up (one gather
+                                             # checks that every rank chose the same)
     configure_callbacks                      # module: its callbacks join (or replace) the Trainer's
     prepare_data                             # datamodule's, then the module's; each node's local rank 0
     SETUP (stage="fit")                      # datamodule, callbacks, module; then configure_model,
