@@ -435,12 +435,27 @@ class TransformersModule(TrainModule):
         return loss_sum, (targets != -100).sum(), logits
 
     # ------------------------------------------------------------------ precision
-    def _float32_regression(self) -> bool:
+    def _keeps_float32(self) -> bool:
         """A regression head (one output), or a model held in another dtype than float32:
         runs ember keeps in the precision they were given. A model given by name and not
-        read yet is not read here (under FSDP only rank 0 reads it, in configure_model)."""
+        read yet is not read here (under FSDP only rank 0 reads it, in configure_model):
+        the dtype in ``model_kwargs`` answers instead, and its ``config.json`` with the
+        module's labels (when the data's labels build the head, they are not known yet)."""
         model = self._modules.get("model")
-        if self.num_labels == 1 or getattr(getattr(model, "config", None), "problem_type", None) == "regression":
+        config = getattr(model, "config", None)
+        if model is None and self.hparams.get("model") is not None:   # given by name, not read yet
+            dtype = self.model_kwargs.get("dtype", self.model_kwargs.get("torch_dtype"))
+            if dtype is not None and dtype not in (torch.float32, "float32"):
+                return True    # loaded in the user's dtype (ember's from_pretrained default is float32)
+            pending = self.__dict__.get("_pending_model")
+            if pending is not None:
+                try:
+                    from ember.integrations.hf_load import pretrained_config
+                    config = pretrained_config(self, pending)[0]
+                except Exception:   # reading the model reports it, with the real error
+                    config = None
+        if self.num_labels == 1 or getattr(config, "problem_type", None) == "regression" \
+                or (self.task == "sequence-classification" and getattr(config, "num_labels", None) == 1):
             return True
         if isinstance(model, nn.Module):
             dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
@@ -455,7 +470,7 @@ class TransformersModule(TrainModule):
         benchmark a bf16-mixed step took 0.64-0.71x of a float32 one on such a CPU, at the
         same accuracy (docs/transformers.md, "bf16 on the CPU")."""
         from ember.precision.hardware import native_bf16
-        if self._float32_regression() or native_bf16(device) is None:
+        if self._keeps_float32() or native_bf16(device) is None:
             return None
         return "bf16-mixed"
 
@@ -466,7 +481,7 @@ class TransformersModule(TrainModule):
         bf16-mixed) suggests ``precision="bf16-mixed"`` once per process (rank zero)."""
         from ember.precision.hardware import suggest_bf16
         t = self.trainer
-        if t.is_global_zero and not self._float32_regression():
+        if t.is_global_zero and not self._keeps_float32():
             suggest_bf16(t.precision, self.device.type)
 
     def on_train_start(self) -> None:

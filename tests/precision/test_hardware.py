@@ -111,6 +111,27 @@ def test_transformers_keeps_float32_for_regression_and_non_float32_weights(cpu_h
     assert TransformersModule(hf_tiny.tiny_bert()).configure_precision(cpu) is None
 
 
+def test_transformers_model_given_by_name_is_not_read_to_choose(tmp_path, cpu_has_bf16):
+    """A model given by name: its config.json and model_kwargs' dtype decide; the weights
+    are not read (under FSDP only rank 0 reads them)."""
+    hf_tiny = _hf()
+    from ember.integrations.transformers import TransformersModule
+    cpu_has_bf16(True)
+    cpu = torch.device("cpu")
+    hf_tiny.tiny_bert().save_pretrained(tmp_path / "cls")
+    reg = hf_tiny.tiny_bert()
+    reg.config.problem_type = "regression"   # read from config.json only
+    reg.save_pretrained(tmp_path / "reg")
+    by_name = TransformersModule(str(tmp_path / "cls"))
+    assert by_name.configure_precision(cpu) == "bf16-mixed" and "model" not in by_name._modules
+    regression = TransformersModule(str(tmp_path / "reg"), num_labels=2)
+    assert regression.configure_precision(cpu) is None and "model" not in regression._modules
+    half = TransformersModule(str(tmp_path / "cls"), model_kwargs={"dtype": torch.bfloat16})
+    assert half.configure_precision(cpu) is None and "model" not in half._modules
+    assert TransformersModule(str(tmp_path / "cls"), model_kwargs={"dtype": torch.float32}
+                              ).configure_precision(cpu) == "bf16-mixed"
+
+
 def test_transformers_fit_start_in_float32_suggests_bf16_once(tmp_path):
     expected = int(hardware.cpu_bf16_feature() is not None)
     assert len(_fit(tmp_path, "bf16-mixed")[1]) == 0
