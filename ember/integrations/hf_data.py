@@ -7,6 +7,8 @@ Public names are re-exported by :mod:`ember.integrations.transformers`.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -527,14 +529,62 @@ class TextClassificationData(_HFTextData):
         return super()._collator(split)
 
 
-class CausalLMData(_HFTextData):
-    """Text for causal language modelling.
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
-    Each text becomes one training sequence (truncated to ``max_length``, with EOS
-    appended when ``add_eos``), or with ``packing=True`` all texts are concatenated
-    and cut into blocks of ``max_length`` tokens (no padding at all). ``labels`` are
-    the input ids with padding set to -100; the model shifts them. ``predict`` texts
-    are prompts: left-padded, no EOS, for ``generate``.
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class CausalLMData(_HFTextData):
+    """Text for causal language modelling, or supervised fine-tuning data (prompt/completion
+    pairs, chats) with the loss on the answers only.
+
+    **Plain text** (``text_column``): each text becomes one training sequence (truncated
+    to ``max_length``, with EOS appended when ``add_eos``), or with ``packing=True`` all
+    texts are concatenated and cut into blocks of ``max_length`` tokens (no padding at
+    all). ``labels`` are the input ids with padding set to -100; the model shifts them.
+
+    **Prompt/completion** (``prompt_column`` and ``completion_column``): the input ids are
+    the tokenised ``prompt + completion`` (the strings joined as they are, special tokens
+    as the tokenizer adds them) plus EOS when it does not end with it. Only the completion
+    tokens and that EOS carry loss: ``labels`` are -100 on the prompt and on padding. The
+    completion starts where the tokenised prompt and prompt+completion first differ (as in
+    TRL, for tokens that merge across the boundary).
+
+    **Chat** (``messages_column``: lists of ``{"role", "content"}`` dicts): the input ids
+    are exactly ``tokenizer.apply_chat_template(messages)``, plus EOS only where it does
+    not end with EOS (trailing whitespace tokens aside). Only the assistant turns carry
+    loss (their content and the template's end-of-turn tokens; not system, user or tool
+    turns, nor the role markers); the added EOS does when the last turn is the assistant's.
+    A template with ``{% generation %}`` markers names the assistant tokens itself
+    (transformers' ``return_assistant_tokens_mask``, as TRL's ``assistant_only_loss``);
+    for any other template, assistant turn ``i`` is what rendering ``messages[:i + 1]``
+    adds to rendering ``messages[:i]`` with the generation prompt, which needs a template
+    that renders a conversation's beginning the same way whatever follows (an error names
+    the row where it does not). ``chat_template`` overrides the tokenizer's template.
+
+    **Truncation** keeps the first ``max_length`` tokens. An example left without an
+    answer token (its prompt fills ``max_length``, or it has no assistant turn) is
+    dropped, with one warning per split that counts them. A missing value, a message
+    without a role or content, or a content that is not a string is an error naming the
+    row and the columns found.
+
+    **Packing** (``packing=True``) with prompt/completion or chat data puts several whole
+    examples in one row of at most ``max_length`` tokens (best fit decreasing, as TRL's
+    ``pack_dataset``; an example is never split). Each row carries ``position_ids`` that
+    restart at 0 per example and no attention mask: transformers then keeps every example
+    to itself (a block-diagonal causal mask, or varlen flash attention; see
+    :mod:`ember.integrations.packing`). The loss is the token-weighted mean over the answer
+    tokens, as unpacked.
+
+    ``predict`` data are prompts for ``generate``: left-padded, no EOS; the prompt column,
+    or the messages rendered with the generation prompt.
     """
 
     _lm_labels = True
@@ -543,21 +593,109 @@ class CausalLMData(_HFTextData):
                  max_length: int = 512, batch_size: int = 8, eval_batch_size: int | None = None,
                  val_split: float | None = None, seed: int = 42, packing: bool = False, add_eos: bool = True,
                  group_by_length: bool = False, cache_dir: str | None = None, num_workers: int = 0,
-                 pad_to_multiple_of: int | None = None, local_files_only: bool = True, num_proc: int | None = None):
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True, num_proc: int | None = None,
+                 prompt_column: str | None = None, completion_column: str | None = None,
+                 messages_column: str | None = None, chat_template: str | None = None):
         super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
                          max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
                          num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
                          local_files_only=local_files_only, num_proc=num_proc)
         self.packing, self.add_eos = packing, add_eos
+        if (prompt_column is None) != (completion_column is None):
+            raise MisconfigurationError(
+                f"prompt_column={prompt_column!r}, completion_column={completion_column!r}: prompt/completion data "
+                "needs both columns")
+        if messages_column is not None and prompt_column is not None:
+            raise MisconfigurationError("messages_column and prompt_column/completion_column are both set; give "
+                                        "chat data or prompt/completion data, not both")
+        if chat_template is not None and messages_column is None:
+            raise MisconfigurationError("chat_template is set without messages_column; the template renders chat "
+                                        "data (lists of {'role', 'content'} messages)")
+        self.prompt_column, self.completion_column = prompt_column, completion_column
+        self.messages_column, self.chat_template = messages_column, chat_template
+        self.mode = "chat" if messages_column is not None else "prompt-completion" if prompt_column is not None \
+            else "text"
+        if self.mode == "chat" and self._template() is None:
+            raise MisconfigurationError(
+                f"messages_column={messages_column!r}: the tokenizer {type(self.tokenizer).__name__} has no chat "
+                "template; set one with tokenizer.chat_template = \"{% for m in messages %}...{% endfor %}\" (a Jinja "
+                "template, e.g. from the model's own tokenizer_config.json) or pass CausalLMData(chat_template=...)")
+        if self.mode != "text" and self.add_eos and self.tokenizer.eos_token_id is None:
+            raise MisconfigurationError("the tokenizer has no EOS token to end the answers with; set one "
+                                        "(tokenizer.eos_token = ...) or pass add_eos=False")
+
+    def _template(self) -> str | None:
+        return self.chat_template if self.chat_template is not None else getattr(self.tokenizer, "chat_template", None)
 
     def _settings(self) -> dict:
-        return dict(super()._settings(), packing=self.packing, add_eos=self.add_eos)
+        out = dict(super()._settings(), packing=self.packing, add_eos=self.add_eos)
+        if self.mode != "text":   # plain text keeps its cache keys
+            out.update(mode=self.mode, prompt_column=self.prompt_column, completion_column=self.completion_column,
+                       messages_column=self.messages_column,
+                       chat_template=self._template() if self.mode == "chat" else None)
+        return out
 
+    # -- reading -----------------------------------------------------------------------------------
     def _payload(self, split: str, cols: dict) -> dict:
-        return {"texts": [str(t) for t in column(cols, self.text_column, f"the {split} data", "text_column")]}
+        if self.mode == "text":
+            return {"texts": [str(t) for t in column(cols, self.text_column, f"the {split} data", "text_column")]}
+        where = f"the {split} data"
+        n = len(next(iter(cols.values()))) if cols else 0
 
+        def found(i: int) -> list[str]:
+            return sorted(k for k, v in cols.items() if v[i] is not None)
+
+        def values(name: str, arg: str) -> list:
+            vals = cols.get(name)
+            for i in range(n):
+                v = vals[i] if vals is not None else None
+                if v is None:
+                    raise MisconfigurationError(f"{where}: row {i} has no {name!r} ({arg}={name!r}); the columns "
+                                                f"found in that row are {found(i)}")
+            return vals
+
+        if self.mode == "prompt-completion":
+            out = {}
+            names = [("prompts", self.prompt_column, "prompt_column")]
+            if split != "predict":
+                names.append(("completions", self.completion_column, "completion_column"))
+            for key, name, arg in names:
+                vals = values(name, arg)
+                bad = next((i for i, v in enumerate(vals) if not isinstance(v, str)), None)
+                if bad is not None:
+                    raise MisconfigurationError(f"{where}: row {bad}: {name!r} is a {type(vals[bad]).__name__}, not a "
+                                                f"string; the columns found in that row are {found(bad)}")
+                out[key] = list(vals)
+            return out
+        chats = values(self.messages_column, "messages_column")
+        out = []
+        for i, msgs in enumerate(chats):
+            if not isinstance(msgs, (list, tuple)) or not msgs:
+                raise MisconfigurationError(f"{where}: row {i}: {self.messages_column!r} is {type(msgs).__name__} "
+                                            f"{str(msgs)[:60]!r}, not a non-empty list of {{'role', 'content'}} "
+                                            f"messages; the columns found in that row are {found(i)}")
+            conv = []
+            for j, m in enumerate(msgs):
+                keys = sorted(m) if isinstance(m, dict) else None
+                if not isinstance(m, dict) or m.get("role") is None or m.get("content") is None:
+                    raise MisconfigurationError(
+                        f"{where}: row {i}, message {j} needs a 'role' and a 'content'; it has "
+                        + (f"the keys {keys}" if keys is not None else f"type {type(m).__name__}")
+                        + f" (the columns found in that row are {found(i)})")
+                if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                    bad = "role" if not isinstance(m["role"], str) else "content"
+                    raise MisconfigurationError(f"{where}: row {i}, message {j}: its {bad!r} is a "
+                                                f"{type(m[bad]).__name__}, not a string (the columns found in that "
+                                                f"row are {found(i)})")
+                conv.append(dict(m))
+            out.append(conv)
+        return {"messages": out}
+
+    # -- tokenising --------------------------------------------------------------------------------
     def _tokenize(self, split: str, payload: dict) -> TokenizedDataset:
+        if self.mode != "text":
+            return self._tokenize_sft(split, payload)
         texts = payload["texts"]
         if split == "predict":
             return TokenizedDataset.from_lists(self._encode(texts))
@@ -574,8 +712,122 @@ class CausalLMData(_HFTextData):
         ids = [x for x in ids if x]
         return TokenizedDataset.from_lists({"input_ids": ids})
 
-    def _collator(self, split: str) -> PadCollator:
+    def _render(self, conversations: list[list[dict]], **kw) -> list[list[int]]:
+        """Token ids of ``apply_chat_template`` for each conversation."""
+        if not conversations:
+            return []
+        enc = self.tokenizer.apply_chat_template(conversations, chat_template=self._template(), tokenize=True,
+                                                 return_dict=True, **kw)
+        return [list(x) for x in enc["input_ids"]]
+
+    def _ends_with_eos(self, ids: list[int]) -> bool:
+        """Whether ``ids`` end with EOS, ignoring trailing whitespace tokens (``<|im_end|>\\n``)."""
+        eos = self.tokenizer.eos_token_id
+        k = len(ids)
+        while k > 0 and ids[k - 1] != eos and not self.tokenizer.decode([ids[k - 1]]).strip():
+            k -= 1
+        return k > 0 and ids[k - 1] == eos
+
+    def _chat_examples(self, chats: list[list[dict]]) -> tuple[list[list[int]], list[list[int]]]:
+        ids = self._render(chats)
+        if _GENERATION_TAG.search(self._template() or ""):   # the template marks the assistant tokens
+            enc = self.tokenizer.apply_chat_template(chats, chat_template=self._template(), tokenize=True,
+                                                     return_dict=True, return_assistant_tokens_mask=True)
+            masks = [list(m) for m in enc["assistant_masks"]]
+        else:
+            masks = [self._assistant_mask(i, conv, x) for i, (conv, x) in enumerate(zip(chats, ids))]
+        labels = [[t if keep else -100 for t, keep in zip(x, m)] for x, m in zip(ids, masks)]
+        if self.add_eos:
+            eos = self.tokenizer.eos_token_id
+            for conv, x, lab in zip(chats, ids, labels):
+                if not self._ends_with_eos(x):
+                    x.append(eos)
+                    lab.append(eos if conv[-1]["role"] == "assistant" else -100)
+        return ids, labels
+
+    def _assistant_mask(self, row: int, conv: list[dict], ids: list[int]) -> list[int]:
+        """1 on the tokens that rendering each assistant turn adds to the conversation
+        before it rendered with the generation prompt (the role markers)."""
+        mask = [0] * len(ids)
+        for j, m in enumerate(conv):
+            if m["role"] != "assistant":
+                continue
+            before = self._render([conv[:j]], add_generation_prompt=True)[0] if j else self._opening()
+            upto = self._render([conv[:j + 1]])[0]
+            if upto != ids[:len(upto)]:
+                raise MisconfigurationError(
+                    f"row {row}: the chat template renders the conversation up to message {j} differently from the "
+                    "beginning of the whole conversation, so the assistant turns cannot be told apart; use a template "
+                    "that marks them with {% generation %}...{% endgeneration %} (chat_template=...)")
+            start = _common_prefix(before, upto)
+            mask[start:len(upto)] = [1] * (len(upto) - start)
+        return mask
+
+    def _opening(self) -> list[int]:
+        """An empty conversation with the generation prompt (what precedes an opening
+        assistant turn), or nothing where the template cannot render one."""
+        try:
+            return self._render([[]], add_generation_prompt=True)[0]
+        except Exception:   # templates may index messages[0]
+            return []
+
+    def _prompt_completion_examples(self, prompts: list[str], completions: list[str]
+                                    ) -> tuple[list[list[int]], list[list[int]]]:
+        p_ids = self._encode(prompts, truncation=False)["input_ids"]
+        ids = self._encode([p + c for p, c in zip(prompts, completions)], truncation=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id if self.add_eos else None
+        labels, shifted = [], 0
+        for p, x in zip(p_ids, ids):
+            k = _common_prefix(p, x)
+            shifted += k < len(p)
+            if eos is not None and (not x or x[-1] != eos):
+                x.append(eos)
+            labels.append([-100] * k + x[k:])
+        if shifted:
+            warnings.warn(f"{shifted} tokenised prompt(s) are not a prefix of their tokenised prompt + completion "
+                          "(tokens merge across the boundary); their answers start where the two differ. End the "
+                          "prompts on a token boundary (e.g. a space or newline) to avoid it", UserWarning,
+                          stacklevel=4)
+        return ids, labels
+
+    def _tokenize_sft(self, split: str, payload: dict) -> TokenizedDataset:
+        if split == "predict":   # prompts for generate()
+            if self.mode == "chat":
+                ids = self._render(payload["messages"], add_generation_prompt=True)
+            else:
+                ids = self._encode(payload["prompts"], truncation=False)["input_ids"]
+            return TokenizedDataset.from_lists({"input_ids": ids})
+        if self.mode == "chat":
+            ids, labels = self._chat_examples(payload["messages"])
+        else:
+            ids, labels = self._prompt_completion_examples(payload["prompts"], payload["completions"])
+        n, total = self.max_length, len(ids)
+        keep = [i for i in range(total) if any(t != -100 for t in labels[i][1:n])]   # a target token left
+        if len(keep) < total:
+            long = sum(1 for i in range(total) if any(t != -100 for t in labels[i][1:]))
+            warnings.warn(
+                f"CausalLMData: {total - len(keep)} of the {total} examples of the {split} data have no answer token "
+                f"within max_length={n} ({long - len(keep)} cut off by truncation, {total - long} with no answer "
+                "at all); they are dropped", UserWarning, stacklevel=3)
+        if not keep:
+            raise MisconfigurationError(f"CausalLMData: no example of the {split} data keeps an answer token within "
+                                        f"max_length={n}; raise max_length or shorten the prompts")
+        ids, labels = [ids[i][:n] for i in keep], [labels[i][:n] for i in keep]
+        if not self.packing:
+            return TokenizedDataset.from_lists({"input_ids": ids, "labels": labels})
+        from ember.integrations.packing import pack_examples
+        rows = pack_examples([len(x) for x in ids], n)
+        feats = {"input_ids": [], "labels": [], "position_ids": []}
+        for row in rows:
+            feats["input_ids"].append([t for i in row for t in ids[i]])
+            feats["labels"].append([t for i in row for t in labels[i]])
+            feats["position_ids"].append([p for i in row for p in range(len(ids[i]))])
+        return TokenizedDataset.from_lists(feats)
+
+    def _collator(self, split: str):
         if split == "predict":   # prompts for generate(): pad on the left
             return PadCollator(self.tokenizer.pad_token_id, "left", self.pad_to_multiple_of)
+        if self.mode != "text" and self.packing:
+            from ember.integrations.packing import ExamplePackCollator
+            return ExamplePackCollator(self.tokenizer.pad_token_id, self.pad_to_multiple_of)
         return super()._collator(split)
-

@@ -29,10 +29,25 @@ Supported: sequence classification with BERT-architecture encoders (``model_type
 ``"bert"``: BERT, MiniLM, most sentence-transformers checkpoints), whose position
 ids start at 0 and whose head reads the first token. Anything else raises, naming
 the argument.
+
+Packed rows of whole examples for causal language models (supervised fine-tuning,
+``CausalLMData(packing=True)`` with prompt/completion or chat data) take another
+route, transformers' own: :func:`pack_examples` puts whole examples into rows of at
+most ``max_length`` tokens (best fit decreasing, the order TRL's ``pack_dataset``
+gives), :class:`ExamplePackCollator` gives each row ``position_ids`` that restart at
+0 for every example and no ``attention_mask``. From such position ids transformers'
+masking utilities (``find_packed_sequence_indices``) build a block-diagonal causal
+mask for the SDPA, eager and flex kernels, and the flash-attention kernels run
+varlen over them (on one flattened row: :func:`example_packed_inputs`). No example
+attends to another, and the label of each example's first token is -100, so no
+example is a target of the one before it.
 """
 from __future__ import annotations
 
+import sys
 import threading
+from bisect import bisect_left, insort
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
@@ -218,3 +233,102 @@ def packed_forward(model, batch: dict, attention: str = "sdpa"):
                      labels=batch.get("labels"), **extra)
     finally:
         hook.starts = None
+
+
+
+# -- whole examples packed into rows (causal LM) ----------------------------------------------------
+def pack_examples(lengths: list[int], max_length: int) -> list[list[int]]:
+    """Bins of example indices, each bin's total length at most ``max_length``: best fit
+    decreasing (the longest example first, each into the fullest row it fits in; ties in
+    the order given). The same rows, in the same order, as TRL's ``pack_dataset(...,
+    strategy="bfd")``. Every length must be in ``[1, max_length]`` (truncate first)."""
+    bad = next((n for n in lengths if not 1 <= n <= max_length), None)
+    if bad is not None:
+        raise ValueError(f"pack_examples: an example of {bad} tokens does not fit max_length={max_length}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])   # stable: ties keep their order
+    bins: list[list[int]] = []
+    spaces: list[int] = []                      # sorted free spaces of open rows (< max_length)
+    by_space: dict[int, deque] = defaultdict(deque)
+    for i in order:
+        n = lengths[i]
+        j = bisect_left(spaces, n)
+        if j < len(spaces):                     # the row with the least room that still fits
+            space = spaces[j]
+            row = by_space[space].popleft()
+            if not by_space[space]:
+                spaces.pop(j)
+        else:
+            space, row = max_length, []
+            bins.append(row)
+        row.append(i)
+        left = space - n
+        if left > 0:
+            if not by_space[left]:
+                insort(spaces, left)
+            by_space[left].append(row)
+    return bins
+
+
+class ExamplePackCollator:
+    """Rows of whole packed examples (``input_ids``, ``labels``, ``position_ids`` that
+    restart at 0 per example) -> a batch of ``(B, L)`` tensors with **no**
+    ``attention_mask``: transformers reads the example boundaries from the position ids
+    (see the module docs). Padding is ``pad_token_id`` with label -100 and position 0 on
+    every padded token (each its own one-token example, attending only to itself). The
+    label of every example's first token is set to -100: no example is the target of the
+    one packed before it."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id, self.pad_to_multiple_of = int(pad_token_id), pad_to_multiple_of
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        n = max(len(it["input_ids"]) for it in items)
+        if self.pad_to_multiple_of:
+            n = -(-n // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        b = len(items)
+        ids = torch.full((b, n), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((b, n), -100, dtype=torch.long)
+        pos = torch.zeros((b, n), dtype=torch.long)
+        for i, it in enumerate(items):
+            m = len(it["input_ids"])
+            ids[i, :m], labels[i, :m], pos[i, :m] = it["input_ids"], it["labels"], it["position_ids"]
+        labels[pos == 0] = -100
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def is_example_packed(batch: Any) -> bool:
+    """A batch of :class:`ExamplePackCollator` rows: ``position_ids``, no ``attention_mask``."""
+    return (isinstance(batch, dict) and "position_ids" in batch and "attention_mask" not in batch
+            and "cu_seq_lens" not in batch)
+
+
+def check_example_packable(model) -> None:
+    """Raise unless ``model`` isolates packed examples: its attention masks must come from
+    transformers' masking utilities (``create_causal_mask``, which finds the examples in
+    the position ids), or its kernel must be flash attention (varlen over them)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # a peft model
+    cfg = getattr(base, "config", None)
+    impl = str(getattr(cfg, "_attn_implementation", None) or "")
+    from transformers import masking_utils
+    uses_masks = any(getattr(sys.modules.get(type(m).__module__), "create_causal_mask", None)
+                     is masking_utils.create_causal_mask for m in (base, getattr(base, "model", None)) if m is not None)
+    if not (uses_masks or "flash" in impl):
+        raise MisconfigurationError(
+            f"packing=True needs a causal LM whose attention keeps packed examples apart: "
+            f"{type(base).__name__} (attn_implementation={impl!r}) builds its masks without transformers' "
+            "masking utilities, so packed examples would attend to each other. Use CausalLMData(packing=False), "
+            "or a model class that calls transformers.masking_utils.create_causal_mask")
+
+
+def example_packed_inputs(model, batch: dict, labels: bool = False) -> dict:
+    """The model inputs (``labels`` too when asked) for a batch of :class:`ExamplePackCollator` rows:
+    ``use_cache=False`` (with a cache, transformers does not look for packed examples in
+    the position ids), and for the flash-attention kernels, whose varlen path needs one
+    row, the rows flattened into one (the padding's position 0 makes each padded token
+    its own example)."""
+    inputs = {k: v for k, v in batch.items() if labels or k != "labels"}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "flash" in str(getattr(getattr(base, "config", None), "_attn_implementation", "") or ""):
+        inputs = {k: v.reshape(1, -1) if torch.is_tensor(v) and v.dim() == 2 else v for k, v in inputs.items()}
+    inputs["use_cache"] = False
+    return inputs

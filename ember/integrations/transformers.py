@@ -399,7 +399,19 @@ class TransformersModule(TrainModule):
                 packing.check_packable(model, self.task)
                 self._packable = True
             return packing.packed_forward(model, batch, self.packed_attention)
+        if self._example_packed(batch):
+            return model(**packing.example_packed_inputs(model, batch, labels=True))
         return model(**batch)
+
+    def _example_packed(self, batch) -> bool:
+        """A causal-LM batch of packed whole examples (``CausalLMData(packing=True)`` with
+        prompt/completion or chat data); checks once that the model keeps them apart."""
+        if self.task != "causal-lm" or not packing.is_example_packed(batch):
+            return False
+        if not self.__dict__.get("_example_packable"):
+            packing.check_example_packable(self._require_model())
+            self._example_packable = True
+        return True
 
     @staticmethod
     def _batch_size(batch) -> int | None:
@@ -410,14 +422,19 @@ class TransformersModule(TrainModule):
     # ------------------------------------------------------------------ losses
     def _token_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sum of token losses, number of target tokens, logits); labels -100 are ignored,
-        causal LM labels are shifted as the model does."""
+        causal LM labels are shifted as the model does. The target tokens are the answer
+        tokens for supervised fine-tuning data (labels -100 on prompts, non-assistant turns
+        and padding), packed or not: token-exact accumulation counts exactly those."""
         if packing.is_packed(batch):
             packing.check_packable(self._require_model(), self.task)   # raises: token-level losses are padded
         if "labels" not in batch:
             raise MisconfigurationError(f"the batch has no 'labels' (keys: {sorted(batch)}); the {self.task} "
                                         "loss needs them")
         labels = batch["labels"]
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if self._example_packed(batch):   # examples kept apart: restarting position ids, no cache
+            inputs = packing.example_packed_inputs(self.model, batch)
+        else:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
         if self.task == "seq2seq-lm" and "decoder_input_ids" not in inputs:
             prep = getattr(self.model, "prepare_decoder_input_ids_from_labels", None)
             if prep is not None:
@@ -425,6 +442,8 @@ class TransformersModule(TrainModule):
             else:
                 inputs["labels"] = labels
         logits = self.model(**inputs).logits
+        if logits.dim() == labels.dim() + 1 and logits.shape[:-1] != labels.shape:   # rows run flattened
+            logits = logits.reshape(*labels.shape, logits.shape[-1])
         if self.task == "causal-lm":
             targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
         else:
