@@ -30,6 +30,15 @@ decay, gradient norm clipped at 1.0, batch 32, ``--steps`` optimizer steps. Vari
 
 Before ember chose bf16 by itself (November 2026), ``ember`` meant fp32, today's ``ember-fp32``.
 
+``--lora``: adapters instead of full fine-tuning. Both frameworks train the same
+``peft.LoraConfig`` (r=8, alpha 16, dropout 0.1 on ``query``/``value``, the classifier in
+``modules_to_save``), lr 5e-4 unless ``--lr`` is given. Variants: ``hf`` (the Trainer +
+peft, fp32, its default), ``hf-bf16`` (the same with ``bf16=True``) and ``ember`` (ember's
+defaults: its own precision choice). Each run is a process of its own, so that its peak
+resident memory (``ru_maxrss``: model, data, training and test) is its own.
+
+    python benchmarks/finetune.py --lora --threads 2 --seeds 0 1 2 --json lora.json
+
 For each (dataset, seed) the variants run one after another in this process, their
 order rotated from seed to seed, so drifts of a shared machine spread over all of
 them. Reported: seconds per optimizer step of the training loop (model loading and
@@ -58,9 +67,17 @@ from ember.integrations.transformers import TextClassificationData, Transformers
 
 VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup", "ember-bf16", "ember-padfree", "ember-padfree-bf16")
 DEFAULT_VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup")
+LORA_VARIANTS = ("hf", "hf-bf16", "ember")
+LORA_LR = 5e-4
 #: the precision each ember variant passes to the Trainer (None: ember's choice)
 PRECISION = {"ember": None, "ember-fp32": "32-true", "ember-nogroup": "32-true", "ember-bf16": "bf16-mixed",
              "ember-padfree": None, "ember-padfree-bf16": "bf16-mixed"}
+
+
+def lora_config():
+    """The adapters both frameworks train with ``--lora``."""
+    from peft import LoraConfig
+    return LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["query", "value"])
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -166,7 +183,8 @@ def run_ember(args, texts, labels, variant: str) -> dict:
     precision = PRECISION[variant]
     clock = _StepClock()
     module = TransformersModule(minilm_path(), lr=args.lr, weight_decay=args.weight_decay,
-                                warmup_ratio=args.warmup, scheduler="linear")
+                                warmup_ratio=args.warmup, scheduler="linear",
+                                peft_config=lora_config() if args.lora else None)
     trainer = ember.Trainer(max_steps=args.steps, seed=args.seed, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
                             default_root_dir=tempfile.mkdtemp(prefix="ember_bench_"), precision=precision,
@@ -181,13 +199,16 @@ def run_ember(args, texts, labels, variant: str) -> dict:
             "real_tokens_per_s": counter.real / clock.seconds, "real_fraction": counter.real / max(1, counter.padded)}
 
 
-def run_hf(args, texts, labels, tokenized: TextClassificationData) -> dict:
+def run_hf(args, texts, labels, tokenized: TextClassificationData, bf16: bool = False) -> dict:
     from transformers import (AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer,
                               TrainingArguments, set_seed)
     set_seed(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
         minilm_path(), num_labels=len(labels), id2label=dict(enumerate(labels)),
         label2id={n: i for i, n in enumerate(labels)})
+    if args.lora:
+        from peft import get_peft_model
+        model = get_peft_model(model, lora_config())
 
     def rows(split):   # the same token ids ember trains on
         ds = tokenized.datasets[split]
@@ -200,7 +221,7 @@ def run_hf(args, texts, labels, tokenized: TextClassificationData) -> dict:
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.batch_size * 2,
         learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type="linear", seed=args.seed,
         report_to="none", save_strategy="no", logging_steps=50, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), **warm)
+        use_cpu=not torch.cuda.is_available(), bf16=bf16, **warm)
     counter = _Counting(DataCollatorWithPadding(tokenized.tokenizer))
     clock = _hf_clock()
     trainer = Trainer(model=model, args=targs, train_dataset=rows("train"), data_collator=counter, callbacks=[clock])
@@ -216,9 +237,41 @@ def run_hf(args, texts, labels, tokenized: TextClassificationData) -> dict:
     else:
         f1 = float(C.multiclass_f1_score(preds, target, num_classes=len(labels), average="macro"))
     return {"acc": float((preds == target).float().mean()), "f1": f1, "s_per_step": secs / out.global_step,
+            "precision": "bf16 (autocast)" if bf16 else "32-true",
             "cpu_s_per_step": clock.cpu_seconds / out.global_step,
             "steps": out.global_step, "padded_tokens_per_s": padded / secs, "real_tokens_per_s": real / secs,
             "real_fraction": real / max(1, padded)}
+
+
+def run_variant(args, dataset: str, variant: str) -> dict:
+    """One (dataset, seed, variant) in this process, for ``--lora``'s child processes."""
+    (train, test), labels = DATASETS[dataset](args.seed)
+    if variant.startswith("hf"):
+        tokenized = TextClassificationData(minilm_path(), train=train, test=test, max_length=args.max_length,
+                                           label_names=labels)
+        tokenized.setup("fit")
+        r = run_hf(args, (train, test), labels, tokenized, bf16=variant == "hf-bf16")
+    else:
+        r = run_ember(args, (train, test), labels, variant)
+    import resource
+    r["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return r
+
+
+def run_isolated(args, dataset: str, variant: str) -> dict:
+    """``run_variant`` in a child process of its own: its peak memory is its own."""
+    import subprocess
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--lora", "--one", variant, "--datasets", dataset,
+               "--seeds", str(args.seed), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--lr", str(args.lr), "--warmup", str(args.warmup), "--weight-decay", str(args.weight_decay),
+               "--max-length", str(args.max_length), "--json", out]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        subprocess.run(cmd, check=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def run_seed(args, dataset: str, k: int) -> dict:
@@ -232,12 +285,16 @@ def run_seed(args, dataset: str, k: int) -> dict:
           f"order {order}", flush=True)
     out = {"dataset": dataset, "seed": args.seed, "order": order}
     for v in order:
-        r = run_hf(args, (train, test), labels, tokenized) if v == "hf" else run_ember(args, (train, test), labels, v)
+        if args.lora:
+            r = run_isolated(args, dataset, v)
+        else:
+            r = run_hf(args, (train, test), labels, tokenized) if v == "hf" else run_ember(args, (train, test), labels, v)
         out[v] = r
+        mem = f"  peak RSS {r['peak_rss_mib']:.0f} MiB" if "peak_rss_mib" in r else ""
         print(f"  {v:20s} {r.get('precision', '32-true'):10s} acc {r['acc']:.4f}  f1 {r['f1']:.4f}  {r['s_per_step']:.3f} s/step  "
               f"{r['cpu_s_per_step']:.3f} CPU s/step  "
               f"{r['padded_tokens_per_s']:.0f} tok/s (with padding)  {r['real_tokens_per_s']:.0f} real tok/s  "
-              f"real/computed {r['real_fraction']:.2f}", flush=True)
+              f"real/computed {r['real_fraction']:.2f}{mem}", flush=True)
     return out
 
 
@@ -248,8 +305,8 @@ def summarise(runs: list[dict], variants) -> dict:
         summary[dataset] = {}
         print(f"\n{dataset}: means over {len(rows)} seeds (time ratio: median of the per-seed ratios to hf)")
         print("| variant | s/step | CPU s/step | tokens/s incl. padding | real tokens/s | real / computed | acc | F1 "
-              "| time vs hf | CPU time vs hf |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| time vs hf | CPU time vs hf | peak RSS MiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for v in variants:
             got = [r[v] for r in rows if v in r]
             if not got:
@@ -257,6 +314,7 @@ def summarise(runs: list[dict], variants) -> dict:
             m = {key: statistics.mean(g[key] for g in got) for key in
                  ("s_per_step", "cpu_s_per_step", "padded_tokens_per_s", "real_tokens_per_s", "real_fraction",
                   "acc", "f1")}
+            m["peak_rss_mib"] = statistics.median(g.get("peak_rss_mib", float("nan")) for g in got)
             m["acc_sd"] = statistics.stdev(g["acc"] for g in got) if len(got) > 1 else 0.0
             if "hf" in variants:
                 m["time_ratio"] = statistics.median(r[v]["s_per_step"] / r["hf"]["s_per_step"] for r in rows)
@@ -268,18 +326,20 @@ def summarise(runs: list[dict], variants) -> dict:
             cpu = f"{m['cpu_ratio']:.3f}" if "cpu_ratio" in m else "-"
             print(f"| {v} ({m['precision']}) | {m['s_per_step']:.3f} | {m['cpu_s_per_step']:.3f} | {m['padded_tokens_per_s']:.0f} "
                   f"| {m['real_tokens_per_s']:.0f} | {m['real_fraction']:.2f} | {m['acc']:.4f} ± {m['acc_sd']:.4f} "
-                  f"| {m['f1']:.4f} | {ratio} | {cpu} |")
+                  f"| {m['f1']:.4f} | {ratio} | {cpu} | {m['peak_rss_mib']:.0f} |")
     return summary
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help=f"comma-separated, from {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated, from {','.join(VARIANTS)} (with --lora: {','.join(LORA_VARIANTS)})")
+    p.add_argument("--lora", action="store_true", help="LoRA adapters (peft) instead of full fine-tuning")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)   # --lora's child process: one variant
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=None, help=f"default 1e-4 (--lora: {LORA_LR})")
     p.add_argument("--warmup", type=float, default=0.06)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--max-length", type=int, default=128)
@@ -287,12 +347,22 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in args.variants if v not in VARIANTS]
+    known = LORA_VARIANTS if args.lora else VARIANTS
+    default = LORA_VARIANTS if args.lora else DEFAULT_VARIANTS
+    args.variants = [v.strip() for v in (args.variants or ",".join(default)).split(",") if v.strip()]
+    bad = [v for v in args.variants if v not in known]
     if bad:
-        p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
+        p.error(f"unknown variants {bad}; choose from {list(known)}")
+    if args.lr is None:
+        args.lr = LORA_LR if args.lora else 1e-4
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.one:   # a child of --lora: one run, its result to --json
+        args.seed = args.seeds[0]
+        r = run_variant(args, args.datasets[0], args.one)
+        with open(args.json, "w") as f:
+            json.dump(r, f)
+        return 0
     runs = []
     for k, seed in enumerate(args.seeds):   # seed-major: a run cut short has every dataset
         for dataset in args.datasets:
