@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import ModelCheckpoint
-from ember.loggers import CSVLogger, MLFlowLogger
+from ember.loggers import MLFlowLogger
 from helpers import ROOT, CaptureLogger, LinearModule, regression_data
 
 mlflow = pytest.importorskip("mlflow")
