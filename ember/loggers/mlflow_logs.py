@@ -66,6 +66,16 @@ def flatten_lightning(params: Any, delimiter: str = "/") -> dict[str, Any]:
     return out
 
 
+class _NoRun:
+    """The ``experiment`` of ranks other than 0: every method does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+_NO_RUN = _NoRun()
+
+
 def _local_mlruns(path: str) -> bool:
     """``path`` holds an MLflow file store (an experiment folder with its ``meta.yaml``)."""
     try:
@@ -170,9 +180,14 @@ class MLFlowLogger(Logger):
     @property
     def experiment(self):
         """The ``mlflow.tracking.MlflowClient`` of the run (the run is created on first access,
-        or the run ``run_id`` is continued)."""
+        or the run ``run_id`` is continued). On a process whose global rank is not 0 (``RANK``,
+        ``LOCAL_RANK``, ``SLURM_PROCID``) an object whose methods do nothing, as in Lightning:
+        ``self.logger.experiment.log_text(...)`` in a hook that runs on every rank logs once."""
         if self._experiment is not None:
             return self._experiment
+        from ember.utilities import _get_rank
+        if _get_rank() != 0:
+            return _NO_RUN
         _import_mlflow()
         from mlflow.tracking import MlflowClient
         from mlflow.tracking.context.registry import resolve_tags

@@ -202,6 +202,18 @@ def test_nothing_is_created_before_a_call_and_bad_arguments(tmp_path):
         MLFlowLogger(log_model="best")
 
 
+def test_other_ranks_never_create_a_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")   # what every rank but 0 of a job has
+    lg = MLFlowLogger(save_dir=tmp_path / "store")
+    lg.experiment.log_param("anything", "x")   # a hook's call on every rank: nothing on this one
+    lg.log_hyperparams({"lr": 0.1})
+    lg.log_metrics({"loss": 1.0}, step=1)
+    lg.finalize("success")
+    assert not (tmp_path / "store").exists()
+    lg.use_run_key(("1", "abc", str(tmp_path / "run")))   # rank 0's run, agreed at setup
+    assert (lg.name, lg.version, lg.log_dir) == ("1", "abc", str(tmp_path / "run"))
+
+
 def test_missing_mlflow_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)   # as if it were not installed
     with pytest.raises(ModuleNotFoundError, match=r'pip install "ember\[mlflow\]"'):
