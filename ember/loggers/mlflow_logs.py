@@ -189,6 +189,11 @@ class MLFlowLogger(Logger):
         if _get_rank() != 0:
             return _NO_RUN
         _import_mlflow()
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # MLflow names a run by drawing from Python's `random`
+            return self._start_run()
+
+    def _start_run(self):
         from mlflow.tracking import MlflowClient
         from mlflow.tracking.context.registry import resolve_tags
         if self._local_default:

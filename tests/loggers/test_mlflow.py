@@ -202,6 +202,19 @@ def test_nothing_is_created_before_a_call_and_bad_arguments(tmp_path):
         MLFlowLogger(log_model="best")
 
 
+def test_the_users_random_streams_are_left_as_they_were(store, experiment):
+    import random
+    random.seed(3)
+    torch.manual_seed(3)
+    before = random.getstate(), torch.get_rng_state()
+    lg = MLFlowLogger(experiment_name=experiment, save_dir=store)   # no run_name: MLflow draws one
+    lg.log_hyperparams({"lr": 0.1})
+    lg.log_metrics({"loss": 1.0}, step=1)
+    lg.finalize("success")
+    assert random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+    assert client_for(lg).get_run(lg.run_id).info.run_name   # MLflow's random name, all the same
+
+
 def test_other_ranks_never_create_a_run(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")   # what every rank but 0 of a job has
     lg = MLFlowLogger(save_dir=tmp_path / "store")
