@@ -49,7 +49,7 @@ class Accelerator(Topology):
         precision: ``"32-true"`` (default, or ``$EMBER_PRECISION`` set by ``ember launch``),
             ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"``, ``"64-true"``.
         gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
-        log_with: ``"tensorboard"`` | ``"csv"`` | ``"wandb"`` | a Logger | a list of them.
+        log_with: ``"tensorboard"`` | ``"csv"`` | ``"wandb"`` | ``"mlflow"`` | ``"all"`` | a Logger | a list of them.
         project_dir: where trackers and automatically named checkpoints go (default: cwd).
         seed: seeds python/numpy/torch and the data order; default: the data order follows
             ``torch.initial_seed()`` (so ``torch.manual_seed`` / ``seed_everything`` fix it).

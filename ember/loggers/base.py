@@ -78,6 +78,18 @@ class Logger:
         """Called after a checkpoint has been written to ``path``
         (a checkpoint directory or a ``.safetensors`` file). No-op by default."""
 
+    # -- one run under several processes ------------------------------------------------------
+    def run_key(self) -> Any:
+        """What identifies this logger's run where every rank must see the same (its folder,
+        its run id); ``None``: nothing. Under several processes the Trainer asks rank 0 at
+        setup (which may create the run there) and gives the answer to the other ranks'
+        :meth:`use_run_key`, so ``trainer.log_dir`` is the same on every rank and no other
+        rank creates a run."""
+        return None
+
+    def use_run_key(self, key: Any) -> None:
+        """Adopt rank 0's :meth:`run_key` (the other ranks, at setup)."""
+
     # -- misc -------------------------------------------------------------
     def __getstate__(self) -> dict:
         # writers and runs hold files, threads and sockets: never pickle them
@@ -134,6 +146,13 @@ class FileLogger(Logger):
     def log_dir(self) -> str:
         v = self.version
         return os.path.join(self.root_dir, v if isinstance(v, str) else f"version_{v}")
+
+    def run_key(self) -> int | str:
+        """The version (rank 0 picks the next free ``version_N`` by listing the folder)."""
+        return self.version
+
+    def use_run_key(self, key: int | str) -> None:
+        self._version = key
 
     @property
     def hparams(self) -> dict[str, Any]:

@@ -13,8 +13,9 @@ def tracker_name(spec: Any) -> str:
     """The name of a ``log_with`` entry (a string, or a Logger's name)."""
     if isinstance(spec, str):
         return spec.strip().lower()
-    from ember.loggers import CSVLogger, TensorBoardLogger, WandbLogger
-    for cls, name in ((TensorBoardLogger, "tensorboard"), (CSVLogger, "csv"), (WandbLogger, "wandb")):
+    from ember.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+    for cls, name in ((TensorBoardLogger, "tensorboard"), (CSVLogger, "csv"), (WandbLogger, "wandb"),
+                      (MLFlowLogger, "mlflow")):
         if isinstance(spec, cls):
             return name
     name = getattr(spec, "tracker_name", None) or type(spec).__name__.lower()
@@ -30,6 +31,11 @@ def check_log_with(log_with: Any) -> list:
         key = s.strip().lower() if isinstance(s, str) else None
         if not isinstance(s, Logger) and key not in LOGGER_CHOICES + ("all",):
             raise invalid_choice("log_with", s, list(LOGGER_CHOICES) + ["all", "a Logger", "a list of these"])
+        if key == "mlflow":
+            import importlib.util
+            if importlib.util.find_spec("mlflow") is None:   # said at construction, before any work
+                from ember.loggers.mlflow_logs import _INSTALL_HINT
+                raise ModuleNotFoundError(_INSTALL_HINT.replace("MLFlowLogger", 'log_with="mlflow"'))
         out += ["tensorboard", "csv"] if key == "all" else [key or s]
     return out
 
@@ -54,11 +60,38 @@ def init_trackers(acc: Any, project_name: str, config: dict | None, init_kwargs:
         if key == "wandb" and isinstance(spec, str):   # kw may hold the run's own ``name``
             from ember.loggers import WandbLogger
             tracker = WandbLogger(project=kw.pop("project", project_name), save_dir=acc.project_dir, **kw)
+        elif key == "mlflow" and isinstance(spec, str):
+            tracker = mlflow_tracker(acc, project_name, kw)
         else:
             tracker = build_logger(spec, save_dir=acc.project_dir, name=project_name, **kw)
         if config is not None:
             tracker.log_hyperparams(config)
         acc.trackers.append(tracker)
+
+
+def mlflow_tracker(acc: Any, project_name: str, kw: dict) -> Any:
+    """``log_with="mlflow"`` with Accelerate's MLflowTracker semantics: the experiment is
+    ``$MLFLOW_EXPERIMENT_NAME``, else ``project_name``; ``$MLFLOW_RUN_ID`` and ``$MLFLOW_TAGS``
+    (JSON) win over ``run_id`` / ``tags`` in ``init_kwargs["mlflow"]``; ``run_name`` and
+    ``description`` are taken too; the tracking URI is ``$MLFLOW_TRACKING_URI``, else a local
+    store in ``project_dir/mlruns`` (the other MLFlowLogger arguments may be given there too)."""
+    import json
+    from ember.loggers import MLFlowLogger
+    kw = dict(kw)
+    if kw.pop("nested_run", False):
+        raise MisconfigurationError('init_kwargs={"mlflow": {"nested_run": True}}: ember logs to its own run, '
+                                    "never a nested one; leave nested_run out")
+    experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or kw.pop("experiment_name", None) or project_name
+    run_id = os.environ.get("MLFLOW_RUN_ID") or kw.pop("run_id", None)
+    tags = os.environ.get("MLFLOW_TAGS") or kw.pop("tags", None)
+    if isinstance(tags, str):
+        tags = json.loads(tags)
+    tags = dict(tags or {})
+    description = kw.pop("description", None)
+    if description is not None:
+        tags["mlflow.note.content"] = description
+    kw.setdefault("save_dir", os.path.join(acc.project_dir, "mlruns"))
+    return MLFlowLogger(experiment_name=experiment, run_id=run_id, tags=tags or None, **kw)
 
 
 class _NullTracker:

@@ -172,17 +172,20 @@ def log_hparams(t) -> None:
 
 
 def agree_log_versions(t) -> None:
-    """Under several processes, every logger that picks its ``version_N`` folder by listing
-    the directory takes rank 0's choice (one broadcast at setup), so ``trainer.log_dir``
-    and the checkpoint folder are the same on every rank."""
-    from ember.loggers.base import FileLogger
-    folder = [lg for lg in t.loggers if isinstance(lg, FileLogger)]
-    if t.world_size == 1 or not folder:
+    """Under several processes, every logger whose run must be the same on every rank (a
+    file logger's ``version_N`` folder, picked by listing the directory; an MLflow run) takes
+    rank 0's (``Logger.run_key`` there, ``use_run_key`` on the others: one broadcast at
+    setup), so ``trainer.log_dir`` and the checkpoint folder are the same on every rank and
+    only rank 0 creates a run."""
+    from ember.loggers.base import Logger
+    shared = [lg for lg in t.loggers if type(lg).run_key is not Logger.run_key]
+    if t.world_size == 1 or not shared:
         return
-    versions = [lg.version for lg in folder] if t.is_global_zero else None
-    versions = t.strategy.broadcast(versions)
-    for lg, v in zip(folder, versions):
-        lg._version = v
+    keys = [lg.run_key() for lg in shared] if t.is_global_zero else None
+    keys = t.strategy.broadcast(keys)
+    if not t.is_global_zero:
+        for lg, key in zip(shared, keys):
+            lg.use_run_key(key)
 
 
 def configure_callbacks(t, module) -> None:

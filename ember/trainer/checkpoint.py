@@ -150,9 +150,15 @@ def _version_key(name: str):
 def _candidate_dirs(t) -> list[str]:
     """This run's checkpoint folders, most preferred first: the ModelCheckpoint dirpaths;
     else the first logger's ``checkpoints`` folder: of its version when one was given,
-    else of each existing version of its name, newest version first; without a logger,
-    ``default_root_dir/checkpoints``. Other runs under the same root never count."""
+    else of each existing version of its name, newest version first (a logger of a run, such
+    as MLflow's, first: its run's folder); without a logger, ``default_root_dir/checkpoints``.
+    Other runs under the same root never count."""
+    from ember.loggers.base import FileLogger, Logger
     dirs = [cb.dirpath for cb in t.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    first = t.loggers[0] if t.loggers else None
+    if not dirs and first is not None and not isinstance(first, FileLogger) \
+            and type(first).run_key is not Logger.run_key:
+        dirs = [os.path.join(first.log_dir, "checkpoints")]   # the folder trainer.log_dir gives ModelCheckpoint
     if not dirs:
         loggers = [lg for lg in t.loggers if getattr(lg, "root_dir", None)]
         if not loggers:

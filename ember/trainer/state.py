@@ -68,10 +68,11 @@ FN_STAGE = {"fit": RunningStage.TRAINING, "validate": RunningStage.VALIDATING, "
 
 #: why a fit stopped (``trainer.stop_reason``); None while it runs
 STOP_REASONS = ("max_epochs", "max_steps", "max_time", "early_stopping", "timer", "should_stop",
-                "preempted", "interrupted", "exception")
+                "preempted", "interrupted", "exception", "pruned")
 
-#: the stop requests ranks agree on, in priority order (the highest code any rank asks for wins)
-REQUESTS = ("should_stop", "early_stopping", "timer", "max_time")
+#: the stop requests ranks agree on, in priority order (the highest code any rank asks for wins;
+#: ``pruned``, a hyperparameter search ending this trial, is asked for on rank 0 only)
+REQUESTS = ("should_stop", "early_stopping", "timer", "max_time", "pruned")
 REQUEST_CODE = {r: i + 1 for i, r in enumerate(REQUESTS)}
 
 #: the fields of :meth:`TrainerState.state_dict` (``trainer_state.pt["loop"]``)
@@ -127,6 +128,8 @@ class TrainerState:
         data_seed: the seed of the data order (the same on every rank).
         fit_started: ``time.monotonic()`` when the current fit started.
         exception: the exception that ended the last fit, if any.
+        end_error: the exception ``fit`` raises once the fit has ended cleanly
+            (``Trainer.raise_after_fit``; e.g. ``optuna.TrialPruned``), None otherwise.
 
         active: a run (fit / validate / test / predict) is in progress.
         warned: the one-time warnings this Trainer already gave.
@@ -183,6 +186,7 @@ class TrainerState:
         self.data_seed: int | None = None
         self.fit_started: float | None = None
         self.exception: BaseException | None = None
+        self.end_error: BaseException | None = None
         self.step_rules: Any = None
         self.warned: set[str] = set()
         # the run's data (ember/trainer/data.py)
@@ -239,6 +243,7 @@ class TrainerState:
         self.stop_request = self.stop_reason = None
         self.stop_agreed = False
         self.interrupt = 0
+        self.end_error = None
 
     def reset_epoch(self) -> None:
         """After an exception: a later ``fit()`` restarts the broken epoch at its first batch."""

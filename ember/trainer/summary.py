@@ -77,6 +77,8 @@ def _describe_stop(t) -> str:
         return "an exception" + (f": {type(exc).__name__}: {exc}" if exc is not None else "")
     if reason == "should_stop":
         return "trainer.should_stop was set"
+    if reason == "pruned":
+        return "the trial was pruned (a hyperparameter search's pruner, e.g. PruningCallback)"
     return reason or "finished"
 
 

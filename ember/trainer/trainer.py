@@ -316,7 +316,7 @@ class Trainer:
     def stop_reason(self) -> str | None:
         """Why the last fit stopped, agreed by every rank: one of ``max_epochs``, ``max_steps``,
         ``max_time``, ``early_stopping``, ``timer``, ``should_stop``, ``preempted``,
-        ``interrupted``, ``exception``; None while it runs."""
+        ``interrupted``, ``exception``, ``pruned``; None while it runs."""
         return self.state.stop_reason
 
     @property
@@ -337,12 +337,20 @@ class Trainer:
             st.stop_request = "should_stop"
 
     def request_stop(self, reason: str = "should_stop", agreed: bool = False) -> None:
-        """Ask the fit to stop for ``reason`` (``should_stop``, ``early_stopping``, ``timer`` or
-        ``max_time``): as ``trainer.should_stop = True``, with the reason recorded in
+        """Ask the fit to stop for ``reason`` (``should_stop``, ``early_stopping``, ``timer``,
+        ``max_time`` or ``pruned``): as ``trainer.should_stop = True``, with the reason recorded in
         :attr:`stop_reason`. Agreed with the other ranks as described under :attr:`should_stop`;
         ``agreed=True`` says every rank makes this same request at the same step (it was decided
-        after a collective), so the ranks act on it at the next optimizer step."""
+        after a collective), so the ranks act on it at the next optimizer step. ``min_epochs`` /
+        ``min_steps`` hold back ``should_stop`` and ``early_stopping`` only."""
         self.state.request_stop(reason, agreed)
+
+    def raise_after_fit(self, exc: BaseException) -> None:
+        """Make the current ``fit`` raise ``exc`` once it has ended cleanly: after ``on_fit_end``,
+        the loggers' ``finalize("success")``, the checkpoints and ``teardown``. A callback that
+        stopped the fit for a reason the caller must see (``PruningCallback``: the trial was
+        pruned, ``optuna.TrialPruned``) calls it, on every rank, from ``on_fit_end``."""
+        self.state.end_error = exc
 
     @property
     def received_sigterm(self) -> bool:
@@ -576,6 +584,9 @@ class Trainer:
         ``ckpt_path``: a checkpoint folder, "last" or "best" to resume from (exactly)."""
         module = _one_module(module, model)
         self._run("fit", module, datamodule, ckpt_path, train=train_dataloaders, val=val_dataloaders)
+        exc, self.state.end_error = self.state.end_error, None
+        if exc is not None:
+            raise exc   # the fit ended cleanly; a callback asked for this (raise_after_fit)
 
     def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
                  datamodule: DataModule | None = None, ckpt_path: str | None = None,
