@@ -153,6 +153,101 @@ def read_meta(meta_file: str | os.PathLike) -> dict:
     return meta
 
 
+# -- YAML (configs, launch files, run folders) -------------------------------------------------
+#: a YAML document larger than this, its aliases expanded (mapping keys and values, list
+#: items and scalars each count one), is refused while it is read: a "billion laughs" file
+MAX_YAML_NODES = 200_000
+#: a YAML document nested deeper than this (its aliases expanded) is refused while it is read
+MAX_YAML_DEPTH = 64
+_YAML_LOADER: Any = None
+
+
+class YAMLLimitError(ValueError):
+    """A YAML document beyond :data:`MAX_YAML_NODES` or :data:`MAX_YAML_DEPTH` (or with an
+    alias to the node that holds it). ``problem`` says which; ``line`` / ``column``
+    (1-based, or None) where it was found."""
+
+    def __init__(self, problem: str, mark: Any = None) -> None:
+        self.problem = problem
+        self.line = mark.line + 1 if mark is not None else None
+        self.column = mark.column + 1 if mark is not None else None
+        where = f" (line {self.line}, column {self.column})" if mark is not None else ""
+        super().__init__(problem + where)
+
+
+def _bounded_loader() -> Any:
+    """PyYAML's ``SafeLoader``, composing within :data:`MAX_YAML_NODES` and :data:`MAX_YAML_DEPTH`.
+
+    The composer records, for every node it builds, the size and height it has with every
+    alias expanded (an alias adds the recorded numbers of its anchor: constant work per
+    node), and stops at the first node past a bound, before anything is built from it. The
+    depth of the nesting being read is counted as it descends, so a deep file stops before
+    Python's recursion limit is reached."""
+    global _YAML_LOADER
+    if _YAML_LOADER is not None:
+        return _YAML_LOADER
+    import yaml
+
+    class BoundedSafeLoader(yaml.SafeLoader):
+        def __init__(self, stream: Any) -> None:
+            super().__init__(stream)
+            self._ember_depth = 0
+            self._ember_seen: dict[int, tuple[int, int, Any]] = {}   # id(node) -> (size, height, node)
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                anchored = self.anchors.get(event.anchor)
+                if anchored is not None and id(anchored) not in self._ember_seen:
+                    raise YAMLLimitError(f"the alias *{event.anchor} refers to a node that holds it "
+                                         "(a structure without end)", event.start_mark)
+                return super().compose_node(parent, index)
+            self._ember_depth += 1
+            if self._ember_depth > MAX_YAML_DEPTH:
+                raise YAMLLimitError(f"it nests deeper than {MAX_YAML_DEPTH} levels", event.start_mark)
+            try:
+                node = super().compose_node(parent, index)
+            finally:
+                self._ember_depth -= 1
+            if isinstance(node, yaml.SequenceNode):
+                children = node.value
+            elif isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            else:
+                children = []
+            seen = [self._ember_seen[id(c)] for c in children]
+            size = 1 + sum(s for s, _, _ in seen)
+            height = 1 + max((h for _, h, _ in seen), default=0)
+            if size > MAX_YAML_NODES:
+                raise YAMLLimitError(f"its aliases expand to more than {MAX_YAML_NODES} values (a \"billion "
+                                     "laughs\" document)", event.start_mark)
+            if height > MAX_YAML_DEPTH:
+                raise YAMLLimitError(f"with its aliases expanded it nests deeper than {MAX_YAML_DEPTH} levels",
+                                     event.start_mark)
+            self._ember_seen[id(node)] = (size, height, node)
+            return node
+
+    _YAML_LOADER = BoundedSafeLoader
+    return _YAML_LOADER
+
+
+def load_yaml(stream: Any) -> Any:
+    """``yaml.safe_load`` within ember's bounds: the one YAML reader of ember (configs,
+    command-line values, launch files, run folders). Raises :class:`YAMLLimitError` for a
+    document past :data:`MAX_YAML_NODES` values or :data:`MAX_YAML_DEPTH` levels (aliases
+    expanded), and ``yaml.YAMLError`` for one that is not YAML."""
+    import yaml
+    loader = _bounded_loader()(stream)
+    try:
+        return loader.get_single_data()
+    except RecursionError:   # a bound above should stop every deep document first
+        raise YAMLLimitError(f"it nests too deep to read (more than {MAX_YAML_DEPTH} levels)") from None
+    except yaml.YAMLError:
+        raise
+    finally:
+        loader.dispose()
+
+
 def _version(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", str(v).split("+")[0])[:3])
 

@@ -81,14 +81,20 @@ def _check_keys(where: str, data: dict, valid) -> None:
 
 
 def read_yaml(path: "str | Path", flag: str) -> Any:
-    """``yaml.safe_load`` of a file; a problem becomes a one-line error naming ``flag``."""
+    """A YAML file read with ember's bounded loader (:func:`ember.checkpoint.trust.load_yaml`:
+    no alias expansion past its size, no nesting past its depth); a problem becomes a
+    one-line error naming ``flag``."""
     import yaml
+
+    from ember.checkpoint.trust import YAMLLimitError, load_yaml
     try:
         text = Path(path).read_text()
-    except OSError as err:
-        raise UsageError(f"{flag}: cannot read {str(path)!r}: {err.strerror or err}")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{flag}: cannot read {str(path)!r}: {getattr(err, 'strerror', None) or err}")
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except YAMLLimitError as err:
+        raise UsageError(f"{flag}: {str(path)!r} is refused: {err}; ember reads no larger YAML")
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
