@@ -618,13 +618,15 @@ LOCK_NAME = ".ember-lock"
 
 
 def _pid_alive(pid: int) -> bool:
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31:
+        return False          # no process has it (os.kill would raise OverflowError, or signal a group)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:   # exists, owned by another user
         return True
-    except OSError:
+    except (OSError, OverflowError):
         return False
     return True
 
@@ -637,9 +639,11 @@ class DirLock:
 
     :meth:`acquire` raises CheckpointError while another live process holds it. The
     owner holds the file with ``flock`` for as long as it runs, so the kernel frees it
-    when that process ends however it ends (``kill -9``, the OOM killer): the lock of a
-    process that is gone is taken over, whatever the file holds, even nothing at all (a
-    process killed between creating and writing it: a warning says so). Only one process
+    when that process ends however it ends (``kill -9``, the OOM killer). The ``flock`` is
+    the truth: a lock file of this host that no process holds is taken over with a warning,
+    whatever it holds: a pid that is gone, a pid that now belongs to another live process
+    (pids are reused, in a container soon after a ``kill -9``), a pid no process can have,
+    or nothing at all (a process killed between creating and writing it). Only one process
     can hold the ``flock``, so two processes taking over one stale lock at once cannot
     both win. A lock recorded by another host is honoured until removed by hand (its
     ``flock`` may not reach this host on every shared file system, and ember cannot tell
@@ -684,14 +688,20 @@ class DirLock:
             import fcntl
         except ImportError:       # no flock (Windows): the file's content decides
             return self._acquire_by_content(what)
+        nofollow = getattr(os, "O_NOFOLLOW", 0)
         for _ in range(20):
             try:
-                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE), True
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, FILE_MODE), True
             except FileExistsError:
                 try:
-                    fd, created = os.open(self.path, os.O_RDWR), False
+                    fd, created = os.open(self.path, os.O_RDWR | nofollow), False
                 except FileNotFoundError:
                     continue              # released meanwhile
+                except OSError as err:    # a folder, a symlink, no permission...
+                    raise self._not_a_lock(what, err) from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise self._not_a_lock(what, None)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:       # a live process holds it
@@ -715,12 +725,10 @@ class DirLock:
                 if isinstance(host, str) and host != self.owner["host"]:
                     os.close(fd)          # another host's lock: honoured
                     raise self._in_use(what, other)
-                if host == self.owner["host"] and isinstance(pid, int) and pid != os.getpid() \
-                        and _pid_alive(pid):
-                    os.close(fd)          # a live process of this host that holds no flock
-                    raise self._in_use(what, other)
                 if not (isinstance(pid, int) and isinstance(host, str)):
                     self._warn_stale(other)
+                elif pid != os.getpid():  # the flock is the truth, whatever the pid is now
+                    self._warn_taken_over(pid)
             self._fd = fd
             self._write()
             return
@@ -729,6 +737,21 @@ class DirLock:
     def _warn_stale(self, other) -> None:
         warnings.warn(f"{self.path}: the lock file is empty or unreadable ({other!r}) and no process holds it "
                       "(its owner was killed while taking it?); taking it over", UserWarning, stacklevel=4)
+
+    def _warn_taken_over(self, pid: int) -> None:
+        now = ("now belongs to another live process, which is not an ember run holding it (the pid was reused "
+               "after its owner ended)") if _pid_alive(pid) else "is gone"
+        warnings.warn(f"{self.path}: no process holds this lock (its flock is free); the process it names ({pid}) "
+                      f"{now}; taking it over", UserWarning, stacklevel=4)
+
+    def _not_a_lock(self, what: str, err: "OSError | None") -> CheckpointError:
+        try:
+            kind = _kind(os.lstat(self.path).st_mode) if not os.path.islink(self.path) else "a symlink"
+        except OSError:
+            kind = "not a file"
+        why = f" ({err.strerror or err})" if err is not None and not isinstance(err, IsADirectoryError) else ""
+        return CheckpointError(f"{what}: {self.path} is {kind}{why}, not ember's lock file; ember never replaces "
+                               f"it: remove or rename it, or give this run another dirpath")
 
     def _write(self) -> None:
         os.ftruncate(self._fd, 0)
