@@ -265,13 +265,6 @@ def load_config(files: Sequence[str], overrides: Sequence[tuple[str, str]], flat
 
 
 # --------------------------------------------------------------------------- running
-def _add_import_paths(files: Sequence[str]) -> None:
-    """Put the working directory on ``sys.path`` (as ``python -m`` does). Never the
-    config file's folder: a downloaded config must not import a module shipped next to it."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-
 def _trainer_bases() -> dict:
     from ember.callbacks.base import Callback
     from ember.loggers import Logger
@@ -401,7 +394,6 @@ class SaveConfigCallback(Callback):
 
 def run_command(args: argparse.Namespace, overrides, cli: _CLI) -> int:
     import yaml
-    _add_import_paths(args.config)
     flat = [k for k, c in (("model", cli.model_class), ("data", cli.datamodule_class)) if c]
     cfg = load_config(args.config, overrides, flat)
     resolved = cli.resolve(cfg)

@@ -112,3 +112,29 @@ def test_ordinary_anchors_still_work(tmp_path, cli):
     r = cli("fit", "--config", "ok.yaml", "--print_config")
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["model"]["init_args"]["hidden"] == 3
+
+
+# --------------------------------------------------------------------------- class paths
+def test_a_standard_library_class_path_is_refused_before_it_is_imported(tmp_path):
+    (tmp_path / "zen.yaml").write_text("model:\n  class_path: this.NotAClass\n")
+    r = ember("fit", "--config", "zen.yaml", "--print_config", cwd=tmp_path)
+    assert "Beautiful is better than ugly" not in r.stdout + r.stderr      # `import this` never ran
+    line = one_line_error(r)
+    assert "model.class_path: 'this.NotAClass' names the standard-library module 'this'" in line, line
+
+
+def test_the_working_directory_shadows_nothing_ember_imports(tmp_path):
+    """A downloaded folder holding a module named like one ember imports later (tqdm, yaml,
+    numpy...): running ember there never imports it; the user's own module named by the
+    config, found only in that folder, still is (with its neighbours)."""
+    marker = tmp_path / "shadow-ran"
+    for name in ("tqdm", "numpy", "yaml"):
+        (tmp_path / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    (tmp_path / "toy_helpers.py").write_text("HIDDEN = 3\n")
+    (tmp_path / "mytoy.py").write_text((EXAMPLE / "toy.py").read_text() + "\nfrom toy_helpers import HIDDEN\n")
+    (tmp_path / "cfg.yaml").write_text("model:\n  class_path: mytoy.ToyRegressor\n  init_args: {hidden: 3}\n"
+                                       "data:\n  class_path: mytoy.ToyData\n")
+    r = ember("fit", "--config", "cfg.yaml", "--print_config", cwd=tmp_path, pythonpath="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "class_path: mytoy.ToyRegressor" in r.stdout
+    assert not marker.exists(), marker.read_text()
