@@ -23,7 +23,10 @@ nothing outside it. Every rule lives here:
   ``Accelerator.save_state`` adds after its commit are in neither list (they are read
   with the tensor-only loader, like every file here).
 
-It also holds the one check of what a save may replace or delete
+It also holds ember's one YAML reader (:func:`load_yaml`: configs, command-line values,
+launch files, run folders), which refuses a document whose aliases expand past
+:data:`MAX_YAML_NODES` values or that nests past :data:`MAX_YAML_DEPTH` levels while it is
+composed, the one check of what a save may replace or delete
 (:func:`not_a_checkpoint`, used by :func:`check_save_target`) and
 how an ``OSError`` while writing is reported (:func:`write_error`).
 """

@@ -138,3 +138,14 @@ def test_the_working_directory_shadows_nothing_ember_imports(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "class_path: mytoy.ToyRegressor" in r.stdout
     assert not marker.exists(), marker.read_text()
+
+
+def test_every_yaml_read_in_ember_goes_through_the_bounded_loader():
+    import re
+
+    import ember
+    root = Path(ember.__file__).parent
+    raw = re.compile(r"\byaml\.(safe_load|load|full_load|unsafe_load|load_all|safe_load_all)\(")
+    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "trust.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if raw.search(line)]
+    assert hits == [], f"read YAML with ember.checkpoint.trust.load_yaml: {hits}"
