@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -44,9 +45,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_run_files_are_left_out_with_a_note_and_the_report_is_drawn(tmp_path, case):
-    hparams, run_json, hp_why, rj_why = CASES[case]
+def _check_page(out, d) -> None:
+    page = out.read_text(encoding="utf-8")
+    assert 'data-chart="loss"' in page                     # the report is drawn
+    assert "hparams.yaml is left out: " in page and "run.json is left out: " in page   # and says what it left out
+
+
+def test_a_billion_laughs_run_folder_is_reported_at_once_by_the_command(tmp_path):
+    hparams, run_json, hp_why, rj_why = CASES["billion laughs"]
     d = _run_folder(tmp_path, hparams, run_json)
     out = tmp_path / "r.html"
     start = time.monotonic()
@@ -57,9 +63,23 @@ def test_bad_run_files_are_left_out_with_a_note_and_the_report_is_drawn(tmp_path
     assert "Traceback" not in r.stderr
     assert f"run report: {os.path.join(d, 'hparams.yaml')} is left out: " in r.stderr and hp_why in r.stderr
     assert f"run report: {os.path.join(d, 'run.json')} is left out: " in r.stderr and rj_why in r.stderr
-    page = out.read_text(encoding="utf-8")
-    assert 'data-chart="loss"' in page                     # the report is drawn
-    assert "hparams.yaml is left out: " in page and "run.json is left out: " in page   # and says what it left out
+    _check_page(out, d)
+
+
+@pytest.mark.parametrize("case", ["deep", "lists"])
+def test_bad_run_files_are_left_out_with_a_note_and_the_report_is_drawn(tmp_path, capsys, case):
+    from ember.cli import main
+    hparams, run_json, hp_why, rj_why = CASES[case]
+    d = _run_folder(tmp_path, hparams, run_json)
+    out = tmp_path / "r.html"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert main(["report", d, "-o", str(out)]) == 0
+    notes = [str(x.message) for x in w if "is left out" in str(x.message)]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith(f"run report: {os.path.join(d, 'hparams.yaml')} is left out: ") and hp_why in notes[0]
+    assert notes[1].startswith(f"run report: {os.path.join(d, 'run.json')} is left out: ") and rj_why in notes[1]
+    _check_page(out, d)
 
 
 def test_good_files_are_still_read(tmp_path):
