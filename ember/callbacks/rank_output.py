@@ -41,7 +41,6 @@ import collections
 import hmac
 import io
 import secrets
-import select
 import socket
 import sys
 import threading
@@ -156,32 +155,34 @@ class LineForwarder(io.TextIOBase):
         sock = self._sock
         if sock is None:
             return False
-        while True:
-            try:
-                ready = select.select([sock], [], [], max(0.0, timeout))[0]
-            except (OSError, ValueError):
-                return False
-            if not ready:
-                return True
-            try:
-                chunk = sock.recv(4096)
-            except (BlockingIOError, socket.timeout):
-                return True
-            except OSError:
-                return False
-            if not chunk:
-                return False
-            self._ackbuf += chunk
-            if b"\n" in self._ackbuf:
-                done, self._ackbuf = self._ackbuf.rsplit(b"\n", 1)
+        saved = sock.gettimeout()
+        try:
+            while True:
+                sock.settimeout(timeout if timeout > 0 else 0.0)   # 0: only what is there already
                 try:
-                    count = int(done.rsplit(b"\n", 1)[-1])
-                except ValueError:
+                    chunk = sock.recv(4096)
+                except (BlockingIOError, socket.timeout):
+                    return True
+                except OSError:
                     return False
-                while self._acked < count and self._unacked:
-                    self._unacked_bytes -= len(self._unacked.popleft())
-                    self._acked += 1
-            timeout = 0.0      # more only if it is there already
+                if not chunk:
+                    return False
+                self._ackbuf += chunk
+                if b"\n" in self._ackbuf:
+                    done, self._ackbuf = self._ackbuf.rsplit(b"\n", 1)
+                    try:
+                        count = int(done.rsplit(b"\n", 1)[-1])
+                    except ValueError:
+                        return False
+                    while self._acked < count and self._unacked:
+                        self._unacked_bytes -= len(self._unacked.popleft())
+                        self._acked += 1
+                timeout = 0.0      # more only if it is there already
+        finally:
+            try:
+                sock.settimeout(saved)
+            except OSError:
+                pass
 
     def _fail_over(self, lines: list[str]) -> None:
         """The connection ended: every line rank 0 did not acknowledge, then ``lines``, go to
