@@ -42,7 +42,10 @@ def _get_rank() -> int:
     for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         value = os.environ.get(key)
         if value is not None:
-            return int(value)
+            try:
+                return int(value)
+            except ValueError:   # not refused at import: finding the run's environment names it
+                continue
     return 0
 
 

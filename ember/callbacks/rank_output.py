@@ -12,8 +12,13 @@ they appear above the bar, whole and once.
   costs one ``sendall`` when it is printed.
 - ``sys.stderr`` is left alone (a failing rank's traceback goes where it always
   went); only warnings, which Python writes to stderr, are forwarded.
-- If the socket fails (rank 0 gone, connection refused) the rank writes to its own
-  stdout again: no line is lost or held back.
+- Nothing is lost: rank 0 acknowledges every line it has shown (a count sent back after
+  each read), and a rank keeps its lines until then. When the connection ends (rank 0
+  closed its receiver or went away: found before each send, and at the rank's own
+  teardown, which waits up to :data:`DRAIN_S` for the last acknowledgements) every line
+  not acknowledged goes to the rank's own stdout, in order, and so does every later one.
+  The first ``sendall`` to a socket whose peer closed succeeds, so a send alone cannot
+  tell; a line shown by rank 0 is always acknowledged before its receiver closes.
 
 The socket listens on loopback, where any local process can reach it, so rank 0 trusts
 nothing it did not authenticate:
@@ -32,6 +37,7 @@ nothing it did not authenticate:
 """
 from __future__ import annotations
 
+import collections
 import hmac
 import io
 import secrets
@@ -50,6 +56,10 @@ HANDSHAKE_S = 2.0
 MAX_PENDING = 8
 #: at teardown, a rank silent for this long is not waited for (its later lines go to its own stdout)
 IDLE_S = 0.25
+#: at a rank's teardown, seconds it waits for rank 0 to acknowledge its last lines
+DRAIN_S = 2.0
+#: bytes a rank keeps sent but not yet acknowledged before it waits for rank 0
+MAX_UNACKED = 4 * 2**20
 _HELLO = "ember-rank-output"
 _BIDI = {0x200E, 0x200F, 0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069}
 
@@ -89,6 +99,10 @@ class LineForwarder(io.TextIOBase):
         self._prefix, self._fallback = prefix, fallback
         self._buf = ""
         self._lock = threading.Lock()
+        self._unacked: collections.deque[str] = collections.deque()   # sent, not yet shown by rank 0
+        self._unacked_bytes = 0
+        self._acked = 0          # lines rank 0 acknowledged, counted since the connection opened
+        self._ackbuf = b""
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -135,29 +149,92 @@ class LineForwarder(io.TextIOBase):
             else:
                 self._send(lines)
 
+    def _read_acks(self, timeout: float) -> bool:
+        """Take in rank 0's acknowledgements (waiting up to ``timeout`` seconds for one);
+        False when the connection ended (rank 0 closed its end, or went away)."""
+        sock = self._sock
+        if sock is None:
+            return False
+        saved = sock.gettimeout()
+        try:
+            while True:
+                sock.settimeout(timeout if timeout > 0 else 0.0)   # 0: only what is there already
+                try:
+                    chunk = sock.recv(4096)
+                except (BlockingIOError, socket.timeout):
+                    return True
+                except OSError:
+                    return False
+                if not chunk:
+                    return False
+                self._ackbuf += chunk
+                if b"\n" in self._ackbuf:
+                    done, self._ackbuf = self._ackbuf.rsplit(b"\n", 1)
+                    try:
+                        count = int(done.rsplit(b"\n", 1)[-1])
+                    except ValueError:
+                        return False
+                    while self._acked < count and self._unacked:
+                        self._unacked_bytes -= len(self._unacked.popleft())
+                        self._acked += 1
+                timeout = 0.0      # more only if it is there already
+        finally:
+            try:
+                sock.settimeout(saved)
+            except OSError:
+                pass
+
+    def _fail_over(self, lines: list[str]) -> None:
+        """The connection ended: every line rank 0 did not acknowledge, then ``lines``, go to
+        the rank's own stdout; so does every later write."""
+        self._close_socket()
+        lost = list(self._unacked) + list(lines)
+        self._unacked.clear()
+        self._unacked_bytes = 0
+        if lost:
+            self._fallback.write("".join(ln + "\n" for ln in lost))
+            self._fallback.flush()
+
     def _send(self, lines: list[str]) -> None:
+        if not self._read_acks(0.0):      # rank 0 closed its receiver: a send would be lost
+            return self._fail_over(lines)
         data = "".join(f"{self._prefix}{ln}\n" for ln in lines)
         try:
             self._sock.sendall(data.encode("utf-8", "replace"))   # type: ignore[union-attr]
         except OSError:
-            self._close_socket()
-            self._fallback.write("".join(ln + "\n" for ln in lines))
-            self._fallback.flush()
+            return self._fail_over(lines)
+        self._unacked.extend(lines)
+        self._unacked_bytes += sum(len(ln) for ln in lines)
+        while self._unacked_bytes > MAX_UNACKED:     # rank 0 far behind: wait for it, bounded
+            before = len(self._unacked)
+            if not self._read_acks(5.0) or len(self._unacked) == before:
+                return self._fail_over([])
 
     def flush(self) -> None:
         """Lines are sent as they complete; a partial line waits for its newline (or close)."""
         if self._sock is None:
             self._fallback.flush()
 
-    def close_forwarding(self) -> None:
-        """Send a pending partial line and close the socket; later writes go to ``fallback``."""
+    def close_forwarding(self, drain: float = DRAIN_S) -> None:
+        """Send a pending partial line, wait up to ``drain`` seconds for rank 0 to acknowledge
+        every line sent, write those it did not to ``fallback``, and close the socket; later
+        writes go to ``fallback``."""
         with self._lock:
             if self._sock is not None and self._buf:
                 self._send([self._buf])
             elif self._buf:
                 self._fallback.write(self._buf)
             self._buf = ""
-            self._close_socket()
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_WR)    # rank 0 reads to the end, acknowledges, closes
+                except OSError:
+                    pass
+                deadline = time.monotonic() + max(0.0, drain)
+                while self._unacked and self._read_acks(max(0.0, deadline - time.monotonic())) \
+                        and time.monotonic() < deadline:
+                    pass
+            self._fail_over([])
 
     def _close_socket(self) -> None:
         if self._sock is not None:
@@ -185,6 +262,8 @@ class LineReceiver:
         self._lock = threading.Lock()
         self._pending: set = set()        # connections waiting for their handshake
         self._authed: dict = {}           # connection -> when it last sent data (monotonic)
+        self._showing: dict = {}          # connection -> lock held while its lines are shown and acknowledged
+        self._closing = False
         self._accept = threading.Thread(target=self._accept_loop, name="ember-rank-output", daemon=True)
         self._accept.start()
 
@@ -238,8 +317,9 @@ class LineReceiver:
             pass
         with self._lock:
             self._pending.discard(conn)
-            if rest is not None and len(self._authed) < self._peers:
+            if rest is not None and len(self._authed) < self._peers and not self._closing:
                 self._authed[conn] = time.monotonic()
+                self._showing[conn] = threading.Lock()
             else:
                 rest = None
         if rest is None:
@@ -253,29 +333,47 @@ class LineReceiver:
         finally:
             with self._lock:
                 self._authed.pop(conn, None)
+                self._showing.pop(conn, None)
             _close(conn)
 
     def _lines(self, conn: socket.socket, buf: bytes) -> None:
-        """Emit each line; never hold more than :data:`MAX_LINE` bytes of one."""
+        """Emit each line; never hold more than :data:`MAX_LINE` bytes of one. After each
+        read, the count of lines taken so far goes back to the rank (its acknowledgement),
+        under the connection's lock: :meth:`close` never closes between a line shown and its
+        acknowledgement, and what arrives once it closes is neither shown nor acknowledged."""
         skipping = False
+        count = acked = 0
+        showing = self._showing[conn]
         while True:
-            while True:
-                nl = buf.find(b"\n")
-                if nl < 0:
-                    break
-                line, buf = buf[:nl], buf[nl + 1:]
-                if skipping:
-                    skipping = False
-                else:
-                    self._show(line)
-            if len(buf) > MAX_LINE:
-                if not skipping:
-                    self._show(buf[:MAX_LINE], cut=True)
-                skipping, buf = True, b""
+            with showing:
+                if self._closing:
+                    return
+                while True:
+                    nl = buf.find(b"\n")
+                    if nl < 0:
+                        break
+                    line, buf = buf[:nl], buf[nl + 1:]
+                    count += 1
+                    if skipping:
+                        skipping = False
+                    else:
+                        self._show(line)
+                if len(buf) > MAX_LINE:
+                    if not skipping:
+                        self._show(buf[:MAX_LINE], cut=True)
+                    skipping, buf = True, b""
+                if count != acked:
+                    try:
+                        conn.sendall(f"{count}\n".encode())
+                    except OSError:
+                        pass
+                    acked = count
             chunk = conn.recv(65536)
             if not chunk:
                 if buf and not skipping:
-                    self._show(buf)
+                    with showing:
+                        if not self._closing:
+                            self._show(buf)
                 return
             buf += chunk
             self._authed[conn] = time.monotonic()     # still sending: teardown waits for its last lines
@@ -315,9 +413,19 @@ class LineReceiver:
                 break
             time.sleep(0.02)
         with self._lock:
+            self._closing = True
             conns = list(self._authed) + list(self._pending)
-        for c in conns + [self._srv]:
-            _close(c)
+            showing = [self._showing.get(c) for c in conns]
+        for c, lock in zip(conns, showing):
+            # never between a line shown and its acknowledgement (a reader stuck in a send
+            # to a rank that stopped reading is not waited for long)
+            held = lock.acquire(timeout=1.0) if lock is not None else False
+            try:
+                _close(c)
+            finally:
+                if held:
+                    lock.release()
+        _close(self._srv)
 
 
 def _close(sock: socket.socket) -> None:

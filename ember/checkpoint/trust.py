@@ -23,7 +23,10 @@ nothing outside it. Every rule lives here:
   ``Accelerator.save_state`` adds after its commit are in neither list (they are read
   with the tensor-only loader, like every file here).
 
-It also holds the one check of what a save may replace or delete
+It also holds ember's one YAML reader (:func:`load_yaml`: configs, command-line values,
+launch files, run folders), which refuses a document whose aliases expand past
+:data:`MAX_YAML_NODES` values or that nests past :data:`MAX_YAML_DEPTH` levels while it is
+composed, the one check of what a save may replace or delete
 (:func:`not_a_checkpoint`, used by :func:`check_save_target`) and
 how an ``OSError`` while writing is reported (:func:`write_error`).
 """
@@ -151,6 +154,101 @@ def read_meta(meta_file: str | os.PathLike) -> dict:
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file} is corrupt: expected a JSON object, got {type(meta).__name__}")
     return meta
+
+
+# -- YAML (configs, launch files, run folders) -------------------------------------------------
+#: a YAML document larger than this, its aliases expanded (mapping keys and values, list
+#: items and scalars each count one), is refused while it is read: a "billion laughs" file
+MAX_YAML_NODES = 200_000
+#: a YAML document nested deeper than this (its aliases expanded) is refused while it is read
+MAX_YAML_DEPTH = 64
+_YAML_LOADER: Any = None
+
+
+class YAMLLimitError(ValueError):
+    """A YAML document beyond :data:`MAX_YAML_NODES` or :data:`MAX_YAML_DEPTH` (or with an
+    alias to the node that holds it). ``problem`` says which; ``line`` / ``column``
+    (1-based, or None) where it was found."""
+
+    def __init__(self, problem: str, mark: Any = None) -> None:
+        self.problem = problem
+        self.line = mark.line + 1 if mark is not None else None
+        self.column = mark.column + 1 if mark is not None else None
+        where = f" (line {self.line}, column {self.column})" if mark is not None else ""
+        super().__init__(problem + where)
+
+
+def _bounded_loader() -> Any:
+    """PyYAML's ``SafeLoader``, composing within :data:`MAX_YAML_NODES` and :data:`MAX_YAML_DEPTH`.
+
+    The composer records, for every node it builds, the size and height it has with every
+    alias expanded (an alias adds the recorded numbers of its anchor: constant work per
+    node), and stops at the first node past a bound, before anything is built from it. The
+    depth of the nesting being read is counted as it descends, so a deep file stops before
+    Python's recursion limit is reached."""
+    global _YAML_LOADER
+    if _YAML_LOADER is not None:
+        return _YAML_LOADER
+    import yaml
+
+    class BoundedSafeLoader(yaml.SafeLoader):
+        def __init__(self, stream: Any) -> None:
+            super().__init__(stream)
+            self._ember_depth = 0
+            self._ember_seen: dict[int, tuple[int, int, Any]] = {}   # id(node) -> (size, height, node)
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                anchored = self.anchors.get(event.anchor)
+                if anchored is not None and id(anchored) not in self._ember_seen:
+                    raise YAMLLimitError(f"the alias *{event.anchor} refers to a node that holds it "
+                                         "(a structure without end)", event.start_mark)
+                return super().compose_node(parent, index)
+            self._ember_depth += 1
+            if self._ember_depth > MAX_YAML_DEPTH:
+                raise YAMLLimitError(f"it nests deeper than {MAX_YAML_DEPTH} levels", event.start_mark)
+            try:
+                node = super().compose_node(parent, index)
+            finally:
+                self._ember_depth -= 1
+            if isinstance(node, yaml.SequenceNode):
+                children = node.value
+            elif isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            else:
+                children = []
+            seen = [self._ember_seen[id(c)] for c in children]
+            size = 1 + sum(s for s, _, _ in seen)
+            height = 1 + max((h for _, h, _ in seen), default=0)
+            if size > MAX_YAML_NODES:
+                raise YAMLLimitError(f"its aliases expand to more than {MAX_YAML_NODES} values (a \"billion "
+                                     "laughs\" document)", event.start_mark)
+            if height > MAX_YAML_DEPTH:
+                raise YAMLLimitError(f"with its aliases expanded it nests deeper than {MAX_YAML_DEPTH} levels",
+                                     event.start_mark)
+            self._ember_seen[id(node)] = (size, height, node)
+            return node
+
+    _YAML_LOADER = BoundedSafeLoader
+    return _YAML_LOADER
+
+
+def load_yaml(stream: Any) -> Any:
+    """``yaml.safe_load`` within ember's bounds: the one YAML reader of ember (configs,
+    command-line values, launch files, run folders). Raises :class:`YAMLLimitError` for a
+    document past :data:`MAX_YAML_NODES` values or :data:`MAX_YAML_DEPTH` levels (aliases
+    expanded), and ``yaml.YAMLError`` for one that is not YAML."""
+    import yaml
+    loader = _bounded_loader()(stream)
+    try:
+        return loader.get_single_data()
+    except RecursionError:   # a bound above should stop every deep document first
+        raise YAMLLimitError(f"it nests too deep to read (more than {MAX_YAML_DEPTH} levels)") from None
+    except yaml.YAMLError:
+        raise
+    finally:
+        loader.dispose()
 
 
 def _version(v: Any) -> tuple[int, ...]:
@@ -523,13 +621,15 @@ LOCK_NAME = ".ember-lock"
 
 
 def _pid_alive(pid: int) -> bool:
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31:
+        return False          # no process has it (os.kill would raise OverflowError, or signal a group)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:   # exists, owned by another user
         return True
-    except OSError:
+    except (OSError, OverflowError):
         return False
     return True
 
@@ -542,9 +642,11 @@ class DirLock:
 
     :meth:`acquire` raises CheckpointError while another live process holds it. The
     owner holds the file with ``flock`` for as long as it runs, so the kernel frees it
-    when that process ends however it ends (``kill -9``, the OOM killer): the lock of a
-    process that is gone is taken over, whatever the file holds, even nothing at all (a
-    process killed between creating and writing it: a warning says so). Only one process
+    when that process ends however it ends (``kill -9``, the OOM killer). The ``flock`` is
+    the truth: a lock file of this host that no process holds is taken over with a warning,
+    whatever it holds: a pid that is gone, a pid that now belongs to another live process
+    (pids are reused, in a container soon after a ``kill -9``), a pid no process can have,
+    or nothing at all (a process killed between creating and writing it). Only one process
     can hold the ``flock``, so two processes taking over one stale lock at once cannot
     both win. A lock recorded by another host is honoured until removed by hand (its
     ``flock`` may not reach this host on every shared file system, and ember cannot tell
@@ -589,14 +691,20 @@ class DirLock:
             import fcntl
         except ImportError:       # no flock (Windows): the file's content decides
             return self._acquire_by_content(what)
+        nofollow = getattr(os, "O_NOFOLLOW", 0)
         for _ in range(20):
             try:
-                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE), True
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, FILE_MODE), True
             except FileExistsError:
                 try:
-                    fd, created = os.open(self.path, os.O_RDWR), False
+                    fd, created = os.open(self.path, os.O_RDWR | nofollow), False
                 except FileNotFoundError:
                     continue              # released meanwhile
+                except OSError as err:    # a folder, a symlink, no permission...
+                    raise self._not_a_lock(what, err) from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise self._not_a_lock(what, None)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:       # a live process holds it
@@ -620,12 +728,10 @@ class DirLock:
                 if isinstance(host, str) and host != self.owner["host"]:
                     os.close(fd)          # another host's lock: honoured
                     raise self._in_use(what, other)
-                if host == self.owner["host"] and isinstance(pid, int) and pid != os.getpid() \
-                        and _pid_alive(pid):
-                    os.close(fd)          # a live process of this host that holds no flock
-                    raise self._in_use(what, other)
                 if not (isinstance(pid, int) and isinstance(host, str)):
                     self._warn_stale(other)
+                elif pid != os.getpid():  # the flock is the truth, whatever the pid is now
+                    self._warn_taken_over(pid)
             self._fd = fd
             self._write()
             return
@@ -634,6 +740,21 @@ class DirLock:
     def _warn_stale(self, other) -> None:
         warnings.warn(f"{self.path}: the lock file is empty or unreadable ({other!r}) and no process holds it "
                       "(its owner was killed while taking it?); taking it over", UserWarning, stacklevel=4)
+
+    def _warn_taken_over(self, pid: int) -> None:
+        now = ("now belongs to another live process, which is not an ember run holding it (the pid was reused "
+               "after its owner ended)") if _pid_alive(pid) else "is gone"
+        warnings.warn(f"{self.path}: no process holds this lock (its flock is free); the process it names ({pid}) "
+                      f"{now}; taking it over", UserWarning, stacklevel=4)
+
+    def _not_a_lock(self, what: str, err: "OSError | None") -> CheckpointError:
+        try:
+            kind = _kind(os.lstat(self.path).st_mode) if not os.path.islink(self.path) else "a symlink"
+        except OSError:
+            kind = "not a file"
+        why = f" ({err.strerror or err})" if err is not None and not isinstance(err, IsADirectoryError) else ""
+        return CheckpointError(f"{what}: {self.path} is {kind}{why}, not ember's lock file; ember never replaces "
+                               f"it: remove or rename it, or give this run another dirpath")
 
     def _write(self) -> None:
         os.ftruncate(self._fd, 0)

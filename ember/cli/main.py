@@ -171,10 +171,15 @@ def _merge(base: dict, new: dict) -> dict:
     return out
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(text: str, where: str = "value") -> Any:
+    """A command-line value read as YAML (ember's bounded loader); not YAML: the text."""
     import yaml
+
+    from ember.checkpoint.trust import YAMLLimitError, load_yaml
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except YAMLLimitError as err:
+        raise UsageError(f"{where}: the value is refused: {err}; ember reads no larger YAML") from None
     except yaml.YAMLError:
         return text
 
@@ -205,7 +210,7 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str
 def apply_override(cfg: dict, dotted: str, raw: str) -> None:
     parts = dotted.split(".")
     parts[0] = parts[0].replace("-", "_")
-    value = _parse_value(raw)
+    value = _parse_value(raw, f"--{dotted}")
     if parts[0] in ("model", "data"):
         if len(parts) == 1:
             parts = [parts[0], "class_path"]
@@ -260,13 +265,6 @@ def load_config(files: Sequence[str], overrides: Sequence[tuple[str, str]], flat
 
 
 # --------------------------------------------------------------------------- running
-def _add_import_paths(files: Sequence[str]) -> None:
-    """Put the working directory on ``sys.path`` (as ``python -m`` does). Never the
-    config file's folder: a downloaded config must not import a module shipped next to it."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-
 def _trainer_bases() -> dict:
     from ember.callbacks.base import Callback
     from ember.loggers import Logger
@@ -396,7 +394,6 @@ class SaveConfigCallback(Callback):
 
 def run_command(args: argparse.Namespace, overrides, cli: _CLI) -> int:
     import yaml
-    _add_import_paths(args.config)
     flat = [k for k, c in (("model", cli.model_class), ("data", cli.datamodule_class)) if c]
     cfg = load_config(args.config, overrides, flat)
     resolved = cli.resolve(cfg)

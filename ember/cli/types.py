@@ -75,12 +75,59 @@ def _short_name_modules(base) -> list[str]:
     return [".".join(parts[:i]) for i in range(min(2, len(parts)), len(parts) + 1)]
 
 
+def _allowed_packages(base) -> set[str]:
+    """The top-level packages of the classes a ``class_path`` may build here (ember's and
+    torch's where the argument has no type)."""
+    bases = base if isinstance(base, tuple) else (base,) if base is not None else ()
+    return {"ember", "torch"} | {b.__module__.split(".")[0] for b in bases}
+
+
+def _check_importable(where: str, path: str, base=None) -> None:
+    """Decide, before anything is imported, whether ``path``'s top-level module may be
+    imported: importing runs its top-level code, so a config must not name just any module.
+
+    - the packages of the classes the argument takes (ember, torch, the annotated class's
+      package), and modules already imported, are imported;
+    - a module of the standard library is refused (``this`` prints the Zen of Python,
+      ``antigravity`` opens a browser): it cannot hold a subclass of ember's or torch's
+      classes, and one of its own classes is built only where the argument is annotated
+      with a class of that module's package;
+    - an installed package, or the user's own module on ``sys.path`` (``PYTHONPATH``), is
+      imported: it may hold the class;
+    - the working directory is not searched for other imports: a module found only there
+      is imported when the config names it (the user's own ``toy.ToyRegressor`` run from
+      its folder), and only then is the working directory added to ``sys.path``, at its end
+      (so that module's own imports of its neighbours work, and nothing installed is shadowed).
+    """
+    import importlib.machinery
+    import importlib.util
+    import sys
+    top = path.split(".")[0]
+    if top in sys.modules or top in _allowed_packages(base):
+        return
+    if top in getattr(sys, "stdlib_module_names", ()) or top in sys.builtin_module_names:
+        raise UsageError(f"{where}: {path!r} names the standard-library module {top!r}, which holds no class ember "
+                         "builds here; it is not imported (importing runs its code). Give the class's full path in "
+                         "your own package, e.g. my_package.module.MyClass")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        return
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path and \
+            importlib.machinery.PathFinder.find_spec(top, [cwd]) is not None:
+        sys.path.append(cwd)       # the user's own module, named by the config: its folder is searched last
+
+
 def _import_class(where: str, path: Any, base=None) -> type:
     import importlib
     if not isinstance(path, str) or not path:
         raise UsageError(f"{where}: expected a class path like my_package.module.MyClass, got {path!r}")
     if "." in path:
         candidates = [tuple(path.rsplit(".", 1))]
+        _check_importable(where, path, base)
     else:
         candidates = [(m, path) for m in _short_name_modules(base)]
     for mod_name, name in candidates:

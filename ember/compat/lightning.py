@@ -24,6 +24,49 @@ def _json_ok(value: Any) -> bool:
     return True
 
 
+#: values of a Lightning checkpoint's ``hyper_parameters`` visited (a shared reference counted each
+#: time it appears) before its conversion is refused: a small file can hold a huge tree by reference
+MAX_HPARAM_VALUES = 100_000
+
+
+def _storable_hparams(hparams: Any, path: str) -> tuple[dict, list[str]]:
+    """(the ``hyper_parameters`` of the Lightning checkpoint ``path``, the names of those that
+    ``meta.json`` cannot hold). Walked without recursion before anything is converted,
+    counting every value each time a reference reaches it: more than
+    :data:`MAX_HPARAM_VALUES` (shared references expanding, a structure holding itself) is a
+    :class:`~ember.errors.CheckpointError`. A value nested deeper than ``meta.json`` may be
+    (:data:`ember.checkpoint.trust.MAX_META_DEPTH`) is left out, like one JSON cannot hold."""
+    from ember.checkpoint.trust import MAX_META_DEPTH
+    if hparams is None or hparams == {}:
+        return {}, []
+    if not isinstance(hparams, dict):
+        raise CheckpointError(f"convert_lightning_checkpoint: hyper_parameters in {path} is a "
+                              f"{type(hparams).__name__}, not a mapping")
+    deepest = MAX_META_DEPTH - 2          # meta.json's own level and its "hparams" mapping
+    seen, too_deep = 0, set()
+    for key, value in hparams.items():
+        stack = [(value, 1)]
+        while stack:
+            v, depth = stack.pop()
+            children: Any = ()
+            if isinstance(v, dict):
+                children = [x for item in v.items() for x in item]
+            elif isinstance(v, (list, tuple, set, frozenset)):
+                children = v
+            seen += 1 + len(children)
+            if seen > MAX_HPARAM_VALUES:
+                raise CheckpointError(
+                    f"convert_lightning_checkpoint: the hyper_parameters in {path} hold more than "
+                    f"{MAX_HPARAM_VALUES} values (counting each shared reference every time it appears; "
+                    f"{key!r} reaches the bound), more than ember converts; the file is refused")
+            if children and depth > deepest:
+                too_deep.add(key)
+                break
+            stack.extend((x, depth + 1) for x in children)
+    return dict(hparams), sorted((k for k in hparams if not isinstance(k, str) or k in too_deep
+                                  or not _json_ok(hparams[k])), key=str)
+
+
 def convert_lightning_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike) -> str:
     """Convert the Lightning checkpoint file ``path`` into the ember checkpoint
     directory ``out_dir`` and return its path.
@@ -60,8 +103,7 @@ def convert_lightning_checkpoint(path: str | os.PathLike, out_dir: str | os.Path
             raise CheckpointError(f"convert_lightning_checkpoint: state_dict[{k!r}] in {path} is a "
                                   f"{type(v).__name__}, not a tensor")
         weights[k] = v
-    hparams = dict(ckpt.get("hyper_parameters") or {})
-    dropped = sorted(k for k, v in hparams.items() if not _json_ok(v))
+    hparams, dropped = _storable_hparams(ckpt.get("hyper_parameters"), path)
     if dropped:
         warnings.warn(f"convert_lightning_checkpoint: hyperparameters {dropped} of {path} cannot be stored in "
                       f"meta.json and were left out; pass them to load_from_checkpoint(..., name=value)",

@@ -27,6 +27,15 @@ def _usage(msg: str) -> Exception:
     return UsageError(msg)
 
 
+def _positive_int(key: str, value: Any) -> int:
+    """An int >= 1 (a YAML int, or a string of digits as Accelerate's own files may hold)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _usage(f"{key}: expected an int >= 1, got {value!r}")
+    return value
+
+
 def is_accelerate_config(data: Any) -> bool:
     return isinstance(data, dict) and ("distributed_type" in data or str(data.get("compute_environment", ""))
                                        in ("LOCAL_MACHINE", "AMAZON_SAGEMAKER"))
@@ -69,7 +78,9 @@ def from_accelerate_config(data: dict) -> tuple[dict, dict]:
         if sect:
             out["deepspeed_config"] = sect
         if ds.get("gradient_accumulation_steps") not in (None, 1):
-            extras["gradient_accumulation_steps"] = int(ds.pop("gradient_accumulation_steps"))
+            extras["gradient_accumulation_steps"] = _positive_int("config_file: deepspeed_config."
+                                                                  "gradient_accumulation_steps",
+                                                                  ds.pop("gradient_accumulation_steps"))
         ds.pop("gradient_accumulation_steps", None)
         ds.pop("deepspeed_multinode_launcher", None)
         if ds:
@@ -122,6 +133,8 @@ def apply_accelerate_flags(cfg: dict, args: argparse.Namespace) -> None:
     for key in ("cpu", "gpu_ids", "dynamo_backend", "num_cpu_threads_per_process", "gradient_accumulation_steps"):
         value = getattr(args, key, None)
         if value is not None:
+            if key in ("num_cpu_threads_per_process", "gradient_accumulation_steps"):
+                value = _positive_int(f"--{key}", value)
             extras[key] = value
     chosen = [f for f, s in (("use_deepspeed", "deepspeed"), ("use_fsdp", "fsdp"), ("multi_gpu", "ddp"))
               if getattr(args, f, None)]

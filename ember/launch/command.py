@@ -21,6 +21,7 @@ is left at ``"auto"`` / its default. An explicit argument always wins.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,8 @@ STRATEGIES = ("no", "ddp", "fsdp", "deepspeed")
 ENVIRONMENTS = ("local_machine", "multi_machine")
 RDZV_BACKENDS = ("static", "c10d")
 OFFLOAD = ("none", "cpu")
+#: default of ``--rdzv_timeout``: seconds the machines wait for each other at the start (torch's default)
+RDZV_TIMEOUT_S = 600.0
 
 DEFAULTS: dict[str, Any] = {
     "compute_environment": "local_machine",
@@ -71,6 +74,31 @@ def _check_int(key: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
+def _check_port(key: str, value: Any) -> int:
+    _check_int(key, value, 0)
+    if not 1 <= value <= 65535:
+        raise UsageError(f"{key}: {value} is not a TCP port (1 to 65535)"
+                         + ("; 0 would ask the system for any free port, which the other processes cannot know: "
+                            "leave the port out on one machine to get a free one" if value == 0 else ""))
+    return value
+
+
+def _check_host(key: str, value: Any) -> str:
+    """An IP address (v4 or v6) or a host name, as the other machines will dial it."""
+    import ipaddress
+    import re
+    if isinstance(value, str):
+        try:
+            ipaddress.ip_address(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
+            return value
+        except ValueError:
+            labels = value[:-1].split(".") if value.endswith(".") else value.split(".")
+            if 0 < len(value) <= 253 and all(re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?", label)
+                                             for label in labels):
+                return value
+    raise UsageError(f"{key}: {value!r} is not an IP address or a host name (e.g. 10.0.0.1 or node-0)")
+
+
 def _check_keys(where: str, data: dict, valid) -> None:
     import difflib
     for key in data:
@@ -81,14 +109,20 @@ def _check_keys(where: str, data: dict, valid) -> None:
 
 
 def read_yaml(path: "str | Path", flag: str) -> Any:
-    """``yaml.safe_load`` of a file; a problem becomes a one-line error naming ``flag``."""
+    """A YAML file read with ember's bounded loader (:func:`ember.checkpoint.trust.load_yaml`:
+    no alias expansion past its size, no nesting past its depth); a problem becomes a
+    one-line error naming ``flag``."""
     import yaml
+
+    from ember.checkpoint.trust import YAMLLimitError, load_yaml
     try:
         text = Path(path).read_text()
-    except OSError as err:
-        raise UsageError(f"{flag}: cannot read {str(path)!r}: {err.strerror or err}")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{flag}: cannot read {str(path)!r}: {getattr(err, 'strerror', None) or err}")
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except YAMLLimitError as err:
+        raise UsageError(f"{flag}: {str(path)!r} is refused: {err}; ember reads no larger YAML")
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -137,7 +171,9 @@ def validate_launch_config(cfg: dict) -> dict:
         raise UsageError(f"machine_rank: {cfg['machine_rank']} must be below num_machines "
                          f"({cfg['num_machines']})")
     if cfg["main_process_port"] is not None:
-        _check_int("main_process_port", cfg["main_process_port"], 0)
+        _check_port("main_process_port", cfg["main_process_port"])
+    if cfg["main_process_ip"] is not None:
+        _check_host("main_process_ip", cfg["main_process_ip"])
     _check_choice("rdzv_backend", cfg["rdzv_backend"], RDZV_BACKENDS)
     _check_choice("strategy", cfg["strategy"], STRATEGIES)
     _check_choice("mixed_precision", cfg["mixed_precision"], tuple(PRECISION_ENV))
@@ -209,8 +245,13 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload_optimizer_device", choices=OFFLOAD)
     g.add_argument("--offload_param_device", choices=OFFLOAD)
     g = p.add_argument_group("agent (passed to torchrun)")
-    g.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
-    g.add_argument("--monitor_interval", "--monitor-interval", type=float, default=0.1)
+    g.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
+                   help="restart the worker group this many times after a failure (default 0)")
+    g.add_argument("--monitor_interval", "--monitor-interval", type=float, default=0.1,
+                   help="seconds between the agent's checks of its workers (default 0.1)")
+    g.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=RDZV_TIMEOUT_S, metavar="SECONDS",
+                   help="how long machine 0 waits for the other machines to join (and they for it) before "
+                        f"the launch fails (default {RDZV_TIMEOUT_S:g})")
     g.add_argument("-m", "--module", action="store_true",
                    help="run SCRIPT as a module, like `python -m` (e.g. `-m ember fit ...`)")
     g.add_argument("--no_python", "--no-python", action="store_true",
@@ -298,22 +339,33 @@ def processes_per_machine(cfg: dict) -> int:
     return cfg["num_processes"] // cfg["num_machines"]
 
 
+def check_agent_args(args: argparse.Namespace) -> None:
+    """The agent's own flags (``--max_restarts``, ``--monitor_interval``, ``--rdzv_timeout``)."""
+    import math
+    _check_int("--max_restarts", getattr(args, "max_restarts", 0), 0)
+    for flag in ("monitor_interval", "rdzv_timeout"):
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{flag}: expected a number of seconds > 0, got {value:g}")
+
+
 def torchrun_argv(cfg: dict, args: argparse.Namespace) -> list[str]:
     """The torchrun options (and script) of an ``ember launch`` call; the script's
     own arguments are added after parsing."""
     argv = [f"--nnodes={cfg['num_machines']}", f"--nproc-per-node={processes_per_machine(cfg)}",
             f"--max-restarts={args.max_restarts}", f"--monitor-interval={args.monitor_interval}"]
     port = cfg["main_process_port"]
+    timeout = max(1, math.ceil(getattr(args, "rdzv_timeout", None) or RDZV_TIMEOUT_S))
     if cfg["num_machines"] == 1 and port is None:
         argv.append("--standalone")  # c10d store on a free local port
     elif cfg["rdzv_backend"] == "static":
         argv += ["--rdzv-backend=static", f"--node-rank={cfg['machine_rank']}",
                  f"--master-addr={cfg['main_process_ip'] or '127.0.0.1'}",
-                 f"--master-port={29500 if port is None else port}"]
+                 f"--master-port={29500 if port is None else port}", f"--rdzv-conf=timeout={timeout}"]
     else:
         argv += ["--rdzv-backend=c10d",
                  f"--rdzv-endpoint={cfg['main_process_ip'] or '127.0.0.1'}:{29500 if port is None else port}",
-                 f"--rdzv-id={args.rdzv_id}"]
+                 f"--rdzv-id={args.rdzv_id}", f"--rdzv-conf=join_timeout={timeout}"]
     if args.module:
         argv.append("--module")
     if args.no_python:
@@ -323,11 +375,62 @@ def torchrun_argv(cfg: dict, args: argparse.Namespace) -> list[str]:
     return argv + [args.training_script]
 
 
+def hosts_the_rendezvous(cfg: dict) -> bool:
+    """Whether this machine's agent opens the rendezvous port (machine 0 of a static
+    rendezvous, or a single machine given a port)."""
+    if cfg["main_process_port"] is None and cfg["num_machines"] == 1:
+        return False       # --standalone: torchrun picks a free port
+    return cfg["rdzv_backend"] == "static" and cfg["machine_rank"] == 0
+
+
+def check_port_free(cfg: dict) -> None:
+    """Before starting, on the machine that opens the rendezvous port: that port must be
+    free here, else a second agent (two machines both given machine_rank 0 on one host,
+    or a run still going) fails at once rather than after the agents waited for it."""
+    import errno
+    import socket
+    if not hosts_the_rendezvous(cfg):
+        return
+    port = 29500 if cfg["main_process_port"] is None else cfg["main_process_port"]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as torch's store: TIME_WAIT is no use
+        try:
+            s.bind(("", port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return          # another problem: torch's own store reports it
+            raise UsageError(_port_in_use(cfg, port)) from None
+
+
+def _port_in_use(cfg: dict, port: int) -> str:
+    return (f"launch: --main_process_port {port} is already in use on this machine, which opens the rendezvous "
+            f"as machine_rank {cfg['machine_rank']}: another `ember launch` given machine_rank 0 (each machine "
+            "needs its own --machine_rank), a run still going, or another program holds it; give a free port "
+            "or stop that process")
+
+
+def _rendezvous_error(err: BaseException, cfg: dict, args: argparse.Namespace) -> str:
+    """One line for a rendezvous that failed: the port taken, or machines that never came."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    port = 29500 if cfg["main_process_port"] is None else cfg["main_process_port"]
+    where = f"{cfg['main_process_ip'] or '127.0.0.1'}:{port}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return _port_in_use(cfg, port)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"launch: the {cfg['num_machines']} machines did not all join the rendezvous at {where} within "
+                f"--rdzv_timeout {args.rdzv_timeout:g} s ({text}); start `ember launch` on every machine with "
+                f"--num_machines {cfg['num_machines']}, its own --machine_rank (0 to {cfg['num_machines'] - 1}) "
+                f"and the same --main_process_ip/--main_process_port, reachable from all of them")
+    return f"launch: the rendezvous at {where} failed: {type(err).__name__}: {text}"
+
+
 def launch(args: argparse.Namespace) -> int:
+    check_agent_args(args)
     cfg = resolve_launch_config(args)
     if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
         raise UsageError(f"launch: script {args.training_script!r} not found "
                          "(use -m to run a module)")
+    check_port_free(cfg)
     from ember.launch.accelerate_flags import accelerate_env
     for key, value in {**worker_env(cfg), **accelerate_env(cfg)}.items():
         if value is None:
@@ -337,9 +440,11 @@ def launch(args: argparse.Namespace) -> int:
     if getattr(args, "max_restarts", 0):
         # a restarted worker group resumes fit() from the newest complete checkpoint
         os.environ["EMBER_ELASTIC_RESUME"] = "1"
+    from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     try:
         run_args = torchrun.parse_args(torchrun_argv(cfg, args))
         # set after parsing: torchrun's parser would try to match script flags to its options
@@ -369,6 +474,9 @@ def launch(args: argparse.Namespace) -> int:
     except SignalException as err:
         print(f"ember: error: launch: stopped by signal {err.sigval.name}", file=sys.stderr)
         return 128 + int(err.sigval)
+    except (DistError, RendezvousError) as err:    # the agents' rendezvous, before any worker ran
+        print(f"ember: error: {_rendezvous_error(err, cfg, args)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -44,11 +44,13 @@ class RunData:
     config: str = ""
     info: dict = field(default_factory=dict)
     profile: str = ""
+    notes: list = field(default_factory=list)   # files of the folder left out, and why
 
     def epoch_ends(self) -> list[int]:
         """Steps at which an epoch ended (from ``run.json`` or the logged ``epoch`` values)."""
-        if self.info.get("epoch_end_steps"):
-            return [int(s) for s in self.info["epoch_end_steps"]]
+        ends = self.info.get("epoch_end_steps")
+        if ends and isinstance(ends, list) and all(isinstance(s, (int, float)) for s in ends):
+            return [int(s) for s in ends]
         steps, vals = self.scalars.get("epoch", ([], []))
         ends, prev = [], None
         for s, v in sorted(zip(steps, vals)):
@@ -120,13 +122,9 @@ def load_run(path: str) -> RunData:
         run.source, run.scalars = "metrics.csv", _read_csv(os.path.join(d, "metrics.csv"))
     else:
         run.source, run.scalars = "TensorBoard events", _read_events(d)
-    from ember.checkpoint.rng import keep_rng_states
-    with keep_rng_states():   # a first import leaves the user's random streams as they were
-        import yaml
     hp = os.path.join(d, "hparams.yaml")
     if os.path.isfile(hp):
-        with open(hp, encoding="utf-8") as f:
-            run.hparams = yaml.safe_load(f) or {}
+        run.hparams = _read_mapping(run, hp, _load_yaml_file)
     for name, attr in (("config.yaml", "config"), ("profile-simple-rank0.txt", "profile")):
         p = os.path.join(d, name)
         if os.path.isfile(p):
@@ -134,9 +132,61 @@ def load_run(path: str) -> RunData:
                 setattr(run, attr, f.read())
     rj = os.path.join(d, "run.json")
     if os.path.isfile(rj):
-        with open(rj, encoding="utf-8") as f:
-            run.info = json.load(f)
+        run.info = _read_mapping(run, rj, _load_json_file)
     return run
+
+
+#: a run folder's hparams.yaml or run.json larger than this is skipped, unread
+MAX_RUN_FILE_BYTES = 16 * 2**20
+
+
+def _load_yaml_file(path: str):
+    from ember.checkpoint.rng import keep_rng_states
+    from ember.checkpoint.trust import load_yaml
+    with keep_rng_states():   # a first import leaves the user's random streams as they were
+        import yaml  # noqa: F401
+    with open(path, encoding="utf-8") as f:
+        return load_yaml(f.read(MAX_RUN_FILE_BYTES + 1))
+
+
+def _load_json_file(path: str):
+    from ember.checkpoint.trust import MAX_YAML_DEPTH
+    with open(path, encoding="utf-8") as f:
+        text = f.read(MAX_RUN_FILE_BYTES + 1)
+    depth = deepest = 0
+    for ch in re.sub(r'"(?:\\.|[^"\\])*"', "", text):    # the nesting, before it is parsed
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > MAX_YAML_DEPTH:
+        raise ValueError(f"it nests deeper than {MAX_YAML_DEPTH} levels")
+    return json.loads(text)
+
+
+def _read_mapping(run: RunData, path: str, load) -> dict:
+    """A run folder's ``hparams.yaml`` / ``run.json`` as a mapping. A file that cannot be
+    read (too large, too deep, aliases past ember's bound, not a mapping, corrupt) is left
+    out with a note (a warning, and a line on the page): the report is drawn without it."""
+    import warnings
+    why = None
+    try:
+        if os.path.getsize(path) > MAX_RUN_FILE_BYTES:
+            why = f"it is larger than {MAX_RUN_FILE_BYTES} bytes"
+        else:
+            data = load(path)
+            if data is None:
+                return {}
+            if isinstance(data, dict):
+                return data
+            why = f"it holds a {type(data).__name__}, not a mapping"
+    except Exception as err:   # noqa: BLE001 - a bad file of a downloaded run never stops the report
+        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+    note = f"{os.path.basename(path)} is left out: {why}"
+    run.notes.append(note)
+    warnings.warn(f"run report: {path} is left out: {why}", UserWarning, stacklevel=3)
+    return {}
 
 
 def chart_key(name: str) -> str:
@@ -283,6 +333,8 @@ def _info_table(runs: list[RunData]) -> str:
                 ' class="bad"' if key == "status" and v else ""
             cells.append(f"<td{cls}>{_e(v)}</td>")
         rows.append(f"<tr><th>{_e(label)}</th>{''.join(cells)}</tr>")
+    if any(r.notes for r in runs):
+        rows.append(f"<tr><th>notes</th>{''.join(f'<td>{_e(chr(10).join(r.notes))}</td>' for r in runs)}</tr>")
     if not any(r.info for r in runs):
         rows.append('<tr><th>run facts</th><td colspan="99">no run.json in the folder (written by '
                     'Trainer.fit at its end)</td></tr>')

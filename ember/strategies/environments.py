@@ -80,12 +80,22 @@ class ClusterEnvironment:
 
 
 def _int_env(name: str, default: int | None = None) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty); a
+    value that is not an integer >= 0 is a MisconfigurationError naming the variable."""
     value = os.environ.get(name)
     if value is None or value == "":
         if default is None:
             raise MisconfigurationError(f"environment variable {name} is not set")
         return default
-    return int(value)
+    try:
+        out = int(value.strip())
+    except ValueError:
+        out = -1
+    if out < 0:
+        raise MisconfigurationError(f"environment variable {name}={value!r} is not an integer >= 0; it tells "
+                                    "this process its place in a distributed run (set by torchrun, srun or "
+                                    "ember launch): fix or unset it")
+    return out
 
 
 class TorchElasticEnvironment(ClusterEnvironment):
@@ -137,9 +147,13 @@ def _expand_one(item: str) -> list[str]:
     return out
 
 
-def _first_count(tasks_per_node: str) -> int:
-    """``"2(x3),1"`` -> 2 (the count on the first node)."""
-    return int(re.match(r"\d+", tasks_per_node).group(0))
+def _first_count(tasks_per_node: str, name: str = "SLURM_NTASKS_PER_NODE") -> int:
+    """``"2(x3),1"`` -> 2 (the count on the first node); ``name``: the variable it came from."""
+    m = re.match(r"\s*(\d+)(\(x\d+\))?(,|$)", tasks_per_node)
+    if m is None or int(m.group(1)) < 1:
+        raise MisconfigurationError(f"environment variable {name}={tasks_per_node!r} is not a SLURM task count "
+                                    "(like '2' or '2(x3),1'); fix or unset it")
+    return int(m.group(1))
 
 
 class SLURMEnvironment(ClusterEnvironment):
@@ -152,7 +166,7 @@ class SLURMEnvironment(ClusterEnvironment):
         env = os.environ
         if "SLURM_NTASKS" not in env or env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
             return False
-        return int(env["SLURM_NTASKS"]) > 1
+        return _int_env("SLURM_NTASKS", 0) > 1
 
     @staticmethod
     def main_address_from_nodelist(nodelist: str) -> str:
@@ -175,13 +189,13 @@ class SLURMEnvironment(ClusterEnvironment):
         nodelist = env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         nnodes = _int_env("SLURM_NNODES", _int_env("SLURM_JOB_NUM_NODES", 1))
         if env.get("SLURM_NTASKS_PER_NODE"):
-            local_world = _first_count(env["SLURM_NTASKS_PER_NODE"])
+            local_world = _first_count(env["SLURM_NTASKS_PER_NODE"], "SLURM_NTASKS_PER_NODE")
         elif env.get("SLURM_TASKS_PER_NODE"):
-            local_world = _first_count(env["SLURM_TASKS_PER_NODE"])
+            local_world = _first_count(env["SLURM_TASKS_PER_NODE"], "SLURM_TASKS_PER_NODE")
         else:
             local_world = max(1, world // max(1, nnodes))
         addr = env.get("MASTER_ADDR") or cls.main_address_from_nodelist(nodelist)
-        port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else cls.main_port_from_job_id(env.get("SLURM_JOB_ID"))
+        port = _int_env("MASTER_PORT") if env.get("MASTER_PORT") else cls.main_port_from_job_id(env.get("SLURM_JOB_ID"))
         return cls(world, rank, _int_env("SLURM_LOCALID", 0), _int_env("SLURM_NODEID", 0),
                    local_world, addr, port)
 
@@ -194,7 +208,7 @@ class LocalEnvironment(ClusterEnvironment):
     def __init__(self, num_processes: int, global_rank: int = 0, main_address: str = "127.0.0.1",
                  main_port: int | None = None):
         port = main_port if main_port is not None else (
-            int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else find_free_port(main_address))
+            _int_env("MASTER_PORT") if os.environ.get("MASTER_PORT") else find_free_port(main_address))
         super().__init__(num_processes, global_rank, global_rank, 0, num_processes, main_address, port)
         # the original process launches; the ranks it started were launched
         self.creates_processes_externally = LAUNCH_MARKER in os.environ

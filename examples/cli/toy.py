@@ -1,8 +1,8 @@
 """A tiny regression model and its data, used by the `ember` CLI examples
 (docs/cli.md) and tests: `ember fit --config examples/cli/config.yaml`.
 
-The CLI puts the directory of each --config file on sys.path, so the config
-can name these classes as `toy.ToyRegressor` and `toy.ToyData`.
+With `PYTHONPATH=examples/cli` (or run from this folder) a config can name
+these classes as `toy.ToyRegressor` and `toy.ToyData`.
 """
 from __future__ import annotations
 

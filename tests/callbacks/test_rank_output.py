@@ -86,9 +86,10 @@ def test_forwarded_stdout_still_acts_as_the_real_stream(tmp_path):
         assert fwd.fileno() == real.fileno() and fwd.buffer is real.buffer
         subprocess.run([sys.executable, "-c", "print('from a child')"], stdout=fwd, check=True)
         fwd.write("forwarded\n")
+        b.settimeout(5)
+        assert b.recv(4096) == b"[rank 1] forwarded\n"
+        b.sendall(b"1\n")         # rank 0's acknowledgement: shown, so the rank does not print it itself
         fwd.close_forwarding()
-    b.settimeout(5)
-    assert b.recv(4096) == b"[rank 1] forwarded\n"
     b.close()
     assert (tmp_path / "out.txt").read_text() == "from a child\n"
 

@@ -114,3 +114,70 @@ def test_connections_are_bounded_and_teardown_never_waits_on_idle_peers():
     for s in idle + [ranked]:
         s.close()
     assert got.lines == []
+
+
+def _forward_to(recv, rank=1):
+    """A forwarding rank in this process: its own stdout is a StringIO (what it falls back to)."""
+    import io
+    own = io.StringIO()
+    saved, sys.stdout = sys.stdout, own
+    try:
+        fwd = rank_output.connect(recv.address, rank)
+    finally:
+        sys.stdout = saved
+    assert fwd is not None
+    return fwd, own
+
+
+def test_a_line_printed_after_rank0_closed_its_receiver_goes_to_the_ranks_own_stdout():
+    """The first sendall to a socket whose peer closed succeeds: the line must not vanish."""
+    got = Lines()
+    recv = LineReceiver(got, peers=1)
+    fwd, own = _forward_to(recv)
+    fwd.write("shown by rank 0\n")
+    assert got.event.wait(5)
+    recv.close(wait=0)
+    fwd.write("first after close\n")
+    fwd.write("second after close\n")
+    rank_output.disconnect(fwd)
+    assert got.lines == ["[rank 1] shown by rank 0"]
+    assert own.getvalue() == "first after close\nsecond after close\n"
+
+
+def test_lines_in_flight_when_rank0_closes_are_shown_once_or_printed_by_the_rank():
+    got = Lines()
+    recv = LineReceiver(got, peers=1)
+    fwd, own = _forward_to(recv)
+    closed, sent = threading.Event(), []
+
+    def talk():
+        i, after = 0, 0
+        while after < 200 and i < 10**6:
+            fwd.write(f"line {i}\n")
+            i += 1
+            after += closed.is_set()
+        sent.append(i)
+    t = threading.Thread(target=talk)
+    t.start()
+    while len(got.lines) < 50:
+        time.sleep(0.001)
+    recv.close(wait=0)                        # while the rank is still sending
+    closed.set()
+    t.join(60)
+    rank_output.disconnect(fwd)
+    shown = [ln.removeprefix("[rank 1] ") for ln in got.lines]
+    printed = own.getvalue().splitlines()
+    assert len(printed) >= 150, (len(shown), len(printed))   # those sent after the close at least
+    assert shown + printed == [f"line {i}" for i in range(sent[0])]     # each once, in order
+
+
+def test_a_rank_waits_at_its_teardown_for_rank0_to_show_its_last_lines():
+    got = Lines()
+    recv = LineReceiver(got, peers=1)
+    fwd, own = _forward_to(recv)
+    for i in range(200):
+        fwd.write(f"last {i}\n")
+    rank_output.disconnect(fwd)               # sent and acknowledged, or printed here: never both
+    recv.close(wait=0)
+    assert [ln.removeprefix("[rank 1] ") for ln in got.lines] + own.getvalue().splitlines() == \
+        [f"last {i}" for i in range(200)]

@@ -90,3 +90,57 @@ def test_concurrent_take_overs_of_one_stale_lock_have_one_winner(tmp_path):
             p.wait(30)
     winners = [sum(o[r] == "won" for o in outcomes) for r in range(rounds)]
     assert winners == [1] * rounds, outcomes
+
+
+def _lock_of(tmp_path, pid) -> None:
+    import socket
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "token": "old"}))
+
+
+def test_a_lock_whose_pid_now_belongs_to_a_live_unrelated_process_is_taken_over(tmp_path):
+    """The flock is the truth: after a kill -9 the pid may be reused by any live process."""
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        _lock_of(tmp_path, other.pid)
+        lock = DirLock(tmp_path)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            lock.acquire()
+        assert lock.held and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        assert any(f"the process it names ({other.pid}) now belongs to another live process" in str(x.message)
+                   and "taking it over" in str(x.message) for x in w), [str(x.message) for x in w]
+        lock.release()
+    finally:
+        other.stdin.close()
+        other.wait(30)
+
+
+@pytest.mark.parametrize("pid", [10**30, 2**63, -1, 0])
+def test_a_lock_naming_an_impossible_pid_is_taken_over(tmp_path, pid):
+    _lock_of(tmp_path, pid)
+    lock = DirLock(tmp_path)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        lock.acquire()
+    assert lock.held and any("is gone; taking it over" in str(x.message) for x in w)
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_folder_named_like_the_lock_is_a_clear_error(tmp_path):
+    (tmp_path / LOCK_NAME).mkdir()
+    (tmp_path / LOCK_NAME / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=rf"{LOCK_NAME} is a directory, not ember's lock file; ember never "
+                                              "replaces it: remove or rename it"):
+        DirLock(tmp_path).acquire("ModelCheckpoint(dirpath=...)")
+    assert (tmp_path / LOCK_NAME / "keep.txt").read_text() == "mine"
+
+
+def test_a_symlink_named_like_the_lock_is_never_written_through(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("my notes")
+    (tmp_path / "ck").mkdir()
+    os.symlink(target, tmp_path / "ck" / LOCK_NAME)
+    with pytest.raises(CheckpointError, match="is a symlink .*not ember's lock file"):
+        DirLock(tmp_path / "ck").acquire()
+    assert target.read_text() == "my notes"

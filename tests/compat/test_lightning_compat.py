@@ -347,3 +347,43 @@ def test_lightning_call_shapes(tmp_path, capsys):
     assert torch.cat(preds).shape == (16, 1)
     with pytest.raises(ember.errors.MisconfigurationError, match="once"):
         t.fit(m, dl, model=m)
+
+
+def _shared(levels: int) -> list:
+    """9**levels strings by reference: a few hundred bytes pickled."""
+    x = ["lol"] * 9
+    for _ in range(levels - 1):
+        x = [x] * 9
+    return x
+
+
+def test_convert_refuses_hparams_that_expand_by_shared_references(tmp_path):
+    ck = _lightning_ckpt(LinearModule(dim=3))
+    ck["hyper_parameters"]["laughs"] = _shared(6)          # 531,441 values, the file stays tiny
+    torch.save(ck, tmp_path / "lol.ckpt")
+    assert os.path.getsize(tmp_path / "lol.ckpt") < 8192
+    with pytest.raises(CheckpointError, match=r"hyper_parameters in .*lol.ckpt hold more than 100000 values "
+                                              r"\(counting each shared reference every time it appears; 'laughs'"):
+        convert_lightning_checkpoint(tmp_path / "lol.ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()      # refused before anything is written
+    loop = [1]
+    loop.append(loop)                                        # a list holding itself: never ends, left out
+    ck["hyper_parameters"] = {"dim": 3, "loop": loop}
+    torch.save(ck, tmp_path / "loop.ckpt")
+    with pytest.warns(UserWarning, match=r"\['loop'\] of .* cannot be stored in meta.json"):
+        convert_lightning_checkpoint(tmp_path / "loop.ckpt", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["hparams"] == {"dim": 3}
+
+
+def test_convert_leaves_out_hparams_nested_deeper_than_meta_json_holds(tmp_path):
+    ck = _lightning_ckpt(LinearModule(dim=3))
+    deep = 0
+    for _ in range(200):
+        deep = [deep]
+    ck["hyper_parameters"].update(deep=deep, fine=[[1, 2], {"a": [3]}], shared=[_shared(2)] * 3)
+    torch.save(ck, tmp_path / "deep.ckpt")
+    with pytest.warns(UserWarning, match=r"\['deep'\] of .* cannot be stored in meta.json"):
+        out = convert_lightning_checkpoint(tmp_path / "deep.ckpt", tmp_path / "c")
+    from ember.checkpoint.trust import read_meta
+    hp = read_meta(os.path.join(out, "meta.json"))["hparams"]     # within ember's own limits on meta.json
+    assert "deep" not in hp and hp["fine"] == [[1, 2], {"a": [3]}] and hp["shared"] == [_shared(2)] * 3
