@@ -17,36 +17,30 @@ import os
 import warnings
 
 from ember.data import sampling as edata
+from ember.data.resume import ALLOW_DATA_CHANGE_ENV, allow_data_change  # noqa: F401  (re-exported)
 from ember.errors import CheckpointError
-
-#: set to 1 to resume mid-epoch although the batch size or dataset length changed
-ALLOW_DATA_CHANGE_ENV = "EMBER_ALLOW_DATA_CHANGE"
-
-
-def allow_data_change() -> bool:
-    """Whether this process's environment sets ``EMBER_ALLOW_DATA_CHANGE=1`` (under
-    several processes the Trainer uses rank 0's answer on every rank)."""
-    return os.environ.get(ALLOW_DATA_CHANGE_ENV, "0") == "1"
 
 
 def batch_size_of(dl) -> int | None:
     """Samples per batch of this process's train loader (None: no automatic batching)."""
-    bs = getattr(dl, "batch_size", None)
-    if bs is None:
-        bs = getattr(getattr(dl, "batch_sampler", None), "batch_size", None)
-    return int(bs) if isinstance(bs, int) else None
+    from ember.data.resume import batch_size_of as of
+    return of(dl)
 
 
 def data_state(t) -> dict:
     """The train data's shape and order state, saved in ``trainer_state.pt["data"]``: batch
-    size, dataset length, the class of the index sampler and a user sampler's generator
-    (its state at the start of the current epoch, :func:`ember.data.generator_checkpoint_state`)."""
+    size, dataset length (and a Hugging Face stream's shards and fingerprint,
+    :func:`ember.data.resume.shape`), the class of the index sampler and a user sampler's
+    generator (its state at the start of the current epoch,
+    :func:`ember.data.generator_checkpoint_state`). A CombinedLoader records the shape of
+    each of its loaders under ``members``."""
+    from ember.data import resume
     dl = t.state.train_dataloader
-    out = {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl),
-           "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
+    out = {**resume.shape(dl), "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
            **edata.generator_checkpoint_state(dl)}
-    if getattr(dl, "ember_combined", False):   # a CombinedLoader: each loader's sampler generator
+    if getattr(dl, "ember_combined", False):   # a CombinedLoader: each loader's shape and sampler generator
         out["inner_generators"] = [edata.generator_checkpoint_state(x) for x in dl.flattened]
+        out["members"] = [dict(resume.shape(x), name=n) for x, n in zip(dl.flattened, dl.ember_names())]
     return out
 
 
@@ -85,26 +79,43 @@ def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -
 
 
 def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:
-    now = {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl)}
-    changed = [(k, saved.get(k), now[k]) for k in now
-               if saved.get(k) is not None and now[k] is not None and saved.get(k) != now[k]]
+    from ember.data import resume
+    changed = resume.shape_changes(saved, resume.shape(dl))
+    what = resume.describe_changes(changed)
+    members = saved.get("members")
+    if getattr(dl, "ember_combined", False) and isinstance(members, list) and len(members) == len(dl.flattened):
+        for x, name, rec in zip(dl.flattened, dl.ember_names(), members):
+            more = resume.shape_changes(rec, resume.shape(x))
+            if more:
+                changed += more
+                what = ", ".join(w for w in (what, resume.describe_changes(more, f"loader {name!r}: ")) if w)
     if not changed:
         return
-    what = ", ".join(f"{k.replace('_', ' ')} {a} -> {b}" for k, a, b in changed)
-    bs = now["batch_size"] or 1
-    effect = (f"the resumed epoch skips the first {ls.batches_done} batches of the new setup "
-              f"({ls.batches_done * bs} samples, where the run trained {ls.batches_done * (saved.get('batch_size') or bs)}"
-              " samples of another order), so samples are skipped or trained twice")
-    if allow_change:
+    hard = [k for k, _, _ in changed if k not in resume.SOFT_SHAPE]
+    bs = resume.batch_size_of(dl) or 1
+    if hard:
+        effect = ("its position (a place in each shard of a Hugging Face IterableDataset) belongs to other "
+                  "shards, so samples would be trained twice or left out")
+    elif getattr(dl, "ember_combined", False):
+        effect = ("each loader's resumed pass skips its batches of the new data, not the ones trained, so "
+                  "samples are skipped or trained twice")
+    else:
+        effect = (f"the resumed epoch skips the first {ls.batches_done} batches of the new setup "
+                  f"({ls.batches_done * bs} samples, where the run trained "
+                  f"{ls.batches_done * (saved.get('batch_size') or bs)}"
+                  " samples of another order), so samples are skipped or trained twice")
+    if allow_change and not hard:
         warnings.warn(f"resuming {path} mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) with a changed "
                       f"train dataloader ({what}), accepted because {ALLOW_DATA_CHANGE_ENV}=1: {effect}",
                       UserWarning, stacklevel=6)
         return
+    fix = ("Resume with the dataset and num_shards the checkpoint was saved with, or from a checkpoint saved at an "
+           "epoch end" if hard else
+           "Resume with the batch size and dataset the checkpoint was saved with, resume from a checkpoint saved at "
+           f"an epoch end, or set {ALLOW_DATA_CHANGE_ENV}=1 to accept it (with a warning)")
     raise CheckpointError(
         f"{path} was saved mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) and the train dataloader "
-        f"changed since ({what}): {effect}. Resume with the batch size and dataset the checkpoint was saved "
-        f"with, resume from a checkpoint saved at an epoch end, or set {ALLOW_DATA_CHANGE_ENV}=1 to accept it "
-        "(with a warning)")
+        f"changed since ({what}): {effect}. {fix}")
 
 
 def data_position(t, done: int) -> dict | None:
