@@ -38,22 +38,35 @@ def data_state(t) -> dict:
     dl = t.state.train_dataloader
     out = {**resume.shape(dl), "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
            **edata.generator_checkpoint_state(dl)}
+    # the global batch and the position in the epoch's global order (the order that does not
+    # depend on the number of processes): what a resume on another number of processes keeps (reshard)
+    bs, done = out["batch_size"], t.state.state_dict()["batches_done"]
+    out["world_size"] = t.world_size
+    if bs:
+        out["global_batch"] = bs * t.world_size * t.accumulate_grad_batches
+        out["samples_done"] = done * bs * t.world_size if resume.kind_of(dl) == resume.INDEX else None
+    sampler = edata.index_sampler(dl)
+    if isinstance(sampler, edata.LengthGroupedSampler):
+        out["group_size"] = sampler.group
     if getattr(dl, "ember_combined", False):   # a CombinedLoader: each loader's shape and sampler generator
         out["inner_generators"] = [edata.generator_checkpoint_state(x) for x in dl.flattened]
         out["members"] = [dict(resume.shape(x), name=n) for x, n in zip(dl.flattened, dl.ember_names())]
     return out
 
 
-def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -> None:
+def restore_data(t, saved: dict | None, path: str, allow_change: bool = False, resharded: bool = False) -> None:
     """Check the train data against what ``path`` recorded, and give a user sampler's
     generator its saved state. Checkpoints written before ``data`` was recorded pass.
     ``allow_change``: accept a changed batch size / dataset length mid-epoch with a
-    warning (``EMBER_ALLOW_DATA_CHANGE=1``, as rank 0 read it)."""
+    warning (``EMBER_ALLOW_DATA_CHANGE=1``, as rank 0 read it). ``resharded``: the
+    position was carried to another number of processes (:func:`reshard`), in samples:
+    the batch size per process may differ."""
     if not saved:
         return
     dl, ls = t.state.train_dataloader, t.state
     if ls.batches_done > 0:
-        _check_shape(dl, saved, path, ls, allow_change)
+        _check_shape(dl, {k: v for k, v in saved.items() if k != "batch_size"} if resharded else saved, path, ls,
+                     allow_change)
         sampler = edata.index_sampler(dl)
         name = type(sampler).__name__
         if saved.get("sampler") and sampler is not None and saved["sampler"] != name:
@@ -116,6 +129,93 @@ def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:
     raise CheckpointError(
         f"{path} was saved mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) and the train dataloader "
         f"changed since ({what}): {effect}. {fix}")
+
+
+def _divisor_hint(global_batch: int, batch_size: int, world_size: int) -> str:
+    """Process counts and batch sizes per process that divide ``global_batch``."""
+    procs = [p for p in range(1, global_batch // max(batch_size, 1) + 1) if (global_batch // batch_size) % p == 0] \
+        if global_batch % batch_size == 0 else []
+    sizes = [b for b in range(1, global_batch // world_size + 1) if (global_batch // world_size) % b == 0] \
+        if global_batch % world_size == 0 else []
+    hints = []
+    if procs:
+        hints.append(f"{' or '.join(map(str, procs[-4:]))} process(es) at batch size {batch_size}")
+    if sizes:
+        hints.append(f"batch size {' or '.join(map(str, sizes[-4:]))} per process on {world_size} processes")
+    return " or ".join(hints) if hints else f"a batch size per process x processes that divides {global_batch}"
+
+
+def reshard(t, state: dict, path: str) -> str | None:
+    """Carry a checkpoint saved by another number of processes over to this one (issue:
+    "Change the number of processes and keep going exactly").
+
+    * The global batch is kept: ``accumulate_grad_batches`` not given, it becomes the
+      recorded global batch / (batch size per process x processes); when no whole number
+      does, the resume is refused (:class:`CheckpointError` naming both global batches and
+      the fix). Given, it wins, with a warning when the global batch changes.
+    * The position: the samples of the epoch's global order already trained, counted at the
+      start of the accumulation window the save fell in (a partly accumulated window is
+      replayed from its start: its gradients belong to the old processes' shards, and the
+      weights and optimizer did not change within it, so the replay gives the same step).
+      The batch count of the epoch becomes that many samples in batches of the new
+      processes; every process's sampler slices the same global order, so the rest of the
+      epoch is trained once, its padding recomputed for the new number of processes.
+      Index-based loaders only; a stateful or stream loader keeps today's replay (warned).
+    * A :class:`~ember.data.LengthGroupedSampler` keeps the checkpoint's group size (the
+      order of the run it continues).
+
+    Returns the sentence the restore line adds, or None when the number of processes is
+    the checkpoint's (then nothing changes: same-size resumes stay bit-exact)."""
+    from ember.data import resume
+    saved, loop = state.get("data") or {}, state.get("loop") or {}
+    old_w = int(saved.get("world_size") or len(state.get("rng") or []) or t.world_size)
+    new_w = t.world_size
+    dl = t.state.train_dataloader
+    old_b, new_b = saved.get("batch_size"), resume.batch_size_of(dl)
+    if old_w == new_w or not old_b or not new_b or getattr(dl, "ember_combined", False):
+        return None
+    old_a = int(loop.get("accumulate_grad_batches") or 1)
+    glob = int(saved.get("global_batch") or old_b * old_w * old_a)
+    per = new_b * new_w
+    if getattr(t, "accumulate_given", True):
+        acc = t.accumulate_grad_batches
+        if per * acc != glob and t.is_global_zero:
+            warnings.warn(f"resuming {path} (saved by {old_w} process(es)) on {new_w} with accumulate_grad_batches={acc} "
+                          f"as given: the global batch is now {per * acc} samples per optimizer step ({new_b} per "
+                          f"process x {new_w} x {acc}), where the checkpoint was trained with {glob}; the learning-rate "
+                          f"schedule was written for {glob}. Leave accumulate_grad_batches out to keep {glob}",
+                          UserWarning, stacklevel=5)
+    else:
+        if glob % per:
+            raise CheckpointError(
+                f"{path} was trained with a global batch of {glob} samples per optimizer step ({old_b} per process x "
+                f"{old_w} process(es) x accumulate_grad_batches={old_a}); this run has {new_b} per process x {new_w} "
+                f"processes = {per} per micro-batch, and no whole accumulate_grad_batches gives {glob}. Resume with "
+                f"{_divisor_hint(glob, new_b, new_w)}, or pass Trainer(accumulate_grad_batches=N) to train on with a "
+                f"global batch of {per} x N (the learning-rate schedule was written for {glob})")
+        acc = glob // per
+        t.accumulate_grad_batches = acc
+        if t.step_rules is not None:
+            t.step_rules.accumulation_steps = acc
+    sampler = edata.index_sampler(dl)
+    if isinstance(sampler, edata.LengthGroupedSampler) and saved.get("group_size"):
+        sampler.group_size = int(saved["group_size"])
+    st = t.state
+    done = st.batches_done
+    if done and resume.kind_of(dl) == resume.INDEX:
+        window_start = done - done % old_a
+        position = window_start * old_b * old_w   # samples of the epoch's global order trained
+        if position % per:
+            raise CheckpointError(
+                f"{path} was saved after {position} samples of epoch {st.epoch} (in the order every number of "
+                f"processes shares); this run's {new_b} per process x {new_w} processes = {per} samples per "
+                f"micro-batch does not divide it, so the rest of the epoch cannot start at a batch boundary. "
+                f"Resume with {_divisor_hint(position, new_b, new_w)}, or from a checkpoint saved at an epoch end")
+        st.batches_done = position // per
+        st.batch_idx = max(st.batches_done - 1, 0)
+    return (f"Saved by {old_w} process(es), resumed by {new_w}: accumulate_grad_batches={acc} "
+            f"{'keeps' if per * acc == glob else 'changes'} the global batch of {glob} samples per optimizer step"
+            f"{'' if per * acc == glob else f' to {per * acc}'} ({new_b} per process x {new_w} x {acc}).")
 
 
 def data_position(t, done: int) -> dict | None:

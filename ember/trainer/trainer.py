@@ -35,6 +35,15 @@ from ember.trainer.state import FN_STAGE, RunningStage, TrainerFn, TrainerState,
 from ember.trainer.stopping import SignalHandlers, exit_if_preempted
 
 
+class _Default(int):
+    """An int argument's default value, told apart from the same value passed explicitly."""
+
+
+#: ``accumulate_grad_batches``'s default (1): not given, so a resume on another number of
+#: processes may choose the value that keeps the checkpoint's global batch (resume_data.reshard)
+ACCUMULATE_DEFAULT = _Default(1)
+
+
 class Trainer:
     """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
 
@@ -51,7 +60,10 @@ class Trainer:
         precision: "64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true" or a
             ``Precision``. None (default): ``$EMBER_PRECISION`` if set, else the module's choice
             (``TrainModule.configure_precision``; "32-true" unless the module overrides it).
-        accumulate_grad_batches: micro-batches per optimizer step.
+        accumulate_grad_batches: micro-batches per optimizer step. Not given (1), a resume on
+            another number of processes sets it so that the checkpoint's global batch is kept
+            (docs/checkpointing.md, "A different world size"); given, it wins (with a warning
+            when the global batch changes).
         gradient_clip_val: clip gradients to this norm (or value); None: no clipping.
         gradient_clip_algorithm: "norm" (total norm) or "value" (each element).
         val_check_interval: validate every fraction of an epoch (float) or every N training batches (int).
@@ -94,7 +106,7 @@ class Trainer:
                  max_time: float | str | _dt.timedelta | dict | None = None,
                  devices: int | str | list[int] = "auto", strategy: str | Any = "auto", num_nodes: int = 1,
                  precision: str | int | None = None,
-                 accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
+                 accumulate_grad_batches: int = ACCUMULATE_DEFAULT, gradient_clip_val: float | None = None,
                  gradient_clip_algorithm: str = "norm", val_check_interval: float | int = 1.0,
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
                  limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
@@ -157,7 +169,8 @@ class Trainer:
         if max_epochs is None and max_steps == -1 and max_time is None:
             max_epochs = 1000   # as Lightning: stop eventually
         self.max_epochs, self.max_steps, self.max_time = max_epochs, max_steps, _parse_max_time(max_time)
-        self.accumulate_grad_batches = accumulate_grad_batches
+        self.accumulate_grad_batches = int(accumulate_grad_batches)
+        self.accumulate_given = accumulate_grad_batches is not ACCUMULATE_DEFAULT   # (resume_data.reshard)
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.val_check_interval, self.check_val_every_n_epoch = val_check_interval, check_val_every_n_epoch
         self.num_sanity_val_steps, self.log_every_n_steps = num_sanity_val_steps, log_every_n_steps
