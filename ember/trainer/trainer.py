@@ -9,6 +9,7 @@ checkpoint's contents in ``checkpoint.py``; see docs/architecture.md."""
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import time
 from typing import Any
@@ -35,13 +36,16 @@ from ember.trainer.state import FN_STAGE, RunningStage, TrainerFn, TrainerState,
 from ember.trainer.stopping import SignalHandlers, exit_if_preempted
 
 
-class _Default(int):
-    """An int argument's default value, told apart from the same value passed explicitly."""
-
-
-#: ``accumulate_grad_batches``'s default (1): not given, so a resume on another number of
-#: processes may choose the value that keeps the checkpoint's global batch (resume_data.reshard)
-ACCUMULATE_DEFAULT = _Default(1)
+def _records_given(init):
+    """``Trainer.__init__`` that records whether ``accumulate_grad_batches`` was passed
+    (``accumulate_given``): not given, a resume on another number of processes may choose
+    the value that keeps the checkpoint's global batch (``resume_data.reshard``). The
+    signature stays the one written (``inspect.signature`` follows ``__wrapped__``)."""
+    @functools.wraps(init)
+    def __init__(self, **kwargs: Any) -> None:
+        init(self, **kwargs)
+        self.accumulate_given = "accumulate_grad_batches" in kwargs
+    return __init__
 
 
 class Trainer:
@@ -102,11 +106,12 @@ class Trainer:
         enable_autolog_hparams: log the module's hparams to the loggers at the start of fit.
     """
 
+    @_records_given
     def __init__(self, *, max_epochs: int | None = None, max_steps: int = -1,
                  max_time: float | str | _dt.timedelta | dict | None = None,
                  devices: int | str | list[int] = "auto", strategy: str | Any = "auto", num_nodes: int = 1,
                  precision: str | int | None = None,
-                 accumulate_grad_batches: int = ACCUMULATE_DEFAULT, gradient_clip_val: float | None = None,
+                 accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None,
                  gradient_clip_algorithm: str = "norm", val_check_interval: float | int = 1.0,
                  check_val_every_n_epoch: int | None = 1, num_sanity_val_steps: int = 2,
                  limit_train_batches: int | float | None = None, limit_val_batches: int | float | None = None,
@@ -169,8 +174,8 @@ class Trainer:
         if max_epochs is None and max_steps == -1 and max_time is None:
             max_epochs = 1000   # as Lightning: stop eventually
         self.max_epochs, self.max_steps, self.max_time = max_epochs, max_steps, _parse_max_time(max_time)
-        self.accumulate_grad_batches = int(accumulate_grad_batches)
-        self.accumulate_given = accumulate_grad_batches is not ACCUMULATE_DEFAULT   # (resume_data.reshard)
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.accumulate_given = True   # (set by _records_given)
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.val_check_interval, self.check_val_every_n_epoch = val_check_interval, check_val_every_n_epoch
         self.num_sanity_val_steps, self.log_every_n_steps = num_sanity_val_steps, log_every_n_steps
