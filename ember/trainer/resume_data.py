@@ -165,14 +165,17 @@ def reshard(t, state: dict, path: str) -> str | None:
       order of the run it continues).
 
     Returns the sentence the restore line adds, or None when the number of processes is
-    the checkpoint's (then nothing changes: same-size resumes stay bit-exact)."""
+    the checkpoint's (then nothing changes: same-size resumes stay bit-exact), and where
+    nothing is carried over (no automatic batching, a CombinedLoader, DeepSpeed, whose
+    engine fixed its accumulation at setup): the world-size warning then says so."""
     from ember.data import resume
     saved, loop = state.get("data") or {}, state.get("loop") or {}
     old_w = int(saved.get("world_size") or len(state.get("rng") or []) or t.world_size)
     new_w = t.world_size
     dl = t.state.train_dataloader
     old_b, new_b = saved.get("batch_size"), resume.batch_size_of(dl)
-    if old_w == new_w or not old_b or not new_b or getattr(dl, "ember_combined", False):
+    if old_w == new_w or not old_b or not new_b or getattr(dl, "ember_combined", False) \
+            or getattr(t.strategy, "owns_optimizer_step", False):   # DeepSpeed configured its accumulation at setup
         return None
     old_a = int(loop.get("accumulate_grad_batches") or 1)
     glob = int(saved.get("global_batch") or old_b * old_w * old_a)
@@ -233,16 +236,39 @@ def data_position(t, done: int) -> dict | None:
     return resume.position(st.train_dataloader, st.train_pass, done)
 
 
+def _holds_state(pos) -> bool:
+    """Whether a recorded position holds a loader's own state (a stateful loader's, or one
+    of a CombinedLoader's loaders')."""
+    if not isinstance(pos, dict):
+        return False
+    if pos.get("kind") == "state" and pos.get("state") is not None:
+        return True
+    return any(_holds_state(x.get("pos")) for x in pos.get("inner") or [] if isinstance(x, dict))
+
+
 def restore_position(t, saved: list | None, path: str) -> None:
     """Keep this rank's saved train-data position for the resumed pass
-    (``trainer.state.data_position``). Saved by another number of processes, the
-    positions belong to other shards: none is used (a stateful or stream loader then
-    replays the batches already trained, with a warning)."""
+    (``trainer.state.data_position``). Saved mid-epoch by another number of processes, the
+    positions belong to other shards: a loader's own state (a stateful loader, a Hugging
+    Face stream, torchdata's StatefulDataLoader) is refused, naming the loader and both
+    numbers of processes (its per-process states cannot be split or merged); a loader
+    without one (a stream, a CombinedLoader of index-based loaders) replays the batches
+    already trained, with a warning."""
     st = t.state
     st.data_position = None
     if not saved:
         return
     if len(saved) != t.world_size:
+        if st.batches_done and any(_holds_state(p) for p in saved):
+            from ember.data import resume
+            raise CheckpointError(
+                f"{path} was saved mid-epoch (epoch {st.epoch}, {st.batches_done} batches done) by {len(saved)} "
+                f"process(es) and is resumed by {t.world_size}: the train dataloader "
+                f"({resume.describe(st.train_dataloader)}) records its position per process (its state_dict(): a "
+                f"place in the old processes' shards), and those states cannot be split or merged over "
+                f"{t.world_size} process(es) without training samples twice or leaving some out. Resume on "
+                f"{len(saved)} process(es), or from a checkpoint saved at an epoch end (which any number of "
+                "processes continues)")
         if st.batches_done and any(p for p in saved) and t.is_global_zero:
             warnings.warn(f"resuming {path} mid-epoch with {t.world_size} process(es): it was saved by {len(saved)}, "
                           "so the positions its ranks recorded in their train loaders (the states of stateful "

@@ -10,8 +10,10 @@ uninterrupted run up to float summation order, for 2->1 (shuffled and length-gro
 1->2 (from a checkpoint saved inside an accumulation window: the window is replayed) and
 2->4 processes. 16 recorded vs 3 processes x 8 is refused on every rank before training;
 an explicit accumulate_grad_batches wins, with a warning, and the epoch still trains every
-sample once. The process groups are real (gloo; tests/scripts/reshard_ddp.py, three
-starts: 2, 4 and 3 processes)."""
+sample once. A loader that records its own per-process state (a stateful dataset, a
+Hugging Face IterableDataset) is refused on another number of processes mid-epoch, naming
+the loader and both numbers. The process groups are real (gloo;
+tests/scripts/reshard_ddp.py, three starts: 2, 4 and 3 processes)."""
 import hashlib
 import json
 import os
@@ -43,12 +45,18 @@ def _folder_digest(path: Path) -> dict:
             for f in sorted(path.rglob("*")) if f.is_file()}
 
 
+STATEFUL = ("stateful", "hf_iter")   # a dataset with state_dict(); a Hugging Face IterableDataset (4 shards)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     out = {}
     rd.run("ref1_map", str(root), 1)
-    out["stderr2"] = _launch(root, 2, "ref2_map,ref2_grouped,from1")
+    for case in STATEFUL:
+        rd.run(f"state1_{case}", str(root), 1)
+    out["stderr2"] = _launch(root, 2, ",".join(["ref2_map", "ref2_grouped", "from1"] +
+                                              [f"state2_{case}" for case in STATEFUL]))
     out["stderr4"] = _launch(root, 4, "grow4")
     ck = Path(rd.step6(str(root / "ref2_map")))
     before = _folder_digest(ck)
@@ -181,3 +189,19 @@ def test_an_explicit_accumulation_wins_with_a_warning_and_trains_each_sample_onc
     assert warn.count("with accumulate_grad_batches=1 as given: the global batch is now 24 samples per optimizer "
                       "step (8 per process x 3 x 1), where the checkpoint was trained with 16; the learning-rate "
                       "schedule was written for 16") == 1   # once, on rank 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case, loader", [("stateful", "DataLoader over StatefulStream"),
+                                          ("hf_iter", "DataLoader over datasets.IterableDataset")])
+def test_a_loader_state_saved_per_process_is_refused_on_another_number_naming_both(runs, case, loader):
+    """Its per-process states cannot be split or merged: refused on every rank (before,
+    a warning, and the resumed epoch replayed batches of other shards)."""
+    recs = [_rec(runs["root"], f"state2_{case}", r) for r in (0, 1)]
+    assert recs[0]["error"] == recs[1]["error"] and recs[0]["seen"] == recs[1]["seen"] == []
+    err = recs[0]["error"]
+    for needle in ("saved mid-epoch (epoch 0, 6 batches done) by 1 process(es) and is resumed by 2",
+                   f"the train dataloader ({loader}) records its position per process",
+                   "Resume on 1 process(es), or from a checkpoint saved at an epoch end"):
+        assert needle in err, err

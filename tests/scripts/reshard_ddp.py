@@ -17,6 +17,8 @@ sampler (``map``) or grouped by length (``grouped``). The references save at ste
 ``to1_map``, ``to1_grouped``           resume the 2-process references' step 6 on 1 process
 ``refused``                           resume it on 3 processes x batch 8 (16 vs 24: refused)
 ``explicit``                          the same with accumulate_grad_batches=1 given: one epoch
+``state1_<case>``, ``state2_<case>``  a stateful loader of tests/scripts/stateful_cases.py (``stateful``,
+                                      ``hf_iter``) saved mid-epoch on 1 process, resumed on 2: refused
 
 Each rank writes ROOT/<mode>/rank<R>.json (the error, seconds to it, the global step, the
 sample indices of every batch it trained, accumulate_grad_batches) and rank 0 the weights
@@ -69,9 +71,9 @@ class Net(ember.TrainModule):
         self.seen: list[list[int]] = []
 
     def training_step(self, batch, batch_idx):
-        x, y, idx = batch
+        x, y, idx = (batch["x"], batch["y"], batch["idx"]) if isinstance(batch, dict) else batch   # (a HF stream's)
         self.seen.append(idx.tolist())
-        return F.mse_loss(self.net(x), y)
+        return F.mse_loss(self.net(x.float()), y.float().view(-1, 1))
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -90,11 +92,11 @@ class SaveMidWindow(Callback):
             trainer.save_checkpoint(self.path)
 
 
-def trainer(root: str, devices: int, save: bool = False, callbacks=(), **kw) -> ember.Trainer:
+def trainer(root: str, devices: int, save: bool = False, callbacks=(), every: int = EVERY, **kw) -> ember.Trainer:
     from ember.strategies import DDPStrategy
     cbs = list(callbacks)
     if save:
-        cbs.append(ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=EVERY, save_top_k=-1))
+        cbs.append(ModelCheckpoint(dirpath=os.path.join(root, "ck"), every_n_train_steps=every, save_top_k=-1))
     args = dict(default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0, callbacks=cbs, seed=0, accelerator="cpu", devices=devices,
                 strategy=DDPStrategy(timeout=20) if devices > 1 else "auto", enable_checkpointing=save,
@@ -126,10 +128,18 @@ def run(mode: str, root: str, world: int, **trainer_kw) -> dict:
         ckpt = step6(os.path.join(root, "ref2_map"))
         if mode == "explicit":
             kw.update(accumulate_grad_batches=1, max_steps=-1, max_epochs=1)
-    t = trainer(d, world, save=mode.startswith("ref"), callbacks=cbs, **kw)
+    data = loader(kind, bs) if not mode.startswith("state") else None
+    if mode.startswith("state"):
+        import stateful_cases
+        data = stateful_cases.loader(mode.split("_", 1)[1])
+        if mode.startswith("state1"):
+            kw.update(max_steps=3, every=3, accumulate_grad_batches=2)   # the global batch of 2 x 4
+        else:
+            ckpt = os.path.join(root, "state1_" + mode.split("_", 1)[1], "ck", "epoch=0-step=3")
+    t = trainer(d, world, save=mode.startswith(("ref", "state1")), callbacks=cbs, **kw)
     start, error = time.monotonic(), None
     try:
-        t.fit(module, loader(kind, bs), ckpt_path=ckpt)
+        t.fit(module, data, ckpt_path=ckpt)
     except Exception as err:   # recorded: the test checks every rank refused alike
         error = f"{type(err).__name__}: {err}"
     out = {"error": error, "seconds": time.monotonic() - start, "global_step": t.global_step, "seen": module.seen,
