@@ -44,7 +44,7 @@ def data_state(t) -> dict:
     out["world_size"] = t.world_size
     if bs:
         out["global_batch"] = bs * t.world_size * t.accumulate_grad_batches
-        out["samples_done"] = done * bs * t.world_size if resume.kind_of(dl) == resume.INDEX else None
+        out["samples_done"] = done * bs * t.world_size if _global_order(dl) else None
     sampler = edata.index_sampler(dl)
     if isinstance(sampler, edata.LengthGroupedSampler):
         out["group_size"] = sampler.group
@@ -145,6 +145,23 @@ def _divisor_hint(global_batch: int, batch_size: int, world_size: int) -> str:
     return " or ".join(hints) if hints else f"a batch size per process x processes that divides {global_batch}"
 
 
+def _global_order(dl) -> bool:
+    """Whether the batches of ``dl`` on every process cut one order that does not depend on
+    the number of processes (process ``r`` of ``n`` takes items ``r, r+n, ...``): an
+    index-based loader (ember's sampler, a user's sampler sharded by ember), or a stream
+    without state read without DataLoader workers (:class:`~ember.data.ShardedIterable`
+    interleaves it the same way; a resumed pass replays it)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from ember.data import resume
+    from ember.data.stateful import is_hf_iterable
+    kind = resume.kind_of(dl)
+    if kind == resume.INDEX:
+        return True
+    return kind == resume.REPLAY and isinstance(dl, DataLoader) and isinstance(dl.dataset, IterableDataset) \
+        and not int(getattr(dl, "num_workers", 0) or 0) and not is_hf_iterable(resume._dataset(dl))
+
+
 def reshard(t, state: dict, path: str) -> str | None:
     """Carry a checkpoint saved by another number of processes over to this one (issue:
     "Change the number of processes and keep going exactly").
@@ -160,7 +177,9 @@ def reshard(t, state: dict, path: str) -> str | None:
       The batch count of the epoch becomes that many samples in batches of the new
       processes; every process's sampler slices the same global order, so the rest of the
       epoch is trained once, its padding recomputed for the new number of processes.
-      Index-based loaders only; a stateful or stream loader keeps today's replay (warned).
+      Index-based loaders, and streams without state read without workers (replayed to the
+      new batch count, with the replay warning); a loader with its own per-process state is
+      refused (:func:`restore_position`).
     * A :class:`~ember.data.LengthGroupedSampler` keeps the checkpoint's group size (the
       order of the run it continues).
 
@@ -205,7 +224,7 @@ def reshard(t, state: dict, path: str) -> str | None:
         sampler.group_size = int(saved["group_size"])
     st = t.state
     done = st.batches_done
-    if done and resume.kind_of(dl) == resume.INDEX:
+    if done and _global_order(dl):
         window_start = done - done % old_a
         position = window_start * old_b * old_w   # samples of the epoch's global order trained
         if position % per:

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def runs(tmp_path_factory):
     rd.run("ref1_map", str(root), 1)
     for case in STATEFUL:
         rd.run(f"state1_{case}", str(root), 1)
-    out["stderr2"] = _launch(root, 2, ",".join(["ref2_map", "ref2_grouped", "from1"] +
+    out["stderr2"] = _launch(root, 2, ",".join(["ref2_map", "ref2_grouped", "ref2_stream", "from1"] +
                                               [f"state2_{case}" for case in STATEFUL]))
     out["stderr4"] = _launch(root, 4, "grow4")
     ck = Path(rd.step6(str(root / "ref2_map")))
@@ -116,11 +117,20 @@ def _first_steps(root: Path, mode: str, world: int, batches: int) -> list:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["map", "grouped"])
+@pytest.mark.parametrize("kind", ["map", "grouped", "stream"])
 def test_two_processes_resumed_on_one_keep_the_global_batch_and_order(runs, kind, capsys):
+    """Shuffled by ember's sampler, grouped by length, and a stream without state (replayed
+    to the samples trained: 6 steps of 16 are 12 batches of 8 on one process)."""
     root = runs["root"]
-    rd.run(f"to1_{kind}", str(root), 1, enable_progress_bar=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rd.run(f"to1_{kind}", str(root), 1, enable_progress_bar=True)
     out = capsys.readouterr()
+    replays = [str(w.message) for w in caught if "replayed to batch" in str(w.message)]
+    if kind == "stream":   # the 96 items trained, read again as 12 batches of 8
+        assert len(replays) == 1 and "replayed to batch 12: 12 batch(es) read again" in replays[0], replays
+    else:
+        assert replays == []
     assert ("Saved by 2 process(es), resumed by 1: accumulate_grad_batches=2 keeps the global batch of 16 samples "
             "per optimizer step (8 per process x 1 x 2).") in out.out + out.err
     rec = _rec(root, f"to1_{kind}")

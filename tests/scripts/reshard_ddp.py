@@ -8,13 +8,14 @@ Every run trains the same tiny regressor with SGD + momentum and a per-step sche
 192 samples that carry their index, for 24 optimizer steps (two epochs of 12) with a
 global batch of 16 samples per optimizer step: 2 processes x batch 8 (``ref2``), 1
 process x batch 8 x accumulate_grad_batches=2 (``ref1``). The data is shuffled by ember's
-sampler (``map``) or grouped by length (``grouped``). The references save at step 6 (and
+sampler (``map``), grouped by length (``grouped``) or read as a stream without state
+(``stream``: replayed on a resume). The references save at step 6 (and
 ``ref1`` also inside the accumulation window of step 7). Modes, each in ROOT/<mode>/:
 
-``ref2_map``, ``ref2_grouped``        the 2-process references (WORLD 2)
+``ref2_map``, ``ref2_grouped``, ``ref2_stream``   the 2-process references (WORLD 2)
 ``from1``                             resume ROOT/ref1_map/mid (1 process, saved mid-window) on 2
 ``grow4``                             resume ROOT/ref2_map's step 6 on 4 processes x batch 4
-``to1_map``, ``to1_grouped``           resume the 2-process references' step 6 on 1 process
+``to1_map``, ``to1_grouped``, ``to1_stream``      resume the 2-process references' step 6 on 1 process
 ``refused``                           resume it on 3 processes x batch 8 (16 vs 24: refused)
 ``explicit``                          the same with accumulate_grad_batches=1 given: one epoch
 ``state1_<case>``, ``state2_<case>``  a stateful loader of tests/scripts/stateful_cases.py (``stateful``,
@@ -34,7 +35,7 @@ import time
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import ember
 from ember.callbacks import Callback, ModelCheckpoint
@@ -54,7 +55,16 @@ def lengths() -> list[int]:
     return torch.randint(1, 60, (N,), generator=g).tolist()
 
 
+class Stream(IterableDataset):
+    """The samples in their order as a stream without state (replayed on a resume)."""
+
+    def __iter__(self):
+        yield from dataset()
+
+
 def loader(kind: str, batch_size: int = BATCH) -> DataLoader:
+    if kind == "stream":
+        return DataLoader(Stream(), batch_size=batch_size)
     if kind == "grouped":
         return DataLoader(dataset(), batch_size=batch_size,
                           sampler=ember.data.LengthGroupedSampler(lengths(), batch_size))
@@ -113,7 +123,7 @@ def run(mode: str, root: str, world: int, **trainer_kw) -> dict:
     """One mode on this process group (or on one process); returns this rank's record."""
     d = os.path.join(root, mode)
     os.makedirs(d, exist_ok=True)
-    kind = "grouped" if mode.endswith("grouped") else "map"
+    kind = next((k for k in ("grouped", "stream") if mode.endswith(k)), "map")
     module, kw, ckpt, bs, cbs = Net(), dict(trainer_kw), None, BATCH, []
     if mode.startswith("ref1"):
         kw["accumulate_grad_batches"] = 2
