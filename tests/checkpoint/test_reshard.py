@@ -46,7 +46,8 @@ def _folder_digest(path: Path) -> dict:
             for f in sorted(path.rglob("*")) if f.is_file()}
 
 
-STATEFUL = ("stateful", "hf_iter")   # a dataset with state_dict(); a Hugging Face IterableDataset (4 shards)
+# a dataset with state_dict(); torchdata's StatefulDataLoader over it; a Hugging Face IterableDataset (4 shards)
+STATEFUL = ("stateful", "sdl_stateful", "hf_iter")
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +205,7 @@ def test_an_explicit_accumulation_wins_with_a_warning_and_trains_each_sample_onc
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case, loader", [("stateful", "DataLoader over StatefulStream"),
+                                          ("sdl_stateful", "StatefulDataLoader over StatefulStream"),
                                           ("hf_iter", "DataLoader over datasets.IterableDataset")])
 def test_a_loader_state_saved_per_process_is_refused_on_another_number_naming_both(runs, case, loader):
     """Its per-process states cannot be split or merged: refused on every rank (before,
