@@ -327,6 +327,18 @@ def _rank0_auto_dir(acc: Any) -> str:
     return path
 
 
+def _check_loaders(acc: Any, state: dict, meta: dict, path: str) -> None:
+    """Each prepared loader refuses a position saved mid-pass over other data (batch size,
+    dataset length, a stream's shards: ``DataLoaderShard.check_state``). Saved by another
+    number of processes, the loaders restart their pass (below): nothing to check."""
+    saved_world = int(meta.get("world_size", acc.strategy.world_size) or acc.strategy.world_size)
+    if saved_world != acc.strategy.world_size:
+        return
+    for i, (dl, sd) in enumerate(zip(acc._dataloaders, state.get("dataloaders", []))):
+        if callable(getattr(dl, "check_state", None)):
+            dl.check_state(sd, f"load_state(): {path} (dataloader {i})")
+
+
 def _load_state(acc: Any, path: str, strict: bool) -> dict:
     strategy = acc.strategy
     for hook in getattr(acc, "_load_hooks", ()):
@@ -368,6 +380,7 @@ def _load_state(acc: Any, path: str, strict: bool) -> dict:
         _count("schedulers", len(state.get("schedulers", [])), len(acc._schedulers), path)
         _count("dataloaders", len(state.get("dataloaders", [])), len(acc._dataloaders), path)
         _count("registered objects", len(state.get("custom_objects", [])), len(acc._custom_objects), path)
+        _check_loaders(acc, state, meta, path)   # before anything is loaded
         if models:
             strategy.load_module_state_dict(models[0], weights, strict=strict)
         for m, w in zip(models[1:], extra):
@@ -377,6 +390,8 @@ def _load_state(acc: Any, path: str, strict: bool) -> dict:
     _count("schedulers", len(state.get("schedulers", [])), len(acc._schedulers), path)
     _count("dataloaders", len(state.get("dataloaders", [])), len(acc._dataloaders), path)
     _count("registered objects", len(state.get("custom_objects", [])), len(acc._custom_objects), path)
+    if strategy.is_sharded or strategy.owns_optimizer_step:   # (checked before the load above otherwise)
+        _check_loaders(acc, state, meta, path)
     saved_world = int(meta.get("world_size", strategy.world_size) or strategy.world_size)
     if saved_world != strategy.world_size and acc._dataloaders:
         warnings.warn(f"load_state(): {path} was saved by {saved_world} process(es) and is loaded by "

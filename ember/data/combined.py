@@ -45,6 +45,18 @@ def _unflatten(values: list, spec: Any) -> Any:
     return kind(out) if kind is tuple else list(out)
 
 
+def _names(spec: Any, prefix: str = "") -> list[str]:
+    """The path of each flattened loader in the structure (``a``, ``x[1]``, ``[0]``)."""
+    if spec is None:
+        return [prefix or "[0]"]
+    kind, keys, children = spec
+    out: list[str] = []
+    for i, child in enumerate(children):
+        part = (f".{keys[i]}" if prefix else str(keys[i])) if kind == "dict" else f"[{i}]"
+        out.extend(_names(child, prefix + part))
+    return out
+
+
 class CombinedLoader(Iterable):
     """Iterate several loaders (a dict, list or tuple of them, nested or not) together.
 
@@ -177,6 +189,11 @@ class CombinedLoader(Iterable):
         out._draws = [int(p[1]) for p in pairs]
         out._iterator = None
         return out
+
+    def ember_names(self) -> list[str]:
+        """The name of each loader of :attr:`flattened`, for messages: its key in a dict
+        (``"a"``, ``"x[1]"`` when nested), its index in a list (``"[0]"``)."""
+        return _names(self._spec)
 
     def ember_set_epoch(self, epoch: int) -> None:
         """The epoch of the next pass (each loader's data order and worker seeds follow it)."""

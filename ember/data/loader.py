@@ -124,11 +124,21 @@ class DataLoaderShard:
         out = {"epoch": self.epoch, "batches_done": self.batches_done,
                "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
         out.update(edata.generator_checkpoint_state(self.base))   # a user sampler's own generator
+        out.update(resume.shape(self.base))   # what the position is right for (check_state)
         if self._saved is not None:   # restored and not used yet: as it was loaded
             out["position"] = resume.as_saved(self._saved)
         else:
             out["position"] = resume.position(self.base, self._pass, self.batches_done)
         return out
+
+    def check_state(self, state: dict, where: str) -> None:
+        """Refuse a :meth:`state_dict` saved mid-pass over other data (another batch size,
+        dataset length, or a Hugging Face stream's shards: :func:`ember.data.resume.check_shape`;
+        ``EMBER_ALLOW_DATA_CHANGE=1`` accepts the first two with a warning)."""
+        done, n = int(state.get("batches_done", 0)), self.num_batches
+        if n is not None and done >= n:
+            done = 0   # saved on the last batch: the next pass starts afresh
+        resume.check_shape(self.base, state, done, where, resume.allow_data_change())
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`: the next pass starts after the batches already

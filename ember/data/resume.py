@@ -308,6 +308,88 @@ def as_saved(pos: dict | None) -> dict | None:
     return out
 
 
+# -- what a position is right for: the data's shape ----------------------------------------------------
+#: set to 1 to resume mid-epoch although the batch size or dataset length changed
+ALLOW_DATA_CHANGE_ENV = "EMBER_ALLOW_DATA_CHANGE"
+
+
+def allow_data_change() -> bool:
+    """Whether this process's environment sets ``EMBER_ALLOW_DATA_CHANGE=1`` (under
+    several processes the Trainer uses rank 0's answer on every rank)."""
+    import os
+    return os.environ.get(ALLOW_DATA_CHANGE_ENV, "0") == "1"
+
+
+def batch_size_of(dl: Any) -> int | None:
+    """Samples per batch of a prepared loader on this process (None: no automatic batching)."""
+    bs = getattr(dl, "batch_size", None)
+    if bs is None:
+        bs = getattr(getattr(dl, "batch_sampler", None), "batch_size", None)
+    return int(bs) if isinstance(bs, int) else None
+
+
+def shape(dl: Any) -> dict:
+    """What a position in ``dl`` is right for, recorded with it: the batch size per process
+    and the dataset length (a resumed pass skips that many batches of that many samples),
+    and for a Hugging Face ``IterableDataset`` its ``num_shards`` and a cheap
+    ``fingerprint`` (its state is a position in each of those shards:
+    :func:`ember.data.stateful.hf_identity`)."""
+    from ember.data.sampling import dataset_length
+    out = {"batch_size": batch_size_of(dl), "dataset_len": dataset_length(dl)}
+    ds = _dataset(dl)
+    if is_hf_iterable(ds):
+        from ember.data.stateful import hf_identity
+        out.update(hf_identity(ds))
+    return out
+
+
+#: the entries of :func:`shape` that ``EMBER_ALLOW_DATA_CHANGE=1`` may accept (a stream's
+#: state applied to other shards is never right)
+SOFT_SHAPE = ("batch_size", "dataset_len")
+
+
+def shape_changes(saved: dict | None, now: dict) -> list[tuple[str, Any, Any]]:
+    """The entries of :func:`shape` that differ between a checkpoint's record and ``now``
+    (an entry either side did not record is not compared), as ``(key, saved, now)``."""
+    saved = saved or {}
+    return [(k, saved.get(k), now.get(k)) for k in ("batch_size", "dataset_len", "num_shards", "fingerprint")
+            if saved.get(k) is not None and now.get(k) is not None and saved.get(k) != now.get(k)]
+
+
+def check_shape(loader: Any, saved: dict, done: int, where: str, allow_change: bool = False) -> None:
+    """Refuse to resume ``loader`` after ``done`` batches of a pass from a position recorded
+    for data of another :func:`shape` (``saved``: the record), naming both values and the
+    fix; ``allow_change`` (``EMBER_ALLOW_DATA_CHANGE=1``) accepts a changed batch size or
+    dataset length with a warning, never a stream of other shards. Nothing is checked at a
+    pass's start (``done == 0``): nothing is skipped or repeated."""
+    changed = shape_changes(saved, shape(loader)) if done else []
+    if not changed:
+        return
+    what = describe_changes(changed)
+    hard = any(k not in SOFT_SHAPE for k, _, _ in changed)
+    if hard:
+        effect = ("its position (a place in each shard of a Hugging Face IterableDataset) belongs to other shards, "
+                  "so samples would be trained twice or left out")
+        fix = "resume with the dataset and num_shards it was saved with, or from a state saved at a pass's end"
+    else:
+        effect = (f"the resumed pass skips the first {done} batches of the new data, not the ones trained, so samples "
+                  "are skipped or trained twice")
+        fix = ("resume with the batch size and dataset it was saved with, from a state saved at a pass's end, or set "
+               f"{ALLOW_DATA_CHANGE_ENV}=1 to accept it (with a warning)")
+    if allow_change and not hard:
+        warnings.warn(f"{where}: the dataloader ({describe(loader)}) changed since the save ({what}), accepted because "
+                      f"{ALLOW_DATA_CHANGE_ENV}=1: {effect}", UserWarning, stacklevel=4)
+        return
+    from ember.errors import CheckpointError
+    raise CheckpointError(f"{where}: the state was saved after {done} batches of a pass and the dataloader "
+                          f"({describe(loader)}) changed since ({what}): {effect}. To fix it, {fix}")
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]], where: str = "") -> str:
+    """``"batch size 8 -> 16, dataset len 64 -> 48"`` (prefixed with ``where``, a loader's name)."""
+    return ", ".join(f"{where}{k.replace('_', ' ') if k in SOFT_SHAPE else k} {a} -> {b}" for k, a, b in changes)
+
+
 # -- the entry points of the Trainer and the Accelerator ----------------------------------------------
 def begin_pass(loader: Any, start: int, saved: dict | None, *, read_ahead: int = 0, warn: bool = True) -> Any:
     """Start a pass over a prepared train ``loader`` at batch ``start`` (0: a new pass),

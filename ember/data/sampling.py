@@ -413,6 +413,15 @@ class LengthGroupedSampler(ResumableSampler):
         self.lengths, self.batch_size = lengths, batch_size
         self.mega_batch_mult = max(1, int(mega_batch_mult))
         self.run_seed = seed is None   # prepare_dataloader gives it the run seed
+        #: the samples grouped together (one global batch); None: ``batch_size * num_replicas``.
+        #: A resume on another number of processes keeps the checkpoint's, so the order is the one
+        #: the checkpoint's run follows (``ember.trainer.resume_data.reshard``)
+        self.group_size: int | None = None
+
+    @property
+    def group(self) -> int:
+        """The samples of one group of similar lengths (a global batch of the run)."""
+        return int(self.group_size or self.batch_size * self.num_replicas)
 
     def order(self) -> list[int]:
         n = self.dataset_len
@@ -422,7 +431,7 @@ class LengthGroupedSampler(ResumableSampler):
         g.manual_seed(self.seed + self.epoch)
         perm = torch.randperm(n, generator=g)
         lengths = torch.tensor(self.lengths, dtype=torch.long)
-        glob = self.batch_size * self.num_replicas
+        glob = self.group
         mega = glob * self.mega_batch_mult
         parts = []
         for i in range(0, n, mega):   # each mega-batch sorted, longest first (stable: ties keep the draw)
@@ -443,7 +452,7 @@ class LengthGroupedSampler(ResumableSampler):
         was made with ``seed=None``)."""
         out = LengthGroupedSampler(self.lengths, self.batch_size, seed if self.run_seed else self.seed,
                                    self.mega_batch_mult, num_replicas=num_replicas, rank=rank, drop_last=drop_last)
-        out.run_seed, out.epoch = self.run_seed, self.epoch
+        out.run_seed, out.epoch, out.group_size = self.run_seed, self.epoch, self.group_size
         return out
 
 

@@ -93,5 +93,41 @@ def hf_shard(ds: Any, num_replicas: int, rank: int, num_workers: int, warn: bool
             f"{max(1, num_workers)} DataLoader worker(s): each sample is still read once per epoch, but the ranks "
             "may read different numbers of samples, and a rank that runs out first leaves the others waiting at the "
             "epoch's end. Make the shards even (Dataset.to_iterable_dataset(num_shards=a multiple of ranks x "
-            "workers)), or set Trainer(limit_train_batches=N) to a count every rank reaches", UserWarning, stacklevel=4)
-    return split_dataset_by_node(ds, rank=rank, world_size=num_replicas)
+            "workers)), or set Trainer(limit_train_batches=N) to a count every rank reaches. Changing num_shards "
+            "invalidates the checkpoints saved mid-epoch with the current shards (a resume from one is refused: "
+            "its position belongs to other shards); resume those first, or resume from a checkpoint saved at an "
+            "epoch end", UserWarning, stacklevel=4)
+    out = split_dataset_by_node(ds, rank=rank, world_size=num_replicas)
+    out.ember_num_shards = n   # the shards of the whole stream, before the split (hf_identity)
+    return out
+
+
+def hf_identity(ds: Any) -> dict:
+    """What a checkpoint records to recognise a Hugging Face IterableDataset on resume:
+    ``num_shards`` (of the whole stream, before :func:`hf_shard` split it over the ranks)
+    and ``fingerprint``, a short digest of cheap facts that differ between data sets: the
+    dataset's name and config, and for the source of its stream the number of shards and
+    the first shard (a ``Dataset`` shard's own fingerprint and length, else its name: a
+    file, a generator argument). Nothing is read from the data. Its state (the position in
+    each shard) is right only for the same shards: a resume with other ones is refused."""
+    import hashlib
+    facts: list = [getattr(ds.info, "dataset_name", None), getattr(ds.info, "config_name", None)]
+    seen, todo = set(), [getattr(ds, "_ex_iterable", None)]
+    while todo:
+        node = todo.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        kids = [getattr(node, "ex_iterable", None), *(getattr(node, "ex_iterables", None) or ())]
+        if not any(k is not None for k in kids):   # a source of the stream
+            facts.append(type(node).__name__)
+            for key, value in sorted((getattr(node, "kwargs", None) or {}).items()):
+                if isinstance(value, (list, tuple)) and value:
+                    first = value[0]
+                    name = getattr(first, "_fingerprint", None)
+                    name = f"{name}/{len(first)}" if name is not None else repr(first)[:300]
+                    facts.append((key, len(value), name))
+        todo.extend(k for k in kids if k is not None)
+    digest = hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+    n = getattr(ds, "ember_num_shards", None)
+    return {"num_shards": int(n if n is not None else ds.num_shards), "fingerprint": digest}

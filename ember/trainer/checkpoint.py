@@ -311,9 +311,13 @@ def precheck(path: str, need_state: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- restore
-def _warn_setup_changes(t, meta: dict, path: str) -> None:
+def _warn_setup_changes(t, meta: dict, path: str, world_kept: bool = False) -> None:
+    """Warn about a changed precision, or world size (unless ``world_kept``: the resume
+    carried the global batch and data position over, resume_data.reshard)."""
     changes = []
     for key, now in (("world_size", t.world_size), ("precision", t.precision)):
+        if key == "world_size" and world_kept:
+            continue
         if key in meta and meta[key] != now:
             changes.append(f"{key} {meta[key]!r} -> {now!r}")
     if changes:
@@ -426,14 +430,17 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
     if len(scheds) != len(t.lr_scheduler_configs):
         raise CheckpointError(f"{path} has {len(scheds)} scheduler state(s) but configure_optimizers returned "
                               f"{len(t.lr_scheduler_configs)}")
-    _warn_setup_changes(t, state.get("meta") or {}, path)
     loop = state["loop"]
     try:
         t.state.load_state_dict(loop)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: the loop position in {cio.STATE_NAME} is unreadable ({err!r})") from err
-    from ember.trainer.resume_data import restore_data, restore_position
-    restore_data(t, state.get("data"), path, allow_data_change)   # refuses a changed batch size / dataset mid-epoch
+    from ember.trainer.resume_data import reshard, restore_data, restore_position
+    # another number of processes: the global batch and the position in the global order are kept
+    t.state.reshard_note = note = reshard(t, state, path)
+    _warn_setup_changes(t, state.get("meta") or {}, path, world_kept=note is not None)
+    restore_data(t, state.get("data"), path, allow_data_change, resharded=note is not None)   # refuses a changed
+    # batch size / dataset mid-epoch
     restore_position(t, state.get("data_position"), path)
     for cfg, s in zip(t.lr_scheduler_configs, scheds):
         cfg["scheduler"].load_state_dict(s)
@@ -466,7 +473,7 @@ def _restore(t, path: str, full: bool, allow_data_change: bool) -> None:
     if st.batches_done and same_world and results:
         _restore_results(t, results[rank])
     grads = state.get("grads")
-    if grads and st.batches_done:
+    if grads and st.batches_done and st.reshard_note is None:   # (resharded: the window is replayed)
         if not same_world or loop.get("accumulate_grad_batches") != t.accumulate_grad_batches:
             warnings.warn(f"{path} was saved inside a gradient accumulation window with another world size or "
                           "accumulate_grad_batches; the partly accumulated gradients are dropped", stacklevel=4)

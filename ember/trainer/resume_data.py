@@ -17,49 +17,56 @@ import os
 import warnings
 
 from ember.data import sampling as edata
+from ember.data.resume import ALLOW_DATA_CHANGE_ENV, allow_data_change  # noqa: F401  (re-exported)
 from ember.errors import CheckpointError
-
-#: set to 1 to resume mid-epoch although the batch size or dataset length changed
-ALLOW_DATA_CHANGE_ENV = "EMBER_ALLOW_DATA_CHANGE"
-
-
-def allow_data_change() -> bool:
-    """Whether this process's environment sets ``EMBER_ALLOW_DATA_CHANGE=1`` (under
-    several processes the Trainer uses rank 0's answer on every rank)."""
-    return os.environ.get(ALLOW_DATA_CHANGE_ENV, "0") == "1"
 
 
 def batch_size_of(dl) -> int | None:
     """Samples per batch of this process's train loader (None: no automatic batching)."""
-    bs = getattr(dl, "batch_size", None)
-    if bs is None:
-        bs = getattr(getattr(dl, "batch_sampler", None), "batch_size", None)
-    return int(bs) if isinstance(bs, int) else None
+    from ember.data.resume import batch_size_of as of
+    return of(dl)
 
 
 def data_state(t) -> dict:
     """The train data's shape and order state, saved in ``trainer_state.pt["data"]``: batch
-    size, dataset length, the class of the index sampler and a user sampler's generator
-    (its state at the start of the current epoch, :func:`ember.data.generator_checkpoint_state`)."""
+    size, dataset length (and a Hugging Face stream's shards and fingerprint,
+    :func:`ember.data.resume.shape`), the class of the index sampler and a user sampler's
+    generator (its state at the start of the current epoch,
+    :func:`ember.data.generator_checkpoint_state`). A CombinedLoader records the shape of
+    each of its loaders under ``members``."""
+    from ember.data import resume
     dl = t.state.train_dataloader
-    out = {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl),
-           "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
+    out = {**resume.shape(dl), "sampler": type(edata.index_sampler(dl)).__name__, "generator_state": None,
            **edata.generator_checkpoint_state(dl)}
-    if getattr(dl, "ember_combined", False):   # a CombinedLoader: each loader's sampler generator
+    # the global batch and the position in the epoch's global order (the order that does not
+    # depend on the number of processes): what a resume on another number of processes keeps (reshard)
+    bs, done = out["batch_size"], t.state.state_dict()["batches_done"]
+    out["world_size"] = t.world_size
+    if bs:
+        out["global_batch"] = bs * t.world_size * t.accumulate_grad_batches
+        out["samples_done"] = done * bs * t.world_size if _global_order(dl) else None
+    sampler = edata.index_sampler(dl)
+    if isinstance(sampler, edata.LengthGroupedSampler):
+        out["group_size"] = sampler.group
+    if getattr(dl, "ember_combined", False):   # a CombinedLoader: each loader's shape and sampler generator
         out["inner_generators"] = [edata.generator_checkpoint_state(x) for x in dl.flattened]
+        out["members"] = [dict(resume.shape(x), name=n) for x, n in zip(dl.flattened, dl.ember_names())]
     return out
 
 
-def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -> None:
+def restore_data(t, saved: dict | None, path: str, allow_change: bool = False, resharded: bool = False) -> None:
     """Check the train data against what ``path`` recorded, and give a user sampler's
     generator its saved state. Checkpoints written before ``data`` was recorded pass.
     ``allow_change``: accept a changed batch size / dataset length mid-epoch with a
-    warning (``EMBER_ALLOW_DATA_CHANGE=1``, as rank 0 read it)."""
+    warning (``EMBER_ALLOW_DATA_CHANGE=1``, as rank 0 read it). ``resharded``: the
+    position was carried to another number of processes (:func:`reshard`), in samples:
+    the batch size per process may differ."""
     if not saved:
         return
     dl, ls = t.state.train_dataloader, t.state
     if ls.batches_done > 0:
-        _check_shape(dl, saved, path, ls, allow_change)
+        _check_shape(dl, {k: v for k, v in saved.items() if k != "batch_size"} if resharded else saved, path, ls,
+                     allow_change)
         sampler = edata.index_sampler(dl)
         name = type(sampler).__name__
         if saved.get("sampler") and sampler is not None and saved["sampler"] != name:
@@ -85,26 +92,152 @@ def restore_data(t, saved: dict | None, path: str, allow_change: bool = False) -
 
 
 def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:
-    now = {"batch_size": batch_size_of(dl), "dataset_len": edata.dataset_length(dl)}
-    changed = [(k, saved.get(k), now[k]) for k in now
-               if saved.get(k) is not None and now[k] is not None and saved.get(k) != now[k]]
+    from ember.data import resume
+    changed = resume.shape_changes(saved, resume.shape(dl))
+    what = resume.describe_changes(changed)
+    members = saved.get("members")
+    if getattr(dl, "ember_combined", False) and isinstance(members, list) and len(members) == len(dl.flattened):
+        for x, name, rec in zip(dl.flattened, dl.ember_names(), members):
+            more = resume.shape_changes(rec, resume.shape(x))
+            if more:
+                changed += more
+                what = ", ".join(w for w in (what, resume.describe_changes(more, f"loader {name!r}: ")) if w)
     if not changed:
         return
-    what = ", ".join(f"{k.replace('_', ' ')} {a} -> {b}" for k, a, b in changed)
-    bs = now["batch_size"] or 1
-    effect = (f"the resumed epoch skips the first {ls.batches_done} batches of the new setup "
-              f"({ls.batches_done * bs} samples, where the run trained {ls.batches_done * (saved.get('batch_size') or bs)}"
-              " samples of another order), so samples are skipped or trained twice")
-    if allow_change:
+    hard = [k for k, _, _ in changed if k not in resume.SOFT_SHAPE]
+    bs = resume.batch_size_of(dl) or 1
+    if hard:
+        effect = ("its position (a place in each shard of a Hugging Face IterableDataset) belongs to other "
+                  "shards, so samples would be trained twice or left out")
+    elif getattr(dl, "ember_combined", False):
+        effect = ("each loader's resumed pass skips its batches of the new data, not the ones trained, so "
+                  "samples are skipped or trained twice")
+    else:
+        effect = (f"the resumed epoch skips the first {ls.batches_done} batches of the new setup "
+                  f"({ls.batches_done * bs} samples, where the run trained "
+                  f"{ls.batches_done * (saved.get('batch_size') or bs)}"
+                  " samples of another order), so samples are skipped or trained twice")
+    if allow_change and not hard:
         warnings.warn(f"resuming {path} mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) with a changed "
                       f"train dataloader ({what}), accepted because {ALLOW_DATA_CHANGE_ENV}=1: {effect}",
                       UserWarning, stacklevel=6)
         return
+    fix = ("Resume with the dataset and num_shards the checkpoint was saved with, or from a checkpoint saved at an "
+           "epoch end" if hard else
+           "Resume with the batch size and dataset the checkpoint was saved with, resume from a checkpoint saved at "
+           f"an epoch end, or set {ALLOW_DATA_CHANGE_ENV}=1 to accept it (with a warning)")
     raise CheckpointError(
         f"{path} was saved mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done) and the train dataloader "
-        f"changed since ({what}): {effect}. Resume with the batch size and dataset the checkpoint was saved "
-        f"with, resume from a checkpoint saved at an epoch end, or set {ALLOW_DATA_CHANGE_ENV}=1 to accept it "
-        "(with a warning)")
+        f"changed since ({what}): {effect}. {fix}")
+
+
+def _divisor_hint(global_batch: int, batch_size: int, world_size: int) -> str:
+    """Process counts and batch sizes per process that divide ``global_batch``."""
+    procs = [p for p in range(1, global_batch // max(batch_size, 1) + 1) if (global_batch // batch_size) % p == 0] \
+        if global_batch % batch_size == 0 else []
+    sizes = [b for b in range(1, global_batch // world_size + 1) if (global_batch // world_size) % b == 0] \
+        if global_batch % world_size == 0 else []
+    hints = []
+    if procs:
+        hints.append(f"{' or '.join(map(str, procs[-4:]))} process(es) at batch size {batch_size}")
+    if sizes:
+        hints.append(f"batch size {' or '.join(map(str, sizes[-4:]))} per process on {world_size} processes")
+    return " or ".join(hints) if hints else f"a batch size per process x processes that divides {global_batch}"
+
+
+def _global_order(dl) -> bool:
+    """Whether the batches of ``dl`` on every process cut one order that does not depend on
+    the number of processes (process ``r`` of ``n`` takes items ``r, r+n, ...``): an
+    index-based loader (ember's sampler, a user's sampler sharded by ember), or a stream
+    without state read without DataLoader workers (:class:`~ember.data.ShardedIterable`
+    interleaves it the same way; a resumed pass replays it)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from ember.data import resume
+    from ember.data.stateful import is_hf_iterable
+    kind = resume.kind_of(dl)
+    if kind == resume.INDEX:
+        return True
+    return kind == resume.REPLAY and isinstance(dl, DataLoader) and isinstance(dl.dataset, IterableDataset) \
+        and not int(getattr(dl, "num_workers", 0) or 0) and not is_hf_iterable(resume._dataset(dl))
+
+
+def reshard(t, state: dict, path: str) -> str | None:
+    """Carry a checkpoint saved by another number of processes over to this one (issue:
+    "Change the number of processes and keep going exactly").
+
+    * The global batch is kept: ``accumulate_grad_batches`` not given, it becomes the
+      recorded global batch / (batch size per process x processes); when no whole number
+      does, the resume is refused (:class:`CheckpointError` naming both global batches and
+      the fix). Given, it wins, with a warning when the global batch changes.
+    * The position: the samples of the epoch's global order already trained, counted at the
+      start of the accumulation window the save fell in (a partly accumulated window is
+      replayed from its start: its gradients belong to the old processes' shards, and the
+      weights and optimizer did not change within it, so the replay gives the same step).
+      The batch count of the epoch becomes that many samples in batches of the new
+      processes; every process's sampler slices the same global order, so the rest of the
+      epoch is trained once, its padding recomputed for the new number of processes.
+      Index-based loaders, and streams without state read without workers (replayed to the
+      new batch count, with the replay warning); a loader with its own per-process state is
+      refused (:func:`restore_position`).
+    * A :class:`~ember.data.LengthGroupedSampler` keeps the checkpoint's group size (the
+      order of the run it continues).
+
+    Returns the sentence the restore line adds, or None when the number of processes is
+    the checkpoint's (then nothing changes: same-size resumes stay bit-exact), and where
+    nothing is carried over (no automatic batching, a CombinedLoader, DeepSpeed, whose
+    engine fixed its accumulation at setup): the world-size warning then says so."""
+    from ember.data import resume
+    saved, loop = state.get("data") or {}, state.get("loop") or {}
+    old_w = int(saved.get("world_size") or len(state.get("rng") or []) or t.world_size)
+    new_w = t.world_size
+    dl = t.state.train_dataloader
+    old_b, new_b = saved.get("batch_size"), resume.batch_size_of(dl)
+    if old_w == new_w or not old_b or not new_b or getattr(dl, "ember_combined", False) \
+            or getattr(t.strategy, "owns_optimizer_step", False):   # DeepSpeed configured its accumulation at setup
+        return None
+    old_a = int(loop.get("accumulate_grad_batches") or 1)
+    glob = int(saved.get("global_batch") or old_b * old_w * old_a)
+    per = new_b * new_w
+    if getattr(t, "accumulate_given", True):
+        acc = t.accumulate_grad_batches
+        if per * acc != glob and t.is_global_zero:
+            warnings.warn(f"resuming {path} (saved by {old_w} process(es)) on {new_w} with accumulate_grad_batches={acc} "
+                          f"as given: the global batch is now {per * acc} samples per optimizer step ({new_b} per "
+                          f"process x {new_w} x {acc}), where the checkpoint was trained with {glob}; the learning-rate "
+                          f"schedule was written for {glob}. Leave accumulate_grad_batches out to keep {glob}",
+                          UserWarning, stacklevel=5)
+    else:
+        if glob % per:
+            raise CheckpointError(
+                f"{path} was trained with a global batch of {glob} samples per optimizer step ({old_b} per process x "
+                f"{old_w} process(es) x accumulate_grad_batches={old_a}); this run has {new_b} per process x {new_w} "
+                f"processes = {per} per micro-batch, and no whole accumulate_grad_batches gives {glob}. Resume with "
+                f"{_divisor_hint(glob, new_b, new_w)}, or pass Trainer(accumulate_grad_batches=N) to train on with a "
+                f"global batch of {per} x N (the learning-rate schedule was written for {glob})")
+        acc = glob // per
+        t.accumulate_grad_batches = acc
+        if t.step_rules is not None:
+            t.step_rules.accumulation_steps = acc
+    sampler = edata.index_sampler(dl)
+    if isinstance(sampler, edata.LengthGroupedSampler) and saved.get("group_size"):
+        sampler.group_size = int(saved["group_size"])
+    st = t.state
+    done = st.batches_done
+    if done and _global_order(dl):
+        window_start = done - done % old_a
+        position = window_start * old_b * old_w   # samples of the epoch's global order trained
+        if position % per:
+            raise CheckpointError(
+                f"{path} was saved after {position} samples of epoch {st.epoch} (in the order every number of "
+                f"processes shares); this run's {new_b} per process x {new_w} processes = {per} samples per "
+                f"micro-batch does not divide it, so the rest of the epoch cannot start at a batch boundary. "
+                f"Resume with {_divisor_hint(position, new_b, new_w)}, or from a checkpoint saved at an epoch end")
+        st.batches_done = position // per
+        st.batch_idx = max(st.batches_done - 1, 0)
+    return (f"Saved by {old_w} process(es), resumed by {new_w}: accumulate_grad_batches={acc} "
+            f"{'keeps' if per * acc == glob else 'changes'} the global batch of {glob} samples per optimizer step"
+            f"{'' if per * acc == glob else f' to {per * acc}'} ({new_b} per process x {new_w} x {acc}).")
 
 
 def data_position(t, done: int) -> dict | None:
@@ -122,16 +255,39 @@ def data_position(t, done: int) -> dict | None:
     return resume.position(st.train_dataloader, st.train_pass, done)
 
 
+def _holds_state(pos) -> bool:
+    """Whether a recorded position holds a loader's own state (a stateful loader's, or one
+    of a CombinedLoader's loaders')."""
+    if not isinstance(pos, dict):
+        return False
+    if pos.get("kind") == "state" and pos.get("state") is not None:
+        return True
+    return any(_holds_state(x.get("pos")) for x in pos.get("inner") or [] if isinstance(x, dict))
+
+
 def restore_position(t, saved: list | None, path: str) -> None:
     """Keep this rank's saved train-data position for the resumed pass
-    (``trainer.state.data_position``). Saved by another number of processes, the
-    positions belong to other shards: none is used (a stateful or stream loader then
-    replays the batches already trained, with a warning)."""
+    (``trainer.state.data_position``). Saved mid-epoch by another number of processes, the
+    positions belong to other shards: a loader's own state (a stateful loader, a Hugging
+    Face stream, torchdata's StatefulDataLoader) is refused, naming the loader and both
+    numbers of processes (its per-process states cannot be split or merged); a loader
+    without one (a stream, a CombinedLoader of index-based loaders) replays the batches
+    already trained, with a warning."""
     st = t.state
     st.data_position = None
     if not saved:
         return
     if len(saved) != t.world_size:
+        if st.batches_done and any(_holds_state(p) for p in saved):
+            from ember.data import resume
+            raise CheckpointError(
+                f"{path} was saved mid-epoch (epoch {st.epoch}, {st.batches_done} batches done) by {len(saved)} "
+                f"process(es) and is resumed by {t.world_size}: the train dataloader "
+                f"({resume.describe(st.train_dataloader)}) records its position per process (its state_dict(): a "
+                f"place in the old processes' shards), and those states cannot be split or merged over "
+                f"{t.world_size} process(es) without training samples twice or leaving some out. Resume on "
+                f"{len(saved)} process(es), or from a checkpoint saved at an epoch end (which any number of "
+                "processes continues)")
         if st.batches_done and any(p for p in saved) and t.is_global_zero:
             warnings.warn(f"resuming {path} mid-epoch with {t.world_size} process(es): it was saved by {len(saved)}, "
                           "so the positions its ranks recorded in their train loaders (the states of stateful "

@@ -149,6 +149,8 @@ class TrainerState:
         data_position: this rank's train-data position read from the checkpoint being
             resumed (``ember.data.resume.position``: a stateful loader's state, a combined
             loader's positions), applied when the resumed pass starts, then None.
+        reshard_note: what a resume on another number of processes kept or chose (the
+            sentence the restore line adds; ``ember.trainer.resume_data.reshard``), else None.
 
     Named objects:
         step_rules: the optimizer-step rules (:class:`ember.step.StepRules`), whose
@@ -200,6 +202,7 @@ class TrainerState:
         self.rng_draws: dict[int, int] = {}
         self.train_pass: Any = None
         self.data_position: dict | None = None
+        self.reshard_note: str | None = None
         self.active = False
 
     # -- Lightning's trainer.state ---------------------------------------------------------

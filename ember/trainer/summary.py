@@ -131,7 +131,8 @@ def restored(t, path: str) -> None:
     with the epoch and step the checkpoint was saved at (its ``meta.json``), not the
     trainer's counters after the restore (a checkpoint saved at an epoch's end resumes at the
     next epoch). A checkpoint without them (a weights file) is named alone."""
-    _say(t, f"ember: restored {path}{_saved_at(path)}")
+    note = getattr(t.state, "reshard_note", None)   # another number of processes (resume_data.reshard)
+    _say(t, f"ember: restored {path}{_saved_at(path)}" + (f". {note}" if note else ""))
 
 
 def _saved_at(path) -> str:

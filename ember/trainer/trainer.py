@@ -9,6 +9,7 @@ checkpoint's contents in ``checkpoint.py``; see docs/architecture.md."""
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import time
 from typing import Any
@@ -35,6 +36,18 @@ from ember.trainer.state import FN_STAGE, RunningStage, TrainerFn, TrainerState,
 from ember.trainer.stopping import SignalHandlers, exit_if_preempted
 
 
+def _records_given(init):
+    """``Trainer.__init__`` that records whether ``accumulate_grad_batches`` was passed
+    (``accumulate_given``): not given, a resume on another number of processes may choose
+    the value that keeps the checkpoint's global batch (``resume_data.reshard``). The
+    signature stays the one written (``inspect.signature`` follows ``__wrapped__``)."""
+    @functools.wraps(init)
+    def __init__(self, **kwargs: Any) -> None:
+        init(self, **kwargs)
+        self.accumulate_given = "accumulate_grad_batches" in kwargs
+    return __init__
+
+
 class Trainer:
     """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
 
@@ -51,7 +64,10 @@ class Trainer:
         precision: "64-true", "32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true" or a
             ``Precision``. None (default): ``$EMBER_PRECISION`` if set, else the module's choice
             (``TrainModule.configure_precision``; "32-true" unless the module overrides it).
-        accumulate_grad_batches: micro-batches per optimizer step.
+        accumulate_grad_batches: micro-batches per optimizer step. Not given (1), a resume on
+            another number of processes sets it so that the checkpoint's global batch is kept
+            (docs/checkpointing.md, "A different world size"); given, it wins (with a warning
+            when the global batch changes).
         gradient_clip_val: clip gradients to this norm (or value); None: no clipping.
         gradient_clip_algorithm: "norm" (total norm) or "value" (each element).
         val_check_interval: validate every fraction of an epoch (float) or every N training batches (int).
@@ -90,6 +106,7 @@ class Trainer:
         enable_autolog_hparams: log the module's hparams to the loggers at the start of fit.
     """
 
+    @_records_given
     def __init__(self, *, max_epochs: int | None = None, max_steps: int = -1,
                  max_time: float | str | _dt.timedelta | dict | None = None,
                  devices: int | str | list[int] = "auto", strategy: str | Any = "auto", num_nodes: int = 1,
@@ -158,6 +175,7 @@ class Trainer:
             max_epochs = 1000   # as Lightning: stop eventually
         self.max_epochs, self.max_steps, self.max_time = max_epochs, max_steps, _parse_max_time(max_time)
         self.accumulate_grad_batches = accumulate_grad_batches
+        self.accumulate_given = True   # (set by _records_given)
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self.val_check_interval, self.check_val_every_n_epoch = val_check_interval, check_val_every_n_epoch
         self.num_sanity_val_steps, self.log_every_n_steps = num_sanity_val_steps, log_every_n_steps
