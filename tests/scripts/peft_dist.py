@@ -1,0 +1,68 @@
+"""LoRA adapters under DDP or FSDP2 (2 processes, gloo, CPU), run by
+tests/integrations/test_peft_dist.py:
+
+    python -m torch.distributed.run --nproc_per_node 2 peft_dist.py ddp|fsdp OUT_DIR
+
+Two fits, each 2 optimizer steps of 2 samples per rank with gradient clipping engaged:
+1. a tiny Llama causal LM, LoRA on ``target_modules="all-linear"`` (token-exact loss
+   over both ranks);
+2. a tiny BERT classifier, LoRA on a list (``["query", "value"]``) plus the head
+   (``modules_to_save``).
+Rank 0 writes OUT_DIR/<STRATEGY>.<fit>.pt (the full trainable state, gathered) and each
+fit saves a checkpoint (FSDP: sharded) at OUT_DIR/<STRATEGY>.<fit>.ckpt; the test
+compares both with one process on the combined batches.
+"""
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_tiny  # noqa: E402
+import peft_common as pc  # noqa: E402
+
+from ember import Trainer  # noqa: E402
+from ember.integrations.transformers import PadCollator, TransformersModule  # noqa: E402
+from ember.strategies import DDPStrategy, FSDPStrategy  # noqa: E402
+
+CLIP = 0.002
+#: AdamW with eps=1 (and no weight decay) makes a step proportional to the clipped
+#: gradient, so a wrong clipping norm shows in the weights (with eps=1e-8 Adam's step
+#: would not depend on the gradient's scale)
+OPT = dict(lr=1.0, adam_eps=1.0, weight_decay=0.0, warmup_steps=0)
+
+
+def fits():
+    """(name, module, loader of the per-rank batches): the test builds the same modules
+    with the combined batches (batch size 4) in one process."""
+    return [("llama", lambda: TransformersModule(pc.tiny_llama(), **OPT, peft_config=pc.lora("all-linear")),
+             lambda bs: DataLoader(pc.lm_items(8), batch_size=bs, collate_fn=PadCollator(0, lm_labels=True))),
+            ("bert", lambda: TransformersModule(hf_tiny.tiny_bert(), **OPT, peft_config=pc.lora(["query", "value"], task_type="SEQ_CLS")),
+             lambda bs: DataLoader(cls_items(), batch_size=bs, collate_fn=PadCollator(0)))]
+
+
+def cls_items():
+    tok = hf_tiny.make_tokenizer()
+    rows = hf_tiny.sentiment_rows(8, 3)
+    return [{**{k: torch.tensor(v) for k, v in tok(text).items()}, "labels": torch.tensor(label)}
+            for text, label in rows]
+
+
+def main(kind, out):
+    torch.set_num_threads(1)
+    for name, make_module, make_loader in fits():
+        strategy = DDPStrategy(timeout=60) if kind == "ddp" else FSDPStrategy(timeout=60)
+        module = make_module()
+        trainer = Trainer(strategy=strategy, devices=2, max_steps=2, precision="32-true", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=out, gradient_clip_val=CLIP, seed=0)
+        trainer.fit(module, train_dataloaders=make_loader(2))
+        weights = trainer.strategy.module_state_dict(trainer.model)   # collective; the trainable entries
+        trainer.save_checkpoint(os.path.join(out, f"{kind}.{name}.ckpt"))
+        if trainer.is_global_zero:
+            torch.save({k: v.detach().cpu() for k, v in weights.items()}, os.path.join(out, f"{kind}.{name}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
