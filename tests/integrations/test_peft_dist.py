@@ -26,19 +26,29 @@ from ember.strategies.environments import find_free_port  # noqa: E402
 pytestmark = pytest.mark.multiproc
 
 
+NAMES = ["named", "llama", "bert"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    pc.tiny_llama(seed=5).save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def dist_run(request, tmp_path_factory):
+def dist_run(request, tmp_path_factory, base_dir):
     kind = request.param
     out = tmp_path_factory.mktemp(f"peft_{kind}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(find_free_port()), str(SCRIPTS / "peft_dist.py"), kind, str(out)]
+           "--master_port", str(find_free_port()), str(SCRIPTS / "peft_dist.py"), kind, str(out), base_dir]
     proc = subprocess.run(cmd, cwd=out, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return kind, out
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, base_dir):
     """One process, the same fits on batches of 4 (both ranks' batches together)."""
     torch.set_num_threads(1)
     out = {}
@@ -48,7 +58,7 @@ def reference(tmp_path_factory):
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             module.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
-    for name, make_module, make_loader in peft_dist.fits():
+    for name, make_module, make_loader in peft_dist.fits(base_dir):
         module = make_module()
         module.norms = []
         trainer = ember.Trainer(max_steps=2, precision="32-true", logger=False, enable_checkpointing=False,
@@ -60,13 +70,15 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
-def test_lora_equals_one_process_on_the_combined_batch(dist_run, reference, name):
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_equals_one_process_on_the_combined_batch(dist_run, reference, base_dir, name):
     kind, out = dist_run
     got = torch.load(out / f"{kind}.{name}.pt", weights_only=True)
     ref = reference[name].state_dict()
     assert got.keys() == ref.keys() and all(".lora_" in k or "modules_to_save" in k for k in got)
-    start = peft_dist.fits()[["llama", "bert"].index(name)][1]().state_dict()
+    first = peft_dist.fits(base_dir)[NAMES.index(name)][1]()
+    assert first.model is not None      # a model given by name is read on first use
+    start = first.state_dict()
     assert min(reference[name].norms) > 2 * peft_dist.CLIP     # the clipping was engaged at every step
     for k in got:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-5)
@@ -76,7 +88,7 @@ def test_lora_equals_one_process_on_the_combined_batch(dist_run, reference, name
     assert [k for k in ref if not torch.equal(ref[k], start[k])] == list(ref)   # every entry trained
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
+@pytest.mark.parametrize("name", NAMES)
 def test_the_checkpoint_holds_only_what_trains_and_loads_in_one_process(dist_run, reference, name):
     kind, out = dist_run
     path = out / f"{kind}.{name}.ckpt"
@@ -87,8 +99,9 @@ def test_the_checkpoint_holds_only_what_trains_and_loads_in_one_process(dist_run
         weights = load_full_weights(str(path))
     ref = reference[name].state_dict()
     assert weights.keys() == ref.keys()      # the trainable entries only, no frozen base
-    base = {"llama": pc.tiny_llama, "bert": hf_tiny.tiny_bert}[name]()
-    loaded = TransformersModule.load_from_checkpoint(str(path), model=base)
+    # a base given by name is read again from its folder (same digest); an object is given again
+    base = {"named": dict, "llama": lambda: dict(model=pc.tiny_llama()), "bert": lambda: dict(model=hf_tiny.tiny_bert())}
+    loaded = TransformersModule.load_from_checkpoint(str(path), **base[name]())
     got = loaded.state_dict()
     assert got.keys() == ref.keys()
     for k in got:

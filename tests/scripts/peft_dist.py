@@ -1,12 +1,13 @@
 """LoRA adapters under DDP or FSDP2 (2 processes, gloo, CPU), run by
 tests/integrations/test_peft_dist.py:
 
-    python -m torch.distributed.run --nproc_per_node 2 peft_dist.py ddp|fsdp OUT_DIR
+    python -m torch.distributed.run --nproc_per_node 2 peft_dist.py ddp|fsdp OUT_DIR BASE_DIR
 
-Two fits, each 2 optimizer steps of 2 samples per rank with gradient clipping engaged:
+Three fits, each 2 optimizer steps of 2 samples per rank with gradient clipping engaged:
 1. a tiny Llama causal LM, LoRA on ``target_modules="all-linear"`` (token-exact loss
    over both ranks);
-2. a tiny BERT classifier, LoRA on a list (``["query", "value"]``) plus the head
+2. the same LoRA on q_proj and v_proj of a Llama given by its folder (BASE_DIR);
+3. a tiny BERT classifier, LoRA on a list (``["query", "value"]``) plus the head
    (``modules_to_save``).
 Rank 0 writes OUT_DIR/<STRATEGY>.<fit>.pt (the full trainable state, gathered) and each
 fit saves a checkpoint (FSDP: sharded) at OUT_DIR/<STRATEGY>.<fit>.ckpt; the test
@@ -33,10 +34,15 @@ CLIP = 0.002
 OPT = dict(lr=1.0, adam_eps=1.0, weight_decay=0.0, warmup_steps=0)
 
 
-def fits():
+def fits(base_dir):
     """(name, module, loader of the per-rank batches): the test builds the same modules
-    with the combined batches (batch size 4) in one process."""
-    return [("llama", lambda: TransformersModule(pc.tiny_llama(), **OPT, peft_config=pc.lora("all-linear")),
+    with the combined batches (batch size 4) in one process. ``base_dir`` holds a saved
+    tiny Llama: a model given by name is read in configure_model (under FSDP on rank 0
+    only, built on the meta device elsewhere, wrapped, then sent from rank 0)."""
+    return [("named", lambda: TransformersModule(base_dir, task="causal-lm", **OPT,
+                                                 peft_config=pc.lora(["q_proj", "v_proj"])),
+             lambda bs: DataLoader(pc.lm_items(8), batch_size=bs, collate_fn=PadCollator(0, lm_labels=True))),
+            ("llama", lambda: TransformersModule(pc.tiny_llama(), **OPT, peft_config=pc.lora("all-linear")),
              lambda bs: DataLoader(pc.lm_items(8), batch_size=bs, collate_fn=PadCollator(0, lm_labels=True))),
             ("bert", lambda: TransformersModule(hf_tiny.tiny_bert(), **OPT, peft_config=pc.lora(["query", "value"], task_type="SEQ_CLS")),
              lambda bs: DataLoader(cls_items(), batch_size=bs, collate_fn=PadCollator(0)))]
@@ -49,9 +55,9 @@ def cls_items():
             for text, label in rows]
 
 
-def main(kind, out):
+def main(kind, out, base_dir):
     torch.set_num_threads(1)
-    for name, make_module, make_loader in fits():
+    for name, make_module, make_loader in fits(base_dir):
         strategy = DDPStrategy(timeout=60) if kind == "ddp" else FSDPStrategy(timeout=60)
         module = make_module()
         trainer = Trainer(strategy=strategy, devices=2, max_steps=2, precision="32-true", logger=False,
@@ -65,4 +71,4 @@ def main(kind, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
