@@ -220,8 +220,15 @@ def check_base(saved: Any, current: dict, path: str) -> None:
     if not isinstance(saved, dict) or "digest" not in saved:
         raise CheckpointError(f"{path} holds adapter weights but does not name its base model (no "
                               "'peft_base' in its meta.json hparams)")
+    unknown = [d for d in (saved.get("digest"), current.get("digest")) if not str(d).startswith("sha256:")]
+    if unknown:   # e.g. a model given by a name that is not in a local folder, or built on the meta device
+        import warnings
+        warnings.warn(f"{path}: the base model cannot be checked against the one the adapters were trained on "
+                      f"(digest {unknown[0]}); make sure it is the same", UserWarning, stacklevel=3)
+        return
     if saved.get("digest") == current.get("digest"):
         return
+
     def name(rec):
         where = rec.get("model") or "a model given as an object"
         return f"{where} (digest {rec.get('digest')})"
@@ -234,10 +241,27 @@ def check_base(saved: Any, current: dict, path: str) -> None:
 # ----------------------------------------------------------------------------- export
 def save_adapter(model: nn.Module, directory: str, state_dict: dict | None = None, **kwargs) -> None:
     """PEFT's own adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-    if state_dict is not None:
-        from peft import set_peft_model_state_dict  # noqa: F401  (peft is imported: model is a PeftModel)
-        model = _with_weights(model, state_dict)
-    model.save_pretrained(directory, **kwargs)
+    if state_dict is None and _sharded(model):
+        raise MisconfigurationError(
+            "save_pretrained: the model is sharded (FSDP); pass the gathered weights "
+            "(state_dict=trainer.strategy.module_state_dict(trainer.model), a collective every rank calls) or "
+            "use the ExportBestPretrained callback")
+    # peft picks the adapter entries out of the given state (keys relative to the PeftModel)
+    model.save_pretrained(directory, state_dict=state_dict, **kwargs)
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def check_mergeable(model: nn.Module) -> None:
+    """A merged export copies the whole model in this process: not a sharded one."""
+    if _sharded(model):
+        raise MisconfigurationError(
+            "merged=True: the model is sharded (FSDP), and merging needs the whole base in one process. Export "
+            "the adapters (merged=False), or merge in one process: TransformersModule.load_from_checkpoint(ckpt)"
+            ".save_pretrained(dir, merged=True)")
 
 
 def save_merged(model: nn.Module, directory: str, state_dict: dict | None = None, **kwargs) -> None:

@@ -265,6 +265,9 @@ class TransformersModule(TrainModule):
         mk = out.get("model_kwargs") or {}
         if not isinstance(mk, dict):
             raise refuse(f"set model_kwargs to {mk!r}")
+        if "quantization_config" in mk:   # a QLoRA run's (meta.json holds only its text): given again, or
+            mk = {k: v for k, v in mk.items() if k != "quantization_config"}   # refused by load_from_checkpoint
+            out["model_kwargs"] = mk
         bad = sorted(k for k in mk if k not in cls.CHECKPOINT_MODEL_KWARGS)
         if bad:
             raise refuse(f"set model_kwargs {bad} (a checkpoint may set only "
@@ -277,7 +280,8 @@ class TransformersModule(TrainModule):
             raise refuse("give a model_config with auto_map (custom model code)")
         pc = out.get("peft_config")
         if pc is not None:   # rebuilt from JSON data only, through peft's own config classes
-            from ember.integrations.adapters import config_from_dict
+            from ember.integrations.adapters import config_from_dict, require_peft
+            require_peft()   # a missing peft is said as such
             try:
                 out["peft_config"] = config_from_dict(pc, "meta.json hparams peft_config")
             except MisconfigurationError as err:
@@ -428,12 +432,9 @@ class TransformersModule(TrainModule):
         """The module's state; with ``peft_config``, without the frozen base's weights (what
         a checkpoint of an adapter run holds: the adapters, the ``modules_to_save``, and
         anything else that trains). The whole model's state: ``module.model.state_dict()``."""
-        full = super().state_dict(*args, prefix=prefix, keep_vars=keep_vars)
         if not self._base_keys:
-            if destination is not None:
-                destination.update(full)
-                return destination
-            return full
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        full = super().state_dict(*args, prefix=prefix, keep_vars=keep_vars)
         drop = self._frozen_base_keys(prefix)
         out = destination if destination is not None else type(full)()
         if destination is None and hasattr(full, "_metadata"):
@@ -490,10 +491,16 @@ class TransformersModule(TrainModule):
         """:meth:`TrainModule.load_from_checkpoint`; a checkpoint of an adapter run rebuilds
         the base (read again from the folder it names, which must have the same digest; a
         model given as an object must be passed again as ``model=``) and its adapters."""
+        from ember.checkpoint import io as cio
+        hparams = cio.read_meta_checked(str(path)).get("hparams") or {}
+        mk = hparams.get("model_kwargs") if isinstance(hparams, dict) else None
+        if isinstance(mk, dict) and "quantization_config" in mk and "model_kwargs" not in overrides:
+            raise CheckpointError(f"{path} was trained on a quantized base (model_kwargs quantization_config), "
+                                  "which a checkpoint cannot set: pass model_kwargs={'quantization_config': ...} "
+                                  "to load_from_checkpoint (or model_kwargs={} for the adapters on a float base)")
         module = super().load_from_checkpoint(path, map_location=map_location, strict=strict,
                                               trust_deepspeed=trust_deepspeed, **overrides)
-        from ember.checkpoint import io as cio
-        saved = (cio.read_meta_checked(str(path)).get("hparams") or {}).get("peft_base")
+        saved = hparams.get("peft_base") if isinstance(hparams, dict) else None
         if saved is not None or module._peft_config is not None:
             from ember.integrations.adapters import check_base
             check_base(saved, module._base_record() or {}, str(path))
@@ -784,6 +791,9 @@ class TransformersModule(TrainModule):
         copy of the base (the live module stays unmerged and can go on training).
         ``state_dict``: weights to write instead of the live ones (a checkpoint's)."""
         model = self._require_model()
+        if merged and self._peft_config is not None:
+            from ember.integrations.adapters import check_mergeable
+            check_mergeable(model)
         save_directory = os.fspath(save_directory)
         os.makedirs(save_directory, exist_ok=True)
         if state_dict is not None:
@@ -836,6 +846,9 @@ class ExportBestPretrained(Callback):
         if not isinstance(module, TransformersModule):
             raise MisconfigurationError(f"ExportBestPretrained needs a TransformersModule, got {type(module).__name__}")
         from ember.checkpoint import io as cio
+        if self.merged and module._peft_config is not None and module.model is not None:
+            from ember.integrations.adapters import check_mergeable
+            check_mergeable(module.model)   # every rank, before any collective
         ckpt = trainer.checkpoint_callback
         path = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
         from ember.strategies.full_load import raise_rank0_error

@@ -285,6 +285,27 @@ def test_a_checkpoint_cannot_make_peft_import_code(tmp_path):
         TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama())
 
 
+def test_a_qlora_checkpoint_needs_its_quantization_config_given_again(tmp_path):
+    """A QLoRA run's meta.json holds its quantization_config as text only (here written
+    as such a run would: bitsandbytes is not installed to make one)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    module = TransformersModule(pc.tiny_llama(), peft_config=pc.lora())
+    trainer_for(tmp_path, max_steps=1, callbacks=[ckpt], enable_checkpointing=True).fit(
+        module, train_dataloaders=lm_loader())
+    path = ckpt.last_model_path or ckpt.best_model_path
+    meta_file = os.path.join(path, "meta.json")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    meta["hparams"]["model_kwargs"] = {"quantization_config": "BitsAndBytesConfig {load_in_4bit: true}"}
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(CheckpointError, match=r"quantized base .*pass model_kwargs="):
+        TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama())
+    loaded = TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama(), model_kwargs={})
+    a, b = loaded.state_dict(), module.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ------------------------------------------------------------------------------ export
 def test_save_pretrained_adapter_folder_and_merged_folder(tmp_path):
     from peft import PeftModel

@@ -106,3 +106,19 @@ def test_the_checkpoint_holds_only_what_trains_and_loads_in_one_process(dist_run
     assert got.keys() == ref.keys()
     for k in got:
         torch.testing.assert_close(got[k], ref[k], rtol=0, atol=1e-5)
+
+
+def test_the_adapter_export_loads_in_peft(dist_run, reference, base_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    kind, out = dist_run
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / f"{kind}.named.export")
+    batch = next(iter(peft_dist.fits(base_dir)[0][2](8)))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(**batch).logits, reference["named"].eval()(**batch).logits,
+                                   rtol=0, atol=1e-5)
+    if kind == "fsdp":   # a merged export of a sharded model is refused, with the way to do it
+        for r in range(2):
+            msg = (out / f"merged_error.rank{r}.txt").read_text()
+            assert "sharded" in msg and "load_from_checkpoint" in msg
+        assert not (out / "merged").exists()

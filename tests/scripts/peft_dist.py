@@ -9,6 +9,7 @@ Three fits, each 2 optimizer steps of 2 samples per rank with gradient clipping 
 2. the same LoRA on q_proj and v_proj of a Llama given by its folder (BASE_DIR);
 3. a tiny BERT classifier, LoRA on a list (``["query", "value"]``) plus the head
    (``modules_to_save``).
+The first fit exports its adapters (ExportBestPretrained) to OUT_DIR/<STRATEGY>.named.export.
 Rank 0 writes OUT_DIR/<STRATEGY>.<fit>.pt (the full trainable state, gathered) and each
 fit saves a checkpoint (FSDP: sharded) at OUT_DIR/<STRATEGY>.<fit>.ckpt; the test
 compares both with one process on the combined batches.
@@ -24,7 +25,8 @@ import hf_tiny  # noqa: E402
 import peft_common as pc  # noqa: E402
 
 from ember import Trainer  # noqa: E402
-from ember.integrations.transformers import PadCollator, TransformersModule  # noqa: E402
+from ember.errors import MisconfigurationError  # noqa: E402
+from ember.integrations.transformers import ExportBestPretrained, PadCollator, TransformersModule  # noqa: E402
 from ember.strategies import DDPStrategy, FSDPStrategy  # noqa: E402
 
 CLIP = 0.002
@@ -60,10 +62,18 @@ def main(kind, out, base_dir):
     for name, make_module, make_loader in fits(base_dir):
         strategy = DDPStrategy(timeout=60) if kind == "ddp" else FSDPStrategy(timeout=60)
         module = make_module()
+        # no checkpoint callback: the export is of the current weights (gathered under FSDP)
+        export = [ExportBestPretrained(os.path.join(out, f"{kind}.{name}.export"))] if name == "named" else []
         trainer = Trainer(strategy=strategy, devices=2, max_steps=2, precision="32-true", logger=False,
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          default_root_dir=out, gradient_clip_val=CLIP, seed=0)
+                          default_root_dir=out, gradient_clip_val=CLIP, seed=0, callbacks=export)
         trainer.fit(module, train_dataloaders=make_loader(2))
+        if name == "named" and kind == "fsdp":   # merging needs the whole base in one process
+            try:
+                module.save_pretrained(os.path.join(out, "merged"), merged=True)
+            except MisconfigurationError as err:
+                with open(os.path.join(out, f"merged_error.rank{trainer.global_rank}.txt"), "w") as f:
+                    f.write(str(err))
         weights = trainer.strategy.module_state_dict(trainer.model)   # collective; the trainable entries
         trainer.save_checkpoint(os.path.join(out, f"{kind}.{name}.ckpt"))
         if trainer.is_global_zero:
