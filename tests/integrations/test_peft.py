@@ -140,16 +140,36 @@ def test_without_peft_one_error_names_the_extra(monkeypatch):
         TransformersModule(hf_tiny.tiny_bert(), peft_config={"peft_type": "LORA", "r": 4})
 
 
-def test_peft_config_from_a_yaml_class_path_and_nothing_else_opens():
-    from ember.cli.types import check_kwargs, instantiate
+YAML_CHECK = """
+import sys, yaml
+from ember.cli.types import instantiate, resolve_class
+from ember.module import TrainModule
+assert "peft" not in sys.modules      # imported by the class path itself, as in `ember fit --config`
+cfg = yaml.safe_load(sys.stdin.read())
+module = instantiate(resolve_class("model", cfg["model"], TrainModule))
+print(type(module._peft_config).__name__, module._peft_config.r, *sorted(module._peft_config.target_modules))
+"""
+
+
+def test_peft_config_from_a_yaml_class_path_and_nothing_else_opens(tmp_path):
+    import subprocess
+    from helpers import child_env
+    from ember.cli.types import check_kwargs
     from ember.errors import UsageError
-    args = check_kwargs("model.init_args", TransformersModule, {
-        "model_config": hf_tiny.tiny_bert().config.to_dict(),
-        "peft_config": {"class_path": "peft.LoraConfig",
-                        "init_args": {"r": 4, "target_modules": ["query", "value"], "task_type": "SEQ_CLS"}}})
-    module = TransformersModule(**instantiate(args))
-    assert isinstance(module._peft_config, peft.LoraConfig) and module._peft_config.r == 4
-    assert {n.split(".lora")[0].rsplit(".", 1)[-1] for n in trainable(module) if ".lora_" in n} == {"query", "value"}
+    hf_tiny.tiny_bert().save_pretrained(tmp_path / "bert")
+    config = f"""
+model:
+  class_path: ember.integrations.transformers.TransformersModule
+  init_args:
+    model: {tmp_path / "bert"}
+    peft_config:
+      class_path: peft.LoraConfig
+      init_args: {{task_type: SEQ_CLS, r: 4, target_modules: [query, value]}}
+"""
+    proc = subprocess.run([sys.executable, "-c", YAML_CHECK], input=config, capture_output=True, text=True,
+                          env=child_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["LoraConfig", "4", "query", "value"]
     for bad in ("subprocess.Popen", "peft.PeftModel", "peft.get_peft_model"):
         with pytest.raises(UsageError):
             check_kwargs("model.init_args", TransformersModule, {"peft_config": {"class_path": bad}})
