@@ -521,6 +521,11 @@ class TransformersModule(TrainModule):
         (:func:`~ember.integrations.packing.packed_forward`)."""
         model = self._require_model()
         if packing.is_packed(batch):
+            if self._peft_config is not None:   # the transformers model inside, its adapters injected
+                if getattr(self._peft_config, "is_prompt_learning", False):
+                    raise MisconfigurationError("padding_free=True does not support prompt-learning adapters "
+                                                f"({type(self._peft_config).__name__}); use padding_free=False")
+                model = model.get_base_model()
             if not self.__dict__.get("_packable"):
                 packing.check_packable(model, self.task)
                 self._packable = True

@@ -195,6 +195,23 @@ def test_other_peft_methods_work_through_get_peft_model(tmp_path):
     assert any(not torch.equal(p, before[n]) for n, p in module.named_parameters() if n in before)
 
 
+def test_padding_free_batches_run_through_the_adapters():
+    """A padding-free (packed) batch gives the padded batch's logits and loss with the
+    adapters applied (the transformers model inside the PeftModel runs it)."""
+    from ember.integrations.transformers import PackCollator
+    from peft_dist import cls_items
+    module = TransformersModule(hf_tiny.tiny_bert(), peft_config=pc.lora(["query", "value"], task_type="SEQ_CLS"))
+    module.eval()
+    items = cls_items()
+    with torch.no_grad():
+        padded, packed = module._run(PadCollator(0)(items)), module._run(PackCollator()(items))
+        with module.model.disable_adapter():
+            plain = module._run(PadCollator(0)(items))
+    torch.testing.assert_close(packed.logits, padded.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed.loss, padded.loss, rtol=0, atol=1e-5)
+    assert not torch.allclose(plain.logits, padded.logits, atol=1e-3)     # the adapters count
+
+
 # ------------------------------------------------------------------------------ gradient clipping
 def test_clipping_norm_counts_only_the_trainable_gradients(tmp_path):
     class Record(Callback):
