@@ -122,3 +122,11 @@ def test_the_adapter_export_loads_in_peft(dist_run, reference, base_dir):
             msg = (out / f"merged_error.rank{r}.txt").read_text()
             assert "sharded" in msg and "load_from_checkpoint" in msg
         assert not (out / "merged").exists()
+
+
+def test_resuming_an_adapter_checkpoint_is_bit_exact(dist_run):
+    kind, out = dist_run
+    runs = torch.load(out / f"{kind}.resume.pt", weights_only=True)
+    a, b = runs["resumed"], runs["straight"]
+    assert a.keys() == b.keys() and all(".lora_" in k for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -12,7 +12,8 @@ Three fits, each 2 optimizer steps of 2 samples per rank with gradient clipping 
 The first fit exports its adapters (ExportBestPretrained) to OUT_DIR/<STRATEGY>.named.export.
 Rank 0 writes OUT_DIR/<STRATEGY>.<fit>.pt (the full trainable state, gathered) and each
 fit saves a checkpoint (FSDP: sharded) at OUT_DIR/<STRATEGY>.<fit>.ckpt; the test
-compares both with one process on the combined batches.
+compares both with one process on the combined batches. The Llama fit is then resumed
+from its checkpoint for a third step, and run for 3 steps in one go: OUT_DIR/<STRATEGY>.resume.pt.
 """
 import os
 import sys
@@ -33,7 +34,7 @@ CLIP = 0.002
 #: AdamW with eps=1 (and no weight decay) makes a step proportional to the clipped
 #: gradient, so a wrong clipping norm shows in the weights (with eps=1e-8 Adam's step
 #: would not depend on the gradient's scale)
-OPT = dict(lr=1.0, adam_eps=1.0, weight_decay=0.0, warmup_steps=0)
+OPT = dict(lr=1.0, adam_eps=1.0, weight_decay=0.0, warmup_steps=0, scheduler="constant")
 
 
 def fits(base_dir):
@@ -78,6 +79,18 @@ def main(kind, out, base_dir):
         trainer.save_checkpoint(os.path.join(out, f"{kind}.{name}.ckpt"))
         if trainer.is_global_zero:
             torch.save({k: v.detach().cpu() for k, v in weights.items()}, os.path.join(out, f"{kind}.{name}.pt"))
+        if name == "llama":   # resumed from that checkpoint for one more step, and 3 steps in one go
+            runs = {}
+            for run, ckpt in (("resumed", os.path.join(out, f"{kind}.{name}.ckpt")), ("straight", None)):
+                strategy = DDPStrategy(timeout=60) if kind == "ddp" else FSDPStrategy(timeout=60)
+                module = make_module()
+                trainer = Trainer(strategy=strategy, devices=2, max_steps=3, precision="32-true", logger=False,
+                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                  default_root_dir=out, gradient_clip_val=CLIP, seed=0)
+                trainer.fit(module, train_dataloaders=make_loader(2), ckpt_path=ckpt)
+                runs[run] = trainer.strategy.module_state_dict(trainer.model)
+            if trainer.is_global_zero:
+                torch.save(runs, os.path.join(out, f"{kind}.resume.pt"))
 
 
 if __name__ == "__main__":
