@@ -178,7 +178,7 @@ def _file_digest(path: str) -> str:
     return _FILE_DIGESTS[key]
 
 
-def folder_of(name: str, local_files_only: bool = True) -> str | None:
+def folder_of(name: str) -> str | None:
     """The local folder of a model given by name: the folder itself, or its snapshot in the
     Hugging Face cache (never the network)."""
     if os.path.isdir(name):

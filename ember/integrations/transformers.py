@@ -469,7 +469,7 @@ class TransformersModule(TrainModule):
         if self._peft_base is None:
             from ember.integrations import adapters
             name = self.hparams.get("model")
-            folder = adapters.folder_of(name, self.local_files_only)
+            folder = adapters.folder_of(name)
             digest = adapters.folder_digest(folder) if folder else f"unknown ({name} is not a local folder)"
             self._peft_base = {"model": name, "digest": digest}
         return dict(self._peft_base)
