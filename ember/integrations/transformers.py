@@ -474,6 +474,13 @@ class TransformersModule(TrainModule):
             self._peft_base = {"model": name, "digest": digest}
         return dict(self._peft_base)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The base an adapter run trains on goes into the checkpoint's meta.json (hparams
+        ``peft_base``; also set when the fit starts, for weights-only saves)."""
+        super().on_save_checkpoint(checkpoint)
+        if self._peft_config is not None:
+            self.hparams["peft_base"] = self._base_record()
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """An adapter checkpoint resumes only onto the base it was trained on (same digest)."""
         super().on_load_checkpoint(checkpoint)

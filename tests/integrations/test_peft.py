@@ -341,6 +341,12 @@ def test_a_qlora_checkpoint_needs_its_quantization_config_given_again(tmp_path):
     loaded = TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama(), model_kwargs={})
     a, b = loaded.state_dict(), module.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a checkpoint that does not name its base cannot be checked against it: said, not silent
+    del meta["hparams"]["peft_base"]
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    with pytest.warns(UserWarning, match="cannot be checked"):
+        TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama(), model_kwargs={})
 
 
 # ------------------------------------------------------------------------------ export
