@@ -65,7 +65,18 @@ def untyped_bases() -> tuple[type, ...]:
     from ember.loggers import Logger
     from ember.precision import Precision
     from ember.strategies import Strategy
-    return (torch.nn.Module, torch.utils.data.Dataset, Callback, Logger, Strategy, Precision)
+    return (torch.nn.Module, torch.utils.data.Dataset, Callback, Logger, Strategy, Precision) + _optional_bases()
+
+
+def _optional_bases() -> tuple[type, ...]:
+    """Classes of optional packages that an untyped argument may also build, once the
+    package is imported (by the ``class_path`` that names it): ``peft.PeftConfig`` and its
+    subclasses (``peft.LoraConfig``, ...), data classes that run no code when built (for
+    ``TransformersModule(peft_config=...)``)."""
+    import sys
+    peft = sys.modules.get("peft")
+    cls = getattr(peft, "PeftConfig", None) if peft is not None else None
+    return (cls,) if isinstance(cls, type) else ()
 
 
 def _short_name_modules(base) -> list[str]:
@@ -174,6 +185,8 @@ def resolve_class(where: str, value: Any, base=None, fixed=None) -> dict:
         cls = fixed
     else:
         cls = _import_class(f"{where}.class_path", value["class_path"], base)
+    if isinstance(base, tuple):   # the class path's own import may have brought an optional base
+        base = tuple(dict.fromkeys(base + _optional_bases()))
     if isinstance(base, tuple) and not issubclass(cls, base):
         raise UsageError(f"{where}.class_path: {value.get('class_path')!r} is given for an argument without a "
                          "type, where ember builds only subclasses of "

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ember.callbacks.base import Callback
-from ember.errors import MisconfigurationError, invalid_choice
+from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.integrations.hf_data import (CausalLMData, LengthGroupedSampler, PadCollator, TextClassificationData,
                                         TokenizedDataset)
 from ember.integrations import packing
@@ -145,6 +145,13 @@ class TransformersModule(TrainModule):
             (``TextClassificationData(padding_free=True)``): ``"sdpa"`` (PyTorch's SDPA per
             text, training and inference) or ``"flex"`` (FlexAttention with a document mask;
             inference only on CPU). See :mod:`ember.integrations.packing`.
+        peft_config: a ``peft.PeftConfig`` (e.g. ``peft.LoraConfig(r=8, target_modules="all-linear")``),
+            or its ``to_dict()`` data: the model is wrapped with ``peft.get_peft_model`` when
+            it is built and ``module.model`` is the ``PeftModel``. Only the adapters and the
+            ``modules_to_save`` train; checkpoints hold those (and their optimizer state),
+            naming the base by path and digest; ``save_pretrained`` writes PEFT's adapter
+            folder (``merged=True``: a plain transformers folder). Needs
+            ``pip install "ember[peft]"``; see :mod:`ember.integrations.adapters`.
     """
 
     def __init__(self, model: Any = None, task: Any = None, lr: float = 2e-5, weight_decay: float = 0.01,
@@ -154,9 +161,20 @@ class TransformersModule(TrainModule):
                  token_exact_accumulation: bool = True, generate_kwargs: dict | None = None,
                  tokenizer: Any = None, local_files_only: bool = True, model_config: dict | None = None,
                  adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 packed_attention: str = "sdpa"):
+                 packed_attention: str = "sdpa", peft_config: Any = None):
         super().__init__()
-        self.save_hyperparameters(ignore=["model", "tokenizer", "task"])
+        self.save_hyperparameters(ignore=["model", "tokenizer", "task", "peft_config"])
+        self._peft_config = None
+        if peft_config is not None:   # before anything is read: a missing peft or bad config fails here
+            from ember.integrations import adapters
+            self._peft_config = adapters.check_config(peft_config)
+            try:
+                self.hparams["peft_config"] = adapters.config_to_dict(self._peft_config)
+            except TypeError as err:
+                warnings.warn(f"peft_config: {err}, which a checkpoint's meta.json cannot hold; pass "
+                              "peft_config= to load_from_checkpoint yourself", UserWarning, stacklevel=2)
+        self._base_keys: frozenset = frozenset()   # state keys of the frozen base (adapters only)
+        self._peft_base: dict | None = None
         if scheduler not in SCHEDULERS:
             raise invalid_choice("scheduler", scheduler, SCHEDULERS)
         if packed_attention not in packing.ATTENTION:
@@ -195,6 +213,9 @@ class TransformersModule(TrainModule):
         self.packed_attention = packed_attention
         self.gradient_checkpointing, self.freeze_base = gradient_checkpointing, freeze_base
         self.model_kwargs = dict(model_kwargs or {})
+        if self.model_kwargs.get("quantization_config") is not None:
+            from ember.integrations.adapters import check_quantization
+            check_quantization(self.model_kwargs)   # QLoRA without bitsandbytes: said before any training
         self.token_exact_accumulation = token_exact_accumulation
         self.generate_kwargs = {"max_new_tokens": 32, **(generate_kwargs or {})}
         self.local_files_only = local_files_only
@@ -224,7 +245,8 @@ class TransformersModule(TrainModule):
     CHECKPOINT_HPARAMS = frozenset({
         "model", "task", "lr", "weight_decay", "warmup_ratio", "warmup_steps", "scheduler", "num_labels",
         "id2label", "label2id", "gradient_checkpointing", "freeze_base", "model_kwargs", "token_exact_accumulation",
-        "generate_kwargs", "tokenizer", "model_config", "adam_betas", "adam_eps", "packed_attention"})
+        "generate_kwargs", "tokenizer", "model_config", "adam_betas", "adam_eps", "packed_attention",
+        "peft_config"})
     #: the ``model_kwargs`` a checkpoint may set (nothing that loads code or picks remote files)
     CHECKPOINT_MODEL_KWARGS = frozenset({"attn_implementation", "torch_dtype", "dtype", "low_cpu_mem_usage"})
 
@@ -243,6 +265,9 @@ class TransformersModule(TrainModule):
         mk = out.get("model_kwargs") or {}
         if not isinstance(mk, dict):
             raise refuse(f"set model_kwargs to {mk!r}")
+        if "quantization_config" in mk:   # a QLoRA run's (meta.json holds only its text): given again, or
+            mk = {k: v for k, v in mk.items() if k != "quantization_config"}   # refused by load_from_checkpoint
+            out["model_kwargs"] = mk
         bad = sorted(k for k in mk if k not in cls.CHECKPOINT_MODEL_KWARGS)
         if bad:
             raise refuse(f"set model_kwargs {bad} (a checkpoint may set only "
@@ -253,6 +278,14 @@ class TransformersModule(TrainModule):
         cfg = out.get("model_config")
         if cfg is not None and (not isinstance(cfg, dict) or "auto_map" in cfg):
             raise refuse("give a model_config with auto_map (custom model code)")
+        pc = out.get("peft_config")
+        if pc is not None:   # rebuilt from JSON data only, through peft's own config classes
+            from ember.integrations.adapters import config_from_dict, require_peft
+            require_peft()   # a missing peft is said as such
+            try:
+                out["peft_config"] = config_from_dict(pc, "meta.json hparams peft_config")
+            except MisconfigurationError as err:
+                raise refuse(f"give a peft_config that cannot be rebuilt safely ({err})") from err
         for key, files in (("model", ("config.json",)), ("tokenizer", ("tokenizer_config.json", "config.json"))):
             name = out.get(key)
             if name is None:
@@ -317,6 +350,13 @@ class TransformersModule(TrainModule):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(cfg, "use_cache"):
                 cfg.use_cache = False
+        if self._peft_config is not None:
+            from ember.integrations import adapters
+            if self.hparams.get("model") is None and self._peft_base is None:
+                # a model given as an object: its weights are not in any folder; named by their digest
+                self._peft_base = {"model": None, "digest": adapters.state_digest(model)}
+            model, base = adapters.wrap(model, self._peft_config, self.gradient_checkpointing)
+            self._base_keys = frozenset(f"model.{k}" for k in base)
         self.model = model
         self._build_metrics()
 
@@ -380,6 +420,99 @@ class TransformersModule(TrainModule):
         if tok is not None and getattr(self.model.config, "pad_token_id", 0) is None and tok.pad_token_id is not None:
             self.model.config.pad_token_id = tok.pad_token_id
 
+    # ------------------------------------------------------------------ adapters: what a checkpoint holds
+    def _frozen_base_keys(self, prefix: str = "") -> set[str]:
+        """The state keys of the frozen base (an adapter run): base tensors that do not train."""
+        if not self._base_keys:
+            return set()
+        trainable = {f"{prefix}{n}" for n, p in self.named_parameters() if p.requires_grad}
+        return {f"{prefix}{k}" for k in self._base_keys} - trainable
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The module's state; with ``peft_config``, without the frozen base's weights (what
+        a checkpoint of an adapter run holds: the adapters, the ``modules_to_save``, and
+        anything else that trains). The whole model's state: ``module.model.state_dict()``."""
+        if not self._base_keys:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        full = super().state_dict(*args, prefix=prefix, keep_vars=keep_vars)
+        drop = self._frozen_base_keys(prefix)
+        out = destination if destination is not None else type(full)()
+        if destination is None and hasattr(full, "_metadata"):
+            out._metadata = full._metadata
+        for k, v in full.items():
+            if k not in drop:
+                out[k] = v
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load :meth:`state_dict`'s entries. With ``peft_config`` the frozen base's keys may
+        be missing (a checkpoint of an adapter run holds only what trains); any other
+        missing or unexpected key is an error when ``strict``."""
+        if not self._base_keys:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        from torch.nn.modules.module import _IncompatibleKeys
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        frozen = self._frozen_base_keys()
+        missing = [k for k in result.missing_keys if k not in frozen]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {missing[:10]}, "
+                               f"unexpected keys {result.unexpected_keys[:10]}")
+        return _IncompatibleKeys(missing, result.unexpected_keys)
+
+    def _base_record(self) -> dict | None:
+        """The base an adapter run trains on: ``{"model": folder, "digest": ...}`` (sha256 of
+        its config.json and weight files) or, for a model given as an object,
+        ``{"model": None, "digest": ...}`` of its weights when they were wrapped. None
+        without ``peft_config``."""
+        if self._peft_config is None:
+            return None
+        if self._peft_base is None:
+            from ember.integrations import adapters
+            name = self.hparams.get("model")
+            folder = adapters.folder_of(name)
+            digest = adapters.folder_digest(folder) if folder else f"unknown ({name} is not a local folder)"
+            self._peft_base = {"model": name, "digest": digest}
+        return dict(self._peft_base)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The base an adapter run trains on goes into the checkpoint's meta.json (hparams
+        ``peft_base``; also set when the fit starts, for weights-only saves)."""
+        super().on_save_checkpoint(checkpoint)
+        if self._peft_config is not None:
+            self.hparams["peft_base"] = self._base_record()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """An adapter checkpoint resumes only onto the base it was trained on (same digest)."""
+        super().on_load_checkpoint(checkpoint)
+        saved = ((checkpoint.get("meta") or {}).get("hparams") or {}).get("peft_base")
+        if self._peft_config is not None or saved is not None:
+            from ember.integrations.adapters import check_base
+            if self._peft_config is None:
+                raise CheckpointError(f"{self.trainer.ckpt_path} holds adapter weights (peft); build the "
+                                      "module with the same peft_config to resume from it")
+            check_base(saved, self._base_record(), str(self.trainer.ckpt_path))
+
+    @classmethod
+    def load_from_checkpoint(cls, path: str, map_location: str | torch.device = "cpu", strict: bool = True,
+                             trust_deepspeed: bool = False, **overrides: Any) -> "TransformersModule":
+        """:meth:`TrainModule.load_from_checkpoint`; a checkpoint of an adapter run rebuilds
+        the base (read again from the folder it names, which must have the same digest; a
+        model given as an object must be passed again as ``model=``) and its adapters."""
+        from ember.checkpoint import io as cio
+        hparams = cio.read_meta_checked(str(path)).get("hparams") or {}
+        mk = hparams.get("model_kwargs") if isinstance(hparams, dict) else None
+        if isinstance(mk, dict) and "quantization_config" in mk and "model_kwargs" not in overrides:
+            raise CheckpointError(f"{path} was trained on a quantized base (model_kwargs quantization_config), "
+                                  "which a checkpoint cannot set: pass model_kwargs={'quantization_config': ...} "
+                                  "to load_from_checkpoint (or model_kwargs={} for the adapters on a float base)")
+        module = super().load_from_checkpoint(path, map_location=map_location, strict=strict,
+                                              trust_deepspeed=trust_deepspeed, **overrides)
+        saved = hparams.get("peft_base") if isinstance(hparams, dict) else None
+        if saved is not None or module._peft_config is not None:
+            from ember.integrations.adapters import check_base
+            check_base(saved, module._base_record() or {}, str(path))
+        return module
+
     def _require_model(self) -> nn.Module:
         if self.model is None:
             raise MisconfigurationError(
@@ -395,6 +528,11 @@ class TransformersModule(TrainModule):
         (:func:`~ember.integrations.packing.packed_forward`)."""
         model = self._require_model()
         if packing.is_packed(batch):
+            if self._peft_config is not None:   # the transformers model inside, its adapters injected
+                if getattr(self._peft_config, "is_prompt_learning", False):
+                    raise MisconfigurationError("padding_free=True does not support prompt-learning adapters "
+                                                f"({type(self._peft_config).__name__}); use padding_free=False")
+                model = model.get_base_model()
             if not self.__dict__.get("_packable"):
                 packing.check_packable(model, self.task)
                 self._packable = True
@@ -502,6 +640,8 @@ class TransformersModule(TrainModule):
         t = self.trainer
         if t.is_global_zero and not self._keeps_float32():
             suggest_bf16(t.precision, self.device.type)
+        if self._peft_config is not None:   # the base every checkpoint of this run names (meta.json)
+            self.hparams["peft_base"] = self._base_record()
 
     def on_train_start(self) -> None:
         t = self.trainer
@@ -672,15 +812,31 @@ class TransformersModule(TrainModule):
         return cls(hf_model, task=task, **kwargs)
 
     def save_pretrained(self, save_directory: str, tokenizer: Any = None, state_dict: dict | None = None,
-                        **kwargs) -> str:
+                        merged: bool = False, **kwargs) -> str:
         """Write a folder that ``AutoModelFor....from_pretrained`` (and, with a tokenizer,
-        ``AutoTokenizer.from_pretrained``) load. ``tokenizer`` defaults to the attached one."""
+        ``AutoTokenizer.from_pretrained``) load. ``tokenizer`` defaults to the attached one.
+
+        With ``peft_config``: PEFT's adapter folder (``adapter_config.json`` +
+        ``adapter_model.safetensors``, loaded by ``PeftModel.from_pretrained(base, folder)``);
+        ``merged=True`` writes a plain transformers folder with the adapters merged into a
+        copy of the base (the live module stays unmerged and can go on training).
+        ``state_dict``: weights to write instead of the live ones (a checkpoint's)."""
         model = self._require_model()
+        if merged and self._peft_config is not None:
+            from ember.integrations.adapters import check_mergeable
+            check_mergeable(model)
         save_directory = os.fspath(save_directory)
         os.makedirs(save_directory, exist_ok=True)
         if state_dict is not None:
             state_dict = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state_dict.items()}
-        model.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+        if self._peft_config is not None:
+            from ember.integrations import adapters
+            if merged:
+                adapters.save_merged(model, save_directory, state_dict, **kwargs)
+            else:
+                adapters.save_adapter(model, save_directory, state_dict, **kwargs)
+        else:
+            model.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
         tok = tokenizer if tokenizer is not None else self.tokenizer
         if isinstance(tok, (str, os.PathLike)):
             tok = load_tokenizer(tok, self.local_files_only)
@@ -707,17 +863,23 @@ class ExportBestPretrained(Callback):
     """At the end of ``fit``, write a ``save_pretrained`` folder (plus the tokenizer) from
     the best checkpoint of the trainer's ``ModelCheckpoint`` (its newest one without a
     monitor; the current weights when there is no checkpoint). Rank zero writes, once;
-    the live module keeps its weights."""
+    the live module keeps its weights. For a module with ``peft_config`` the folder is
+    PEFT's adapter folder, or with ``merged=True`` a plain transformers folder with the
+    adapters merged (:meth:`TransformersModule.save_pretrained`)."""
 
-    def __init__(self, dirpath: str, tokenizer: Any = None):
+    def __init__(self, dirpath: str, tokenizer: Any = None, merged: bool = False):
         self.dirpath = os.fspath(dirpath)
         self.tokenizer = tokenizer
+        self.merged = bool(merged)
         self.exported_from: str | None = None
 
     def on_fit_end(self, trainer, module) -> None:
         if not isinstance(module, TransformersModule):
             raise MisconfigurationError(f"ExportBestPretrained needs a TransformersModule, got {type(module).__name__}")
         from ember.checkpoint import io as cio
+        if self.merged and module._peft_config is not None and module.model is not None:
+            from ember.integrations.adapters import check_mergeable
+            check_mergeable(module.model)   # every rank, before any collective
         ckpt = trainer.checkpoint_callback
         path = getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
         from ember.strategies.full_load import raise_rank0_error
@@ -740,7 +902,7 @@ class ExportBestPretrained(Callback):
         if trainer.is_global_zero and error is None:
             self.exported_from = path if path and weights is not None else "current weights"
             try:
-                module.save_pretrained(self.dirpath, tokenizer=self.tokenizer, state_dict=weights)
+                module.save_pretrained(self.dirpath, tokenizer=self.tokenizer, state_dict=weights, merged=self.merged)
             except Exception as err:   # reported to every rank below, raised here as it is
                 error = err
         # rank 0's outcome in place of a closing barrier: a failed read or write raises on every rank

@@ -164,7 +164,14 @@ def rank0_full_state(strategy, module: nn.Module) -> "dict | None":
     its weights from rank 0 (``ember.integrations.hf_load``); ``None`` otherwise."""
     if not getattr(module, FROM_RANK0_ATTR, False):
         return None
-    return module.state_dict() if strategy.is_global_zero else {}
+    return whole_state(module) if strategy.is_global_zero else {}
+
+
+def whole_state(module: nn.Module) -> dict:
+    """Every tensor of ``module``'s state dict, also where the module narrows its own
+    ``state_dict()`` to what a checkpoint holds (a TransformersModule with adapters leaves
+    out its frozen base, which every rank must still receive)."""
+    return nn.Module.state_dict(module)
 
 
 def shard_from_rank0(strategy, module: nn.Module, meta: set[str], full: dict,
@@ -178,7 +185,7 @@ def shard_from_rank0(strategy, module: nn.Module, meta: set[str], full: dict,
     if meta:
         allocate_meta(module, meta, strategy.root_device)
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    keys = set(module.state_dict().keys())
+    keys = set(whole_state(module).keys())
     extra = [(n, b) for n, b in module.named_buffers() if n not in keys]
     mine = None
     if strategy.is_global_zero:
