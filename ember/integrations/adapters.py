@@ -47,10 +47,13 @@ def require_peft():
 
 
 def _json_safe(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
+    if isinstance(value, enum.Enum):   # first: peft's PeftType / TaskType are str enums
         return _json_safe(value.value, where)
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    for kind in (bool, int, float, str):   # subclasses as the plain type (YAML and JSON writers want those)
+        if isinstance(value, kind):
+            return kind(value)
     if isinstance(value, (set, frozenset)):
         items = [_json_safe(v, where) for v in value]
         try:

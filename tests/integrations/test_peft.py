@@ -117,6 +117,20 @@ def test_lora_all_linear_causal_lm_learns_with_a_frozen_base(tmp_path):
         assert torch.equal(live, v), k
 
 
+def test_the_loggers_write_the_peft_config_as_plain_data(tmp_path):
+    """peft's PeftType/TaskType are str enums: the hparams hold their values, which the
+    default logger's hparams.yaml (yaml.safe_dump) and meta.json can write."""
+    import yaml
+    module = TransformersModule(pc.tiny_llama(), warmup_steps=0, peft_config=pc.lora("all-linear"))
+    assert type(module.hparams["peft_config"]["peft_type"]) is str
+    trainer = trainer_for(tmp_path, logger=True, max_steps=1)
+    trainer.fit(module, train_dataloaders=lm_loader(4, 2))
+    with open(os.path.join(trainer.logger.log_dir, "hparams.yaml")) as f:
+        saved = yaml.safe_load(f)
+    assert saved["peft_config"]["peft_type"] == "LORA"
+    assert saved["peft_config"]["target_modules"] == "all-linear"
+
+
 def test_a_model_given_by_name_is_wrapped_when_it_is_read(tmp_path):
     folder = tmp_path / "llama"
     pc.tiny_llama().save_pretrained(folder)
