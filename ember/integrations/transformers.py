@@ -240,6 +240,10 @@ class TransformersModule(TrainModule):
                 self._pending_model = os.fspath(model)
         else:
             self._set_model(self._from_config(model_config))
+        if self._peft_config is not None:
+            # the base every checkpoint of this run names (meta.json), known before the loggers
+            # get the hparams at the start of a fit (later keys would miss TensorBoard's HPARAMS tab)
+            self.hparams["peft_base"] = self._base_record()
 
     #: the saved hparams :meth:`load_from_checkpoint` may take from a checkpoint's meta.json
     CHECKPOINT_HPARAMS = frozenset({
@@ -476,7 +480,7 @@ class TransformersModule(TrainModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The base an adapter run trains on goes into the checkpoint's meta.json (hparams
-        ``peft_base``; also set when the fit starts, for weights-only saves)."""
+        ``peft_base``; also set when the module is built, for weights-only saves)."""
         super().on_save_checkpoint(checkpoint)
         if self._peft_config is not None:
             self.hparams["peft_base"] = self._base_record()
@@ -640,8 +644,6 @@ class TransformersModule(TrainModule):
         t = self.trainer
         if t.is_global_zero and not self._keeps_float32():
             suggest_bf16(t.precision, self.device.type)
-        if self._peft_config is not None:   # the base every checkpoint of this run names (meta.json)
-            self.hparams["peft_base"] = self._base_record()
 
     def on_train_start(self) -> None:
         t = self.trainer

@@ -129,6 +129,13 @@ def test_the_loggers_write_the_peft_config_as_plain_data(tmp_path):
         saved = yaml.safe_load(f)
     assert saved["peft_config"]["peft_type"] == "LORA"
     assert saved["peft_config"]["target_modules"] == "all-linear"
+    # the base's record is in the first set the loggers got: validating after the fit adds no key
+    assert saved["peft_base"]["digest"]
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(module, dataloaders=lm_loader(4, 2))
+    assert not [w for w in caught if "after the first metrics" in str(w.message)]
 
 
 def test_a_model_given_by_name_is_wrapped_when_it_is_read(tmp_path):
