@@ -27,7 +27,7 @@ import torch
 
 from ember.checkpoint import trust as checks
 from ember.checkpoint.format import (ALIAS_KEY, DCP_WEIGHTS_DIR, FORMAT_VERSION, INDEX_NAME, META_NAME,  # noqa: F401
-                                     STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME, tmp_path)
+                                     STAGING_MARKER, STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME, tmp_path)
 from ember.checkpoint.rng import collect_rng_states, restore_rng_states  # noqa: F401  (public here)
 from ember.errors import CheckpointError, MisconfigurationError
 
@@ -91,8 +91,10 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a)
 
 
-def commit_directory(tmp: str, path: str | os.PathLike) -> None:
-    """fsync a fully written ``tmp`` directory and move it to ``path``, replacing what is there.
+def commit_directory(tmp: str, path: str | os.PathLike, what: str = "commit_directory") -> None:
+    """fsync a fully written ``tmp`` directory and move it to ``path``, replacing what is there
+    only when ember may (:func:`ember.checkpoint.trust.not_replaceable`: an ember checkpoint,
+    or a link of ember's); anything else raises CheckpointError and ``tmp`` is left as it is.
 
     On Linux an existing ``path`` is swapped with ``tmp`` in one ``renameat2``
     call, so ``path`` always holds a complete version. Elsewhere the previous one
@@ -100,6 +102,10 @@ def commit_directory(tmp: str, path: str | os.PathLike) -> None:
     a moment ``path`` is absent, but it never holds a partial directory.
     """
     path = os.path.normpath(os.fspath(path))
+    checks.check_replace(path, what)
+    marker = os.path.join(tmp, STAGING_MARKER)
+    if os.path.lexists(marker):
+        os.remove(marker)
     _fsync_tree(tmp)
     parent = os.path.dirname(path) or "."
     old = None
@@ -121,22 +127,54 @@ def commit_directory(tmp: str, path: str | os.PathLike) -> None:
         _remove(old)
 
 
+def make_staging(path: str | os.PathLike, what: str = "write_checkpoint") -> str:
+    """Check that a save may write checkpoint ``path`` and create its empty staging folder
+    ``NAME.tmp`` (with ember's marker); return it. The target check
+    (:func:`ember.checkpoint.trust.check_save_target`) comes first: a ``path`` that is not an
+    ember checkpoint, or a ``NAME.tmp`` that no ember save made, raises CheckpointError and
+    nothing is touched. A stale staging folder of ember's (a save killed midway) is removed."""
+    path = os.path.normpath(os.fspath(path))
+    checks.check_save_target(path, what)
+    tmp = tmp_path(path)
+    if os.path.lexists(tmp):
+        _remove(tmp)
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, STAGING_MARKER), "w"):
+        pass
+    return tmp
+
+
+def remove_staging(path: str | os.PathLike) -> None:
+    """Remove the staging folder of checkpoint ``path`` after a failed save, when it is one
+    that an ember save made (:func:`ember.checkpoint.trust.not_staging`); anything else
+    stays."""
+    tmp = tmp_path(path)
+    if os.path.lexists(tmp) and not checks.not_staging(tmp):
+        _remove(tmp)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False,
-                     commit: "Callable[[str, str], None] | None" = None) -> Iterator[str]:
+                     commit: "Callable[[str, str], None] | None" = None,
+                     what: str = "write_checkpoint") -> Iterator[str]:
     """Yield ``NAME.tmp`` to write into; on success fsync it and move it to ``NAME``
     (``commit(tmp, path)`` instead of :func:`commit_directory` when given).
 
-    A stale ``NAME.tmp`` (from a crashed save) is removed first, unless
-    ``keep_existing_tmp`` (other ranks already wrote shards into it). On an
-    exception the staging directory is removed and the exception re-raised;
-    ``NAME`` is untouched.
+    The one place every checkpoint write goes through checks its target first
+    (:func:`make_staging`; ``what`` names the caller in the error): nothing that is not an
+    ember checkpoint is replaced, no ``NAME.tmp`` that no ember save made is deleted. A
+    stale ``NAME.tmp`` of ember's (from a crashed save) is removed first, unless
+    ``keep_existing_tmp`` (other ranks already wrote shards into the staging folder made
+    with :func:`make_staging`). On an exception the staging directory is removed and the
+    exception re-raised; ``NAME`` is untouched.
     """
     path = os.path.normpath(os.fspath(path))
-    tmp = tmp_path(path)
-    if not keep_existing_tmp:
-        _remove(tmp)
-    os.makedirs(tmp, exist_ok=True)
+    if keep_existing_tmp:   # the caller made it with make_staging, in this save
+        checks.check_save_target(path, what, staging=False)
+        tmp = tmp_path(path)
+        os.makedirs(tmp, exist_ok=True)
+    else:
+        tmp = make_staging(path, what)
     try:
         yield tmp
         (commit or commit_directory)(tmp, path)
@@ -252,13 +290,16 @@ def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu"
 
 def save_weights_file(path: str | os.PathLike, weights: dict,
                       metadata: dict[str, str] | None = None) -> None:
-    """Write a single ``.safetensors`` file atomically (temporary file + ``os.replace``)."""
+    """Write a single ``.safetensors`` file atomically (temporary file + ``os.replace``). An
+    existing ``path`` is replaced only when ember wrote it (its metadata carries
+    :data:`ember.checkpoint.trust.WEIGHTS_MARKER`); anything else raises CheckpointError."""
     path = os.fspath(path)
+    checks.check_replace(path, "save_weights_file")
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}"
     try:
-        save_safetensors(weights, tmp, metadata)
+        save_safetensors(weights, tmp, {**(metadata or {}), checks.WEIGHTS_MARKER: str(FORMAT_VERSION)})
         _fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -333,7 +374,7 @@ def load_torch(path: str | os.PathLike) -> Any:
 def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_state: dict | None,
                      meta: dict, keep_existing_tmp: bool = False, extra_files: dict[str, int] | None = None,
                      digest_extra: tuple[str, ...] = (),
-                     commit: "Callable[[str, str], None] | None" = None) -> str:
+                     commit: "Callable[[str, str], None] | None" = None, what: str = "write_checkpoint") -> str:
     """Write checkpoint directory ``path`` atomically and return its path.
 
     ``weights=None`` writes no ``model.safetensors`` (a sharded strategy has
@@ -343,7 +384,9 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     sharded strategy's verified shard files) included, so a load checks them all, and
     the content digest of ``model.safetensors``, ``trainer_state.pt`` and the extra files
     named in ``digest_extra``, so a load refuses a swapped or corrupted file.
-    ``commit``: see :func:`atomic_directory` (a background save's drop check).
+    ``commit``: see :func:`atomic_directory` (a background save's drop check). Like every
+    write, it replaces only an ember checkpoint and deletes only ember's staging folders
+    (:func:`make_staging`; CheckpointError naming ``what`` otherwise).
     """
     import ember
     path = os.path.normpath(os.fspath(path))
@@ -352,7 +395,7 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
                 torch_version=torch.__version__,
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     try:
-        with atomic_directory(path, keep_existing_tmp=keep_existing_tmp, commit=commit) as tmp:
+        with atomic_directory(path, keep_existing_tmp=keep_existing_tmp, commit=commit, what=what) as tmp:
             files = {}
             if weights is not None:
                 save_safetensors(weights, os.path.join(tmp, WEIGHTS_NAME))
