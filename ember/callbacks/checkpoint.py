@@ -444,11 +444,12 @@ class ModelCheckpoint(Callback):
             if os.path.islink(last) and os.path.realpath(last) == os.path.realpath(path):
                 return  # 'last' still points here
         from ember.checkpoint import io as cio
+        from ember.checkpoint import trust as checks
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 cio.remove_checkpoint(path)        # only what is recognisably an ember checkpoint
-            elif path.endswith(".safetensors") or os.path.islink(path):
-                os.remove(path)
+            elif (path.endswith(".safetensors") or os.path.islink(path)) and not checks.not_replaceable(path):
+                os.remove(path)                     # a link of ours, or a weights file ember wrote
             else:
                 raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint ember wrote")
         except (CheckpointError, OSError) as err:

@@ -340,6 +340,14 @@ def _safe_value(obj: Any, where: str) -> Any:
         "dict/list/tuple/set containers (or types registered with torch.serialization.add_safe_globals)")
 
 
+def savable(obj: Any, where: str = "state") -> Any:
+    """``obj`` as :func:`save_torch` writes it (numpy values as tensors and numbers, paths
+    as strings), or CheckpointError naming the entry (``where[...]``) that
+    ``torch.load(weights_only=True)`` could not read back. Read-only: every rank of a
+    save can run it before anything is written, so all raise the same error."""
+    return _safe_value(obj, where)
+
+
 def save_torch(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` an object that :func:`load_torch` can read back safely.
 
@@ -633,10 +641,14 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
     """Export weights as Hugging Face-style safetensors: ``model.safetensors`` when they
     fit in one shard, else ``model-0000i-of-0000N.safetensors`` plus
     ``model.safetensors.index.json``. Tied tensors stay together in one shard.
-    Returns the written file names. Stale shards of an earlier export are removed."""
+    Returns the written file names. Stale shards of an earlier export are removed when ember
+    wrote them; a weights file ember did not write is never replaced (CheckpointError)."""
     limit = parse_size(max_shard_size)
     save_dir = os.fspath(save_dir)
     os.makedirs(save_dir, exist_ok=True)
+    for name in os.listdir(save_dir):    # before anything is written: only ember's weights are replaced
+        if _SHARD_RE.match(name) or name == WEIGHTS_NAME:
+            checks.check_replace(os.path.join(save_dir, name), f"save_model({save_dir!r})")
     tensors, aliases = _prepare_tensors(state_dict)
     followers = collections.defaultdict(list)
     for alias, target in aliases.items():
@@ -668,7 +680,7 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
             json.dump(index, f, indent=2, sort_keys=True)
         os.replace(tmp, os.path.join(save_dir, INDEX_NAME))
         keep.add(INDEX_NAME)
-    for stale in os.listdir(save_dir):
+    for stale in os.listdir(save_dir):   # an earlier export's weights (ember's: checked above)
         if stale not in keep and (_SHARD_RE.match(stale) or stale in (INDEX_NAME, WEIGHTS_NAME)):
             os.remove(os.path.join(save_dir, stale))
     _fsync_path(save_dir, directory=True)

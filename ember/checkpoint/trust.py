@@ -439,11 +439,12 @@ def dcp_planner(allow_partial_load: bool = False):
 # -- saving ------------------------------------------------------------------------------
 #: the entries a checkpoint directory (or its ``NAME.tmp`` staging folder) holds: the
 #: weights, the trainer state, ``meta.json``, a sharded strategy's ``model/`` folder
-#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files, and the
-#: hidden temporary file a writer killed mid-write leaves (safetensors' ``.tmpXXXXXX``)
+#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files, the
+#: hidden temporary file a writer killed mid-write leaves (safetensors' ``.tmpXXXXXX``),
+#: ember's staging marker, and the recovery scripts DeepSpeed copies next to its files
 _CHECKPOINT_ENTRY = re.compile(r"(model\.safetensors|trainer_state\.pt|meta\.json|model|deepspeed"
                                r"|model_\d+\.safetensors|rng_state_\d+\.pt(\.tmp)?|\.tmp\w{1,16}"
-                               r"|\.ember-staging)")
+                               r"|\.ember-staging|zero_to_fp32\.py|zero_to_torch\.py)")
 
 
 def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:

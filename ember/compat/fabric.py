@@ -439,7 +439,7 @@ class Fabric:
         error = None
         try:
             check_save_target(path, "Fabric.save")
-            rest = cio._safe_value(rest, "Fabric.save: state")
+            rest = cio.savable(rest, "Fabric.save: state")
         except CheckpointError as err:
             error = err
         strategy = self._acc.strategy
@@ -526,8 +526,10 @@ class Fabric:
             if name not in entries:
                 continue
             where = f"{os.fspath(path)} (entry {name!r})"
-            if isinstance(obj, nn.Module):
-                cio.check_compatible(_unwrap(obj), entries[name], where, strict=strict)
+            value = entries[name]
+            if isinstance(obj, nn.Module) and isinstance(value, Mapping) and \
+                    all(isinstance(v, torch.Tensor) for v in value.values()):
+                cio.check_compatible(_unwrap(obj), dict(value), where, strict=strict)
             elif isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optimizer", None),
                                                                       torch.optim.Optimizer):
                 names = [recorded[name]] if isinstance(recorded, dict) and name in recorded else []

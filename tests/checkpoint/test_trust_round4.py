@@ -230,3 +230,44 @@ def test_dcp_metadata_claiming_a_huge_tensor_is_refused_before_allocating(tmp_pa
     reseal(path)
     with pytest.raises(CheckpointError, match=r"claims the tensor 'model.net.weight' is \[1048576, 1048576\]"):
         load_full_weights(str(path))
+
+
+# -- weights files and exports -----------------------------------------------------------------------
+def test_weights_files_replace_only_what_ember_wrote(tmp_path):
+    from safetensors.torch import save_file
+    theirs = tmp_path / "hf"
+    theirs.mkdir()
+    save_file({"w": torch.ones(2)}, str(theirs / "model.safetensors"), metadata={"format": "pt"})
+    single = tmp_path / "w.safetensors"
+    save_file({"w": torch.ones(2)}, str(single))
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match="refusing to replace .*model.safetensors: .* ember did not write"):
+        cio.save_model_sharded({"w": torch.zeros(2)}, theirs)
+    with pytest.raises(CheckpointError, match="refusing to replace .*w.safetensors"):
+        cio.save_weights_file(single, {"w": torch.zeros(2)})
+    assert _tree(tmp_path) == before
+    ours = tmp_path / "export"
+    cio.save_model_sharded({"a": torch.ones(64), "b": torch.ones(64)}, ours, max_shard_size=300)
+    assert sorted(os.listdir(ours)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                        "model.safetensors.index.json"]
+    cio.save_model_sharded({"a": torch.zeros(64), "b": torch.zeros(64)}, ours)      # its own export: replaced
+    assert sorted(os.listdir(ours)) == ["model.safetensors"]
+    assert torch.equal(cio.load_model_sharded(ours)["a"], torch.zeros(64))
+
+
+def test_a_deepspeed_checkpoint_with_its_recovery_scripts_is_still_ember_s(tmp_path):
+    """DeepSpeed copies zero_to_fp32.py and zero_to_torch.py next to its files (into the
+    staging folder, so into the checkpoint): a save over it, a failed save's clean-up and
+    ModelCheckpoint's top-k deletion still recognise the folder as ember's."""
+    path = tmp_path / "step=3"
+    tmp = Path(cio.make_staging(path))
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (tmp / name).write_text("# DeepSpeed's recovery script\n")
+    cio.remove_staging(path)
+    assert not tmp.exists()
+    cio.write_checkpoint(path, {"w": torch.ones(2)}, {"step": 3}, {})
+    (path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+    cio.write_checkpoint(path, {"w": torch.zeros(2)}, {"step": 4}, {})
+    (path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+    cio.remove_checkpoint(path)
+    assert not path.exists()
