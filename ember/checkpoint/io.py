@@ -3,7 +3,9 @@
 A checkpoint is a directory ``NAME/`` holding ``model.safetensors`` (or a DCP
 folder ``model/``), ``trainer_state.pt`` (weights_only-loadable) and
 ``meta.json`` (written last). It is staged in ``NAME.tmp/`` and moved into place
-when complete; nothing is ever unpickled beyond tensors and plain containers.
+when complete; nothing is ever unpickled beyond tensors and plain containers. Every
+write checks its target here, in :func:`make_staging`, so no caller can skip it: no
+writer replaces or deletes anything that ember did not create.
 The format and guarantees are described in ``docs/checkpoint_format.md``.
 """
 from __future__ import annotations
