@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import warnings
 from typing import Any
 
@@ -171,9 +170,7 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
     for hook in getattr(acc, "_save_hooks", ()):
         hook(models, weights, path)
     opt_states = [strategy.optimizer_state_dict(o, models[0] if models else None) for o in raw_opts]
-    tmp = cio.tmp_path(path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp = cio.make_staging(path, "Accelerator.save_state")   # the target check, then an empty NAME.tmp
     try:
         for i, w in enumerate(weights[1:], 1):  # model 0 is model.safetensors, as in Trainer checkpoints
             name = f"model_{i}.safetensors"
@@ -184,7 +181,7 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
         cio.write_checkpoint(path, weights[0] if weights else {}, state, meta, keep_existing_tmp=True,
                              extra_files=files, digest_extra=tuple(files))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        cio.remove_staging(path)
         raise
     return path
 

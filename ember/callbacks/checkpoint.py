@@ -129,6 +129,9 @@ class ModelCheckpoint(Callback):
         if trainer.is_global_zero:
             try:
                 checks.check_writable(self.dirpath, f"ModelCheckpoint(dirpath={self.dirpath!r})")
+                if self.save_last:   # `last` is replaced at every save: only when ember made it
+                    name = self.CHECKPOINT_NAME_LAST + (".safetensors" if self.save_weights_only else "")
+                    checks.check_replace(os.path.join(self.dirpath, name), "ModelCheckpoint(save_last=True)")
                 if self._lock is None or not self._lock.held:
                     self._lock = checks.DirLock(self.dirpath)
                     self._lock.acquire(f"ModelCheckpoint(dirpath={self.dirpath!r})")
@@ -345,7 +348,7 @@ class ModelCheckpoint(Callback):
         self._remove_stale(trainer)
         if trainer.is_global_zero and self.dirpath and os.path.isdir(self.dirpath):
             for name in os.listdir(self.dirpath):
-                if name.startswith(self.CHECKPOINT_NAME_LAST) and name.endswith(".link.tmp"):
+                if re.fullmatch(re.escape(self.CHECKPOINT_NAME_LAST) + _LINK_TMP, name):
                     try:
                         os.remove(os.path.join(self.dirpath, name))
                     except OSError:
@@ -390,6 +393,13 @@ class ModelCheckpoint(Callback):
             return
         if not trainer.is_global_zero:
             return
+        from ember.checkpoint import io as cio
+        from ember.checkpoint import trust as checks
+        why = checks.not_replaceable(last)   # checked at setup; here only if it appeared since
+        if why:
+            warnings.warn(f"ModelCheckpoint(save_last=True): not updating {last}: {why}; ember replaces only "
+                          "what it made", UserWarning, stacklevel=2)
+            return
         tmp = f"{last}.{uuid.uuid4().hex[:8]}.link.tmp"
         try:
             os.symlink(os.path.basename(target), tmp)
@@ -398,11 +408,12 @@ class ModelCheckpoint(Callback):
             return
         try:
             if os.path.isdir(last) and not os.path.islink(last):
-                # a real directory (a preemption save): move it aside, it is ignored by discovery
+                # a real directory (a preemption save, an ember checkpoint: checked above): move it
+                # aside, it is ignored by discovery
                 old = f"{last}.old-{uuid.uuid4().hex[:12]}"
                 os.rename(last, old)
                 os.replace(tmp, last)
-                shutil.rmtree(old, ignore_errors=True)
+                cio.remove_checkpoint(old)
             else:
                 os.replace(tmp, last)   # atomic on POSIX
         except OSError:
@@ -413,13 +424,14 @@ class ModelCheckpoint(Callback):
     @staticmethod
     def _copy_last(target, last):
         from ember.checkpoint import io as cio
+        what = "ModelCheckpoint(save_last=True)"
         if os.path.isdir(target):
-            tmp = cio.tmp_path(last)
-            if os.path.lexists(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(target, tmp)
-            cio.commit_directory(tmp, last)
+            tmp = cio.make_staging(last, what)        # refuses a `last` or `last.tmp` ember did not make
+            shutil.copytree(target, tmp, dirs_exist_ok=True)
+            cio.commit_directory(tmp, last, what)
         else:
+            from ember.checkpoint import trust as checks
+            checks.check_replace(last, what)
             tmp = f"{last}.{uuid.uuid4().hex[:8]}.tmp"
             shutil.copy2(target, tmp)
             os.replace(tmp, last)
@@ -432,11 +444,12 @@ class ModelCheckpoint(Callback):
             if os.path.islink(last) and os.path.realpath(last) == os.path.realpath(path):
                 return  # 'last' still points here
         from ember.checkpoint import io as cio
+        from ember.checkpoint import trust as checks
         try:
             if os.path.isdir(path) and not os.path.islink(path):
                 cio.remove_checkpoint(path)        # only what is recognisably an ember checkpoint
-            elif path.endswith(".safetensors") or os.path.islink(path):
-                os.remove(path)
+            elif (path.endswith(".safetensors") or os.path.islink(path)) and not checks.not_replaceable(path):
+                os.remove(path)                     # a link of ours, or a weights file ember wrote
             else:
                 raise CheckpointError(f"refusing to delete {path}: it is not a checkpoint ember wrote")
         except (CheckpointError, OSError) as err:
@@ -517,6 +530,10 @@ class ModelCheckpoint(Callback):
         else:
             self.best_model_path = best if self._own(best) else ""
             self.best_model_score = score
+
+
+#: the end of the temporary link's name ``_update_last`` swaps in (``last.<8 hex>.link.tmp``)
+_LINK_TMP = r"(\.safetensors)?\.[0-9a-f]{8}\.link\.tmp"
 
 
 def _reserved(name: str) -> str:

@@ -16,6 +16,10 @@ FORMAT_VERSION = 1
 #: safetensors metadata key holding ``{alias: stored_name}`` for tensors that share memory
 ALIAS_KEY = "ember.aliases"
 TMP_SUFFIX = ".tmp"
+#: the empty file ember creates first in every staging folder it makes (and removes just
+#: before the commit): a ``NAME.tmp`` without it, without a ``meta.json`` and not empty
+#: was not made by an ember save, and no save deletes it
+STAGING_MARKER = ".ember-staging"
 
 
 def tmp_path(path: str | os.PathLike) -> str:

@@ -3,7 +3,9 @@
 A checkpoint is a directory ``NAME/`` holding ``model.safetensors`` (or a DCP
 folder ``model/``), ``trainer_state.pt`` (weights_only-loadable) and
 ``meta.json`` (written last). It is staged in ``NAME.tmp/`` and moved into place
-when complete; nothing is ever unpickled beyond tensors and plain containers.
+when complete; nothing is ever unpickled beyond tensors and plain containers. Every
+write checks its target here, in :func:`make_staging`, so no caller can skip it: no
+writer replaces or deletes anything that ember did not create.
 The format and guarantees are described in ``docs/checkpoint_format.md``.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from ember.checkpoint import trust as checks
 from ember.checkpoint.format import (ALIAS_KEY, DCP_WEIGHTS_DIR, FORMAT_VERSION, INDEX_NAME, META_NAME,  # noqa: F401
-                                     STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME, tmp_path)
+                                     STAGING_MARKER, STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME, tmp_path)
 from ember.checkpoint.rng import collect_rng_states, restore_rng_states  # noqa: F401  (public here)
 from ember.errors import CheckpointError, MisconfigurationError
 
@@ -91,8 +93,10 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a)
 
 
-def commit_directory(tmp: str, path: str | os.PathLike) -> None:
-    """fsync a fully written ``tmp`` directory and move it to ``path``, replacing what is there.
+def commit_directory(tmp: str, path: str | os.PathLike, what: str = "commit_directory") -> None:
+    """fsync a fully written ``tmp`` directory and move it to ``path``, replacing what is there
+    only when ember may (:func:`ember.checkpoint.trust.not_replaceable`: an ember checkpoint,
+    or a link of ember's); anything else raises CheckpointError and ``tmp`` is left as it is.
 
     On Linux an existing ``path`` is swapped with ``tmp`` in one ``renameat2``
     call, so ``path`` always holds a complete version. Elsewhere the previous one
@@ -100,6 +104,10 @@ def commit_directory(tmp: str, path: str | os.PathLike) -> None:
     a moment ``path`` is absent, but it never holds a partial directory.
     """
     path = os.path.normpath(os.fspath(path))
+    checks.check_replace(path, what)
+    marker = os.path.join(tmp, STAGING_MARKER)
+    if os.path.lexists(marker):
+        os.remove(marker)
     _fsync_tree(tmp)
     parent = os.path.dirname(path) or "."
     old = None
@@ -121,22 +129,54 @@ def commit_directory(tmp: str, path: str | os.PathLike) -> None:
         _remove(old)
 
 
+def make_staging(path: str | os.PathLike, what: str = "write_checkpoint") -> str:
+    """Check that a save may write checkpoint ``path`` and create its empty staging folder
+    ``NAME.tmp`` (with ember's marker); return it. The target check
+    (:func:`ember.checkpoint.trust.check_save_target`) comes first: a ``path`` that is not an
+    ember checkpoint, or a ``NAME.tmp`` that no ember save made, raises CheckpointError and
+    nothing is touched. A stale staging folder of ember's (a save killed midway) is removed."""
+    path = os.path.normpath(os.fspath(path))
+    checks.check_save_target(path, what)
+    tmp = tmp_path(path)
+    if os.path.lexists(tmp):
+        _remove(tmp)
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, STAGING_MARKER), "w"):
+        pass
+    return tmp
+
+
+def remove_staging(path: str | os.PathLike) -> None:
+    """Remove the staging folder of checkpoint ``path`` after a failed save, when it is one
+    that an ember save made (:func:`ember.checkpoint.trust.not_staging`); anything else
+    stays."""
+    tmp = tmp_path(path)
+    if os.path.lexists(tmp) and not checks.not_staging(tmp):
+        _remove(tmp)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False,
-                     commit: "Callable[[str, str], None] | None" = None) -> Iterator[str]:
+                     commit: "Callable[[str, str], None] | None" = None,
+                     what: str = "write_checkpoint") -> Iterator[str]:
     """Yield ``NAME.tmp`` to write into; on success fsync it and move it to ``NAME``
     (``commit(tmp, path)`` instead of :func:`commit_directory` when given).
 
-    A stale ``NAME.tmp`` (from a crashed save) is removed first, unless
-    ``keep_existing_tmp`` (other ranks already wrote shards into it). On an
-    exception the staging directory is removed and the exception re-raised;
-    ``NAME`` is untouched.
+    The one place every checkpoint write goes through checks its target first
+    (:func:`make_staging`; ``what`` names the caller in the error): nothing that is not an
+    ember checkpoint is replaced, no ``NAME.tmp`` that no ember save made is deleted. A
+    stale ``NAME.tmp`` of ember's (from a crashed save) is removed first, unless
+    ``keep_existing_tmp`` (other ranks already wrote shards into the staging folder made
+    with :func:`make_staging`). On an exception the staging directory is removed and the
+    exception re-raised; ``NAME`` is untouched.
     """
     path = os.path.normpath(os.fspath(path))
-    tmp = tmp_path(path)
-    if not keep_existing_tmp:
-        _remove(tmp)
-    os.makedirs(tmp, exist_ok=True)
+    if keep_existing_tmp:   # the caller made it with make_staging, in this save
+        checks.check_save_target(path, what, staging=False)
+        tmp = tmp_path(path)
+        os.makedirs(tmp, exist_ok=True)
+    else:
+        tmp = make_staging(path, what)
     try:
         yield tmp
         (commit or commit_directory)(tmp, path)
@@ -252,13 +292,16 @@ def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu"
 
 def save_weights_file(path: str | os.PathLike, weights: dict,
                       metadata: dict[str, str] | None = None) -> None:
-    """Write a single ``.safetensors`` file atomically (temporary file + ``os.replace``)."""
+    """Write a single ``.safetensors`` file atomically (temporary file + ``os.replace``). An
+    existing ``path`` is replaced only when ember wrote it (its metadata carries
+    :data:`ember.checkpoint.trust.WEIGHTS_MARKER`); anything else raises CheckpointError."""
     path = os.fspath(path)
+    checks.check_replace(path, "save_weights_file")
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = f"{path}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}"
     try:
-        save_safetensors(weights, tmp, metadata)
+        save_safetensors(weights, tmp, {**(metadata or {}), checks.WEIGHTS_MARKER: str(FORMAT_VERSION)})
         _fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -299,6 +342,14 @@ def _safe_value(obj: Any, where: str) -> Any:
         "dict/list/tuple/set containers (or types registered with torch.serialization.add_safe_globals)")
 
 
+def savable(obj: Any, where: str = "state") -> Any:
+    """``obj`` as :func:`save_torch` writes it (numpy values as tensors and numbers, paths
+    as strings), or CheckpointError naming the entry (``where[...]``) that
+    ``torch.load(weights_only=True)`` could not read back. Read-only: every rank of a
+    save can run it before anything is written, so all raise the same error."""
+    return _safe_value(obj, where)
+
+
 def save_torch(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` an object that :func:`load_torch` can read back safely.
 
@@ -333,7 +384,7 @@ def load_torch(path: str | os.PathLike) -> Any:
 def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_state: dict | None,
                      meta: dict, keep_existing_tmp: bool = False, extra_files: dict[str, int] | None = None,
                      digest_extra: tuple[str, ...] = (),
-                     commit: "Callable[[str, str], None] | None" = None) -> str:
+                     commit: "Callable[[str, str], None] | None" = None, what: str = "write_checkpoint") -> str:
     """Write checkpoint directory ``path`` atomically and return its path.
 
     ``weights=None`` writes no ``model.safetensors`` (a sharded strategy has
@@ -343,7 +394,9 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     sharded strategy's verified shard files) included, so a load checks them all, and
     the content digest of ``model.safetensors``, ``trainer_state.pt`` and the extra files
     named in ``digest_extra``, so a load refuses a swapped or corrupted file.
-    ``commit``: see :func:`atomic_directory` (a background save's drop check).
+    ``commit``: see :func:`atomic_directory` (a background save's drop check). Like every
+    write, it replaces only an ember checkpoint and deletes only ember's staging folders
+    (:func:`make_staging`; CheckpointError naming ``what`` otherwise).
     """
     import ember
     path = os.path.normpath(os.fspath(path))
@@ -352,7 +405,7 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
                 torch_version=torch.__version__,
                 created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     try:
-        with atomic_directory(path, keep_existing_tmp=keep_existing_tmp, commit=commit) as tmp:
+        with atomic_directory(path, keep_existing_tmp=keep_existing_tmp, commit=commit, what=what) as tmp:
             files = {}
             if weights is not None:
                 save_safetensors(weights, os.path.join(tmp, WEIGHTS_NAME))
@@ -590,10 +643,14 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
     """Export weights as Hugging Face-style safetensors: ``model.safetensors`` when they
     fit in one shard, else ``model-0000i-of-0000N.safetensors`` plus
     ``model.safetensors.index.json``. Tied tensors stay together in one shard.
-    Returns the written file names. Stale shards of an earlier export are removed."""
+    Returns the written file names. Stale shards of an earlier export are removed when ember
+    wrote them; a weights file ember did not write is never replaced (CheckpointError)."""
     limit = parse_size(max_shard_size)
     save_dir = os.fspath(save_dir)
     os.makedirs(save_dir, exist_ok=True)
+    for name in os.listdir(save_dir):    # before anything is written: only ember's weights are replaced
+        if _SHARD_RE.match(name) or name == WEIGHTS_NAME:
+            checks.check_replace(os.path.join(save_dir, name), f"save_model({save_dir!r})")
     tensors, aliases = _prepare_tensors(state_dict)
     followers = collections.defaultdict(list)
     for alias, target in aliases.items():
@@ -625,7 +682,7 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
             json.dump(index, f, indent=2, sort_keys=True)
         os.replace(tmp, os.path.join(save_dir, INDEX_NAME))
         keep.add(INDEX_NAME)
-    for stale in os.listdir(save_dir):
+    for stale in os.listdir(save_dir):   # an earlier export's weights (ember's: checked above)
         if stale not in keep and (_SHARD_RE.match(stale) or stale in (INDEX_NAME, WEIGHTS_NAME)):
             os.remove(os.path.join(save_dir, stale))
     _fsync_path(save_dir, directory=True)

@@ -456,6 +456,61 @@ def check_dcp_storage(md: Any, folder: str | os.PathLike) -> None:
     for name in {getattr(info, "relative_path", None) for info in storage.values()}:
         if os.path.lexists(member(folder, name, ".metadata")):   # a missing shard: the size checks name it
             member_file(folder, name, ".metadata")
+    check_dcp_sizes(md, folder)
+
+
+#: a DCP entry written through a storage transform (compression) may claim this many times
+#: the bytes it occupies; ember writes none
+DCP_TRANSFORM_RATIO = 64
+
+
+def check_dcp_sizes(md: Any, folder: str | os.PathLike) -> None:
+    """Before anything is allocated from DCP metadata ``md``: each storage entry lies within
+    its file, and each tensor claims no more bytes (shape x dtype) than its entries hold in
+    the files (``DCP_TRANSFORM_RATIO`` times that for compressed entries). A ``.metadata``
+    claiming a [2**20, 2**20] tensor is refused here with a CheckpointError, not by the
+    allocator after it tried to find 4 TB."""
+    import math
+    import torch
+    where = os.path.join(os.fspath(folder), ".metadata")
+    storage = getattr(md, "storage_data", None) or {}
+    stored: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        try:
+            offset, length = int(info.offset), int(info.length)
+        except (TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"refusing {where}: a storage entry has no integer offset/length") from None
+        if offset < 0 or length < 0:
+            raise CheckpointError(f"refusing {where}: a storage entry of {name!r} has a negative offset or length")
+        full = os.path.join(os.fspath(folder), *str(name).split("/"))
+        if os.path.isfile(full):
+            if name not in sizes:
+                sizes[name] = os.path.getsize(full)
+            if offset + length > sizes[name]:
+                raise CheckpointError(f"refusing {where}: it places an entry at bytes {offset}..{offset + length} "
+                                      f"of {name}, which holds {sizes[name]} bytes")
+        ratio = DCP_TRANSFORM_RATIO if getattr(info, "transform_descriptors", None) else 1
+        fqn = getattr(index, "fqn", None)
+        stored[fqn] = stored.get(fqn, 0) + length * ratio
+    for fqn, tmd in (getattr(md, "state_dict_metadata", None) or {}).items():
+        size = getattr(tmd, "size", None)
+        props = getattr(tmd, "properties", None)
+        if size is None or props is None:     # a bytes entry: loaded from its own bytes
+            continue
+        try:
+            dims = [int(d) for d in size]
+            itemsize = torch.empty((), dtype=props.dtype).element_size()
+        except (TypeError, ValueError, AttributeError, RuntimeError):
+            raise CheckpointError(f"refusing {where}: the entry {fqn!r} has no valid shape and dtype") from None
+        if any(d < 0 for d in dims):
+            raise CheckpointError(f"refusing {where}: the entry {fqn!r} has a negative dimension {dims}")
+        claimed = math.prod(dims) * itemsize
+        if claimed > stored.get(fqn, 0):
+            raise CheckpointError(f"refusing {where}: it claims the tensor {fqn!r} is {dims} "
+                                  f"({claimed} bytes of {props.dtype}), but its files hold {stored.get(fqn, 0)} "
+                                  "bytes for it; the metadata is corrupt or crafted")
 
 
 def dcp_planner(allow_partial_load: bool = False):
@@ -482,10 +537,12 @@ def dcp_planner(allow_partial_load: bool = False):
 # -- saving ------------------------------------------------------------------------------
 #: the entries a checkpoint directory (or its ``NAME.tmp`` staging folder) holds: the
 #: weights, the trainer state, ``meta.json``, a sharded strategy's ``model/`` folder
-#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files, and the
-#: hidden temporary file a writer killed mid-write leaves (safetensors' ``.tmpXXXXXX``)
+#: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files, the
+#: hidden temporary file a writer killed mid-write leaves (safetensors' ``.tmpXXXXXX``),
+#: ember's staging marker, and the recovery scripts DeepSpeed copies next to its files
 _CHECKPOINT_ENTRY = re.compile(r"(model\.safetensors|trainer_state\.pt|meta\.json|model|deepspeed"
-                               r"|model_\d+\.safetensors|rng_state_\d+\.pt(\.tmp)?|\.tmp\w{1,16})")
+                               r"|model_\d+\.safetensors|rng_state_\d+\.pt(\.tmp)?|\.tmp\w{1,16}"
+                               r"|\.ember-staging|zero_to_fp32\.py|zero_to_torch\.py)")
 
 
 def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
@@ -560,12 +617,13 @@ def checkpoint_containing(path: str | os.PathLike) -> str:
         d = parent
 
 
-def check_save_target(path: str | os.PathLike, what: str) -> None:
+def check_save_target(path: str | os.PathLike, what: str, staging: bool = True) -> None:
     """Refuse to replace anything at ``path`` that is not recognisably an ember checkpoint
     (:func:`not_a_checkpoint`): a plain file, a non-empty directory without ember's
     ``meta.json`` (a log folder), or one that holds other files too (a dataset folder
-    with its own ``meta.json`` and ``images/``); and a ``NAME.tmp`` that is not a staging
-    folder of an ember save."""
+    with its own ``meta.json`` and ``images/``); and (``staging``) a ``NAME.tmp`` that is
+    not a staging folder of an ember save (:func:`not_staging`). Every checkpoint write runs
+    it (``ember.checkpoint.io.make_staging``), so no caller can skip it."""
     path = os.path.normpath(os.fspath(path))
     if os.path.islink(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a symlink that does not point to a checkpoint; "
@@ -579,10 +637,85 @@ def check_save_target(path: str | os.PathLike, what: str) -> None:
             raise CheckpointError(f"{what}({path!r}): {path} is not an ember checkpoint ({why}); refusing to "
                                   "replace it. Choose another path, e.g. a subfolder")
     tmp = cio.tmp_path(path)
-    if os.path.lexists(tmp) and not_a_checkpoint(tmp, staging=True):
+    why = not_staging(tmp) if staging else ""
+    if why:
         raise CheckpointError(f"{what}({path!r}): {tmp} exists and is not a staging folder of an ember save "
-                              f"({not_a_checkpoint(tmp, staging=True)}); refusing to delete it. Remove it or "
-                              "choose another path")
+                              f"({why}); refusing to delete it. Remove it or choose another path")
+
+
+def not_staging(tmp: str | os.PathLike) -> str:
+    """Why the existing ``NAME.tmp`` folder ``tmp`` is not one an ember save made (so that
+    no save may delete it), or ``""`` when it is absent or ember's: empty, or holding only
+    checkpoint files plus ember's staging marker (:data:`~ember.checkpoint.format.STAGING_MARKER`,
+    created first in every staging folder) or a ``meta.json`` of ember's (complete, or cut
+    short by a kill). A folder of checkpoint-like names without either (someone's
+    ``export.tmp/model.safetensors``) is not ember's."""
+    tmp = os.fspath(tmp)
+    if not os.path.lexists(tmp):
+        return ""
+    why = not_a_checkpoint(tmp, staging=True)
+    if why:
+        return why
+    names = os.listdir(tmp)
+    if names and cio.STAGING_MARKER not in names and cio.META_NAME not in names:
+        return (f"{tmp} holds {sorted(names)[:5]} but neither ember's staging marker {cio.STAGING_MARKER} nor a "
+                f"{cio.META_NAME}")
+    return ""
+
+
+def not_replaceable(path: str | os.PathLike) -> str:
+    """Why ember may not replace what is at ``path`` (a checkpoint folder, a ``last`` link,
+    a weights file), or ``""``: nothing is there; a symlink resolving inside its own folder
+    (ember's links, e.g. ``last``: replacing one loses no data); an ember checkpoint folder
+    (:func:`not_a_checkpoint`); a ``.safetensors`` file ember wrote (its metadata carries
+    ember's marker, or the epoch and step ``ModelCheckpoint`` records)."""
+    path = os.path.normpath(os.fspath(path))
+    if not os.path.lexists(path):
+        return ""
+    if os.path.islink(path):
+        parent = os.path.dirname(path) or "."
+        if inside(path, parent) and os.path.realpath(path) != os.path.realpath(parent):
+            return ""
+        return f"{path} is a symlink to {os.path.realpath(path)}, outside its folder"
+    if os.path.isdir(path):
+        return not_a_checkpoint(path)
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        md = safetensors_metadata(path)
+        if md is not None and (WEIGHTS_MARKER in md or {"epoch", "global_step"} <= set(md)):
+            return ""
+        return f"{path} is a .safetensors file that ember did not write"
+    return f"{path} is a file, not one ember wrote"
+
+
+#: the safetensors metadata key every weights file ember writes carries
+WEIGHTS_MARKER = "ember.format_version"
+
+
+def safetensors_metadata(path: str) -> "dict | None":
+    """The text metadata of safetensors file ``path``, or None when it is not one (read from
+    its bounded JSON header only)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if n > MAX_META_BYTES:
+                return None
+            header = json.loads(f.read(n))
+        md = header.get("__metadata__", {}) if isinstance(header, dict) else None
+        return md if isinstance(md, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def check_replace(path: str | os.PathLike, what: str) -> None:
+    """Raise CheckpointError unless ember may replace what is at ``path``
+    (:func:`not_replaceable`)."""
+    why = not_replaceable(path)
+    if why:
+        raise CheckpointError(f"{what}: refusing to replace {os.fspath(path)}: {why}. Remove it or choose "
+                              "another path")
 
 
 def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
@@ -831,11 +964,14 @@ def optimizer_names(optimizers) -> list[str]:
 _GROUP_EXTRA = {"params", "initial_lr"}   # 'initial_lr' is added by LR schedulers
 
 
-def check_optimizers(optimizers, saved: Any, meta: dict, path: str | os.PathLike) -> None:
+def check_optimizers(optimizers, saved: Any, meta: dict, path: str | os.PathLike,
+                     given: str = "configure_optimizers returned",
+                     instead: str = "load only the weights (Module.load_from_checkpoint)") -> None:
     """Before anything is loaded: the checkpoint's optimizers match this run's (count,
     class recorded in ``meta.json``, parameter-group count and option keys). An AdamW
     state loaded into SGD fails at the first step; Adam into AdamW silently drops
-    ``weight_decay``: both are refused here."""
+    ``weight_decay``: both are refused here. ``given`` and ``instead`` word the error for
+    the caller (the Trainer's, or ``Fabric.load``'s)."""
     path = os.fspath(path)
     names = meta.get("optimizers")
     ours = optimizer_names(optimizers)
@@ -843,8 +979,7 @@ def check_optimizers(optimizers, saved: Any, meta: dict, path: str | os.PathLike
         for i, (theirs, mine) in enumerate(zip(names, ours)):
             if theirs != mine:
                 raise CheckpointError(f"{path} holds the state of a {theirs} (optimizer {i}) but "
-                                      f"configure_optimizers returned a {mine}; resume with the same "
-                                      "optimizer, or load only the weights (Module.load_from_checkpoint)")
+                                      f"{given} a {mine}; resume with the same optimizer, or {instead}")
     if not isinstance(saved, list):
         return
     for i, (opt, s) in enumerate(zip(map(_raw_optimizer, optimizers), saved)):

@@ -99,6 +99,24 @@ class FabricModule(nn.Module):
             setattr(original, name, value)
 
 
+def _owner(key: str, modules: list[str]) -> str | None:
+    """The module entry that weights key ``key`` (``<name>.<param>``) belongs to: the longest
+    name it starts with, so ``model.ema.w`` is the ``model.ema`` entry's ``w``."""
+    best = None
+    for name in modules:
+        if key.startswith(f"{name}.") and (best is None or len(name) > len(best)):
+            best = name
+    return best
+
+
+def _prefixes(modules: list[str]) -> dict[str, str]:
+    """The key prefix of each model entry in ``model.safetensors``: ``<name>.``, or, when
+    one entry's name starts another's (``model`` and ``model.ema``: ``model.ema.w`` could be
+    either's), ``[<i>]<name>.`` for all, which no two entries share."""
+    clash = any(a != b and b.startswith(f"{a}.") for a in modules for b in modules)
+    return {name: f"[{i}]{name}." if clash else f"{name}." for i, name in enumerate(modules)}
+
+
 def _unwrap(obj: Any) -> Any:
     return obj._original_module if isinstance(obj, FabricModule) else obj
 
@@ -382,33 +400,65 @@ class Fabric:
         ``path``, atomically: the models' weights in ``model.safetensors`` (each key prefixed by
         its name), the rest in ``trainer_state.pt`` (read back with ``weights_only=True``),
         ``meta.json`` last. ``filter``: ``{name: (key, value) -> keep?}`` per entry. Every
-        process calls it; rank 0 writes."""
+        process calls it; rank 0 writes. Like every ember save, it replaces only an ember
+        checkpoint (a folder of other files, a file, a ``NAME.tmp`` no ember save made are
+        refused). Every process checks the target and ``state`` before anything is written,
+        and a failed write on rank 0 is raised on every process, so a caught error leaves no
+        process waiting."""
         from ember.checkpoint import io as cio
+        from ember.checkpoint.trust import check_save_target, optimizer_names
+        from ember.strategies.full_load import raise_rank0_error
+        path = os.fspath(path)
         filter = dict(filter or {})
-        weights: dict[str, torch.Tensor] = {}
+        per_module: dict[str, dict[str, torch.Tensor]] = {}
         rest: dict[str, Any] = {}
         modules: list[str] = []
+        optimizers: dict[str, str] = {}
         for name, obj in state.items():
             if isinstance(obj, nn.Module):
                 sd = self._acc.get_state_dict(obj._forward_module if isinstance(obj, FabricModule) else obj)
                 keep = filter.get(name)
-                weights.update({f"{name}.{k}": v for k, v in sd.items() if keep is None or keep(k, v)})
+                per_module[name] = {k: v for k, v in sd.items() if keep is None or keep(k, v)}
                 modules.append(name)
             elif callable(getattr(obj, "state_dict", None)):
                 if isinstance(obj, torch.optim.Optimizer) and self._acc.strategy.name in ("fsdp", "deepspeed"):
                     raise MisconfigurationError(f"Fabric.save: the {self._acc.strategy.name} strategy shards "
                                                 f"optimizer {name!r}; save it with accelerator.save_state instead")
+                if isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optimizer", None),
+                                                                        torch.optim.Optimizer):
+                    optimizers[name] = optimizer_names([obj])[0]   # load refuses another class
                 sd = obj.state_dict()
                 keep = filter.get(name)
                 rest[name] = {k: v for k, v in sd.items() if keep(k, v)} if keep is not None and isinstance(sd, dict) \
                     else sd
             else:
                 rest[name] = obj
+        prefixes = _prefixes(modules)
+        weights = {prefixes[name] + k: v for name in modules for k, v in per_module[name].items()}
+        # every process, before the write: one outcome for all (no process left in a collective)
+        error = None
+        try:
+            check_save_target(path, "Fabric.save")
+            rest = cio.savable(rest, "Fabric.save: state")
+        except CheckpointError as err:
+            error = err
+        strategy = self._acc.strategy
+        verdicts = strategy.all_gather_object(None if error is None else str(error)) if self.world_size > 1 \
+            else [None if error is None else str(error)]
+        if error is not None:
+            raise error
+        failed = next((v for v in verdicts if v is not None), None)
+        if failed is not None:
+            raise CheckpointError(failed)
         if self.is_global_zero:
-            meta = {_FABRIC_META: {"modules": modules, "entries": list(state)}, "strategy": self._acc.strategy.name,
-                    "world_size": self.world_size, "precision": self._acc.precision}
-            cio.write_checkpoint(path, weights, {_FABRIC_META: rest}, meta)
-        self.barrier()
+            meta = {_FABRIC_META: {"modules": modules, "entries": list(state), "prefixes": prefixes,
+                                   "optimizers": optimizers},
+                    "strategy": strategy.name, "world_size": self.world_size, "precision": self._acc.precision}
+            try:
+                cio.write_checkpoint(path, weights, {_FABRIC_META: rest}, meta, what="Fabric.save")
+            except Exception as err:   # reported to every rank below, raised here as it is
+                error = err
+        raise_rank0_error(strategy, error, f"Fabric.save({path!r}) failed on rank 0")   # no closing barrier
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:
         """Read a checkpoint :meth:`save` wrote. With ``state``, restore its objects in place
@@ -424,6 +474,7 @@ class Fabric:
         if missing and strict:
             raise KeyError(f"Fabric.load: {missing} requested in `state` but not in the checkpoint {os.fspath(path)} "
                            f"(it holds {sorted(entries)}); pass strict=False to skip them")
+        self._check_fits(path, state, entries, meta, strict)   # before anything is loaded
         for name, obj in list(state.items()):
             if name not in entries:
                 continue
@@ -455,10 +506,35 @@ class Fabric:
                                       "Fabric.load(path, {name: model}) to pick one")
         else:
             sd = cio.load_torch(path)
+        self._check_fits(path, {"": obj}, {"": sd}, {}, strict)
         if isinstance(obj, nn.Module):
             _unwrap(obj).load_state_dict(sd, strict=strict)
         else:
             obj.load_state_dict(sd)
+
+    @staticmethod
+    def _check_fits(path, state: dict[str, Any], entries: dict[str, Any], meta: dict, strict: bool) -> None:
+        """The Trainer's and the Accelerator's checks, per entry: a model's weights fit it
+        (keys when ``strict``, shapes and dtype kinds always: int32 weights are not loaded
+        into a float model); an optimizer's state is one of the same class (recorded at
+        save: Adam's state would set an AdamW's weight decay to 0) with the same groups and
+        options (SGD refuses Adam's state here, not with a ``KeyError`` at its first step)."""
+        from ember.checkpoint import io as cio
+        from ember.checkpoint.trust import check_optimizers
+        recorded = meta.get(_FABRIC_META, {}).get("optimizers") or {}
+        for name, obj in state.items():
+            if name not in entries:
+                continue
+            where = f"{os.fspath(path)} (entry {name!r})"
+            value = entries[name]
+            if isinstance(obj, nn.Module) and isinstance(value, Mapping) and \
+                    all(isinstance(v, torch.Tensor) for v in value.values()):
+                cio.check_compatible(_unwrap(obj), dict(value), where, strict=strict)
+            elif isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optimizer", None),
+                                                                      torch.optim.Optimizer):
+                names = [recorded[name]] if isinstance(recorded, dict) and name in recorded else []
+                check_optimizers([obj], [entries[name]], {"optimizers": names}, where,
+                                 given=f"the state to load gives {name!r} as", instead=f"leave {name!r} out")
 
     @staticmethod
     def _read(path) -> tuple[dict | None, dict, dict]:
@@ -470,10 +546,16 @@ class Fabric:
     def _entries(weights: dict | None, saved: dict, meta: dict) -> dict[str, Any]:
         fm = meta.get(_FABRIC_META, {})
         out: dict[str, Any] = {}
+        modules = list(fm.get("modules", []))
+        prefixes = fm.get("prefixes") if isinstance(fm.get("prefixes"), dict) else None
         for name in fm.get("entries", list(saved)):
-            if name in fm.get("modules", []):
-                prefix = f"{name}."
-                out[name] = {k[len(prefix):]: v for k, v in (weights or {}).items() if k.startswith(prefix)}
+            if name in modules:
+                if prefixes is not None:       # written with unambiguous prefixes
+                    prefix = prefixes.get(name, f"{name}.")
+                    out[name] = {k[len(prefix):]: v for k, v in (weights or {}).items() if k.startswith(prefix)}
+                else:                          # an older save: the longest module name owns a key
+                    out[name] = {k[len(name) + 1:]: v for k, v in (weights or {}).items()
+                                 if k.startswith(f"{name}.") and _owner(k, modules) == name}
             elif name in saved:
                 out[name] = saved[name]
         return out

@@ -112,7 +112,7 @@ def convert_lightning_checkpoint(path: str | os.PathLike, out_dir: str | os.Path
             "epoch": ckpt.get("epoch"), "global_step": ckpt.get("global_step"),
             "converted_from": {"format": "lightning", "file": os.path.basename(path),
                                "version": ckpt.get("pytorch-lightning_version")}}
-    return cio.write_checkpoint(out_dir, weights, None, meta)
+    return cio.write_checkpoint(out_dir, weights, None, meta, what="convert_lightning_checkpoint")
 
 
 _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")

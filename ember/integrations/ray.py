@@ -100,18 +100,31 @@ class RayTrainReport(Callback):
 
     Use it with ``save_top_k=-1`` or a ``save_top_k`` that keeps each checkpoint until the
     next save point: a checkpoint deleted before the next point is not reported.
+
+    A checkpoint is reported once it is committed: with a background save
+    (``DDPStrategy(async_save=True)``) that is at the first save point after its write
+    ended (the strategy's ``after_commit``, which every rank runs at the same point), and
+    at the end of ``fit`` for the last one.
     """
 
     def __init__(self, metrics: "Iterable[str] | None" = None) -> None:
         _ray_train()   # fails at construction, not at the first save, without Ray
         self.metrics = None if metrics is None else list(metrics)
         self._reported: set[str] = set()
+        self._waiting: set[str] = set()      # kept by a checkpoint callback, commit not seen yet
+        self._committed: set[str] = set()
 
     def _pending(self, trainer) -> list[str]:
         paths: list[str] = []
         for cb in trainer.checkpoint_callbacks:
             for path in list(getattr(cb, "best_k_models", {}) or {}):
-                if path not in self._reported and path not in paths and not path.endswith(".safetensors"):
+                if path in self._reported or path in paths or path.endswith(".safetensors"):
+                    continue
+                if path not in self._committed and path not in self._waiting:
+                    # best_k_models holds a checkpoint before its background write commits
+                    self._waiting.add(path)
+                    trainer.strategy.after_commit(lambda p=path: self._committed.add(p))   # at once if none pending
+                if path in self._committed:
                     paths.append(path)
         return paths
 
@@ -126,6 +139,8 @@ class RayTrainReport(Callback):
         for path in sorted(pending, key=lambda p: (_step_of(p), p)):
             report(metrics, path)
             self._reported.add(path)
+            self._waiting.discard(path)
+            self._committed.discard(path)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self._report(trainer)
@@ -137,6 +152,8 @@ class RayTrainReport(Callback):
         self._report(trainer)
 
     def on_fit_end(self, trainer, module) -> None:
+        if trainer.strategy.save_pending:     # the last background save: committed now (every rank)
+            trainer.strategy.wait_for_checkpoint()
         self._report(trainer)
 
     def state_dict(self) -> dict:

@@ -378,10 +378,15 @@ def render_html(runs: list[RunData], charts: dict[str, list[str]], pngs: dict[st
     return "\n".join(parts)
 
 
-def write_report(paths: list[str], out: str | None = None) -> str:
+def write_report(paths: list[str], out: str | None = None, overwrite: bool = False) -> str:
     """Render the report of the runs in ``paths`` (log folders) to ``out`` (default:
     ``report.html`` in the run's folder for one run, in the current folder for
-    several) plus ``<out stem>_charts/<chart>.png``. Returns the page's path."""
+    several) plus ``<out stem>_charts/<chart>.png``. Returns the page's path.
+
+    ``out`` follows ``ember predict --output``'s rules (checked before anything is drawn):
+    not a folder, nothing inside an ember checkpoint, and an existing file is replaced
+    only when it is a report ember wrote, or with ``overwrite``; the charts folder holds
+    only PNG files. MisconfigurationError naming ``--out`` otherwise."""
     try:
         from ember.checkpoint.rng import keep_rng_states
         with keep_rng_states():   # a first import leaves the user's random streams as they were
@@ -401,8 +406,9 @@ def write_report(paths: list[str], out: str | None = None) -> str:
     if out is None:
         out = os.path.join(runs[0].path, "report.html") if len(runs) == 1 else "report.html"
     out = os.fspath(out)
-    charts = group_charts(runs)
     png_dir = os.path.splitext(out)[0] + "_charts"
+    _check_out(out, png_dir, overwrite)
+    charts = group_charts(runs)
     os.makedirs(png_dir, exist_ok=True)
     pngs, names = {}, {}
     for key in list(charts):
@@ -423,11 +429,54 @@ def write_report(paths: list[str], out: str | None = None) -> str:
             f.write(pngs[key])
     page = render_html(runs, charts, pngs, {k: os.path.basename(png_dir) + "/" + v for k, v in names.items()})
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(page)
-    os.replace(tmp, out)
+    import uuid
+    tmp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"     # a name of its own: never a file of the user's
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
     return out
+
+
+_PAGE_START = "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>ember run report: "
+
+
+def _is_report(path: str) -> bool:
+    """Whether ``path`` is a regular file that starts as every page ember writes does."""
+    try:
+        if os.path.islink(path) or not os.path.isfile(path):
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(_PAGE_START)).decode("utf-8", "replace") == _PAGE_START
+    except OSError:
+        return False
+
+
+def _check_out(out: str, png_dir: str, overwrite: bool) -> None:
+    """``--out``: ``ember predict --output``'s rules (``check_output_path``), where a report
+    ember wrote earlier may be replaced without ``--overwrite``; the charts folder is new
+    or holds PNG files only, and lies in no checkpoint."""
+    from ember.callbacks.prediction_writer import check_output_path
+    from ember.checkpoint.trust import checkpoint_containing
+    if os.path.lexists(out) and not os.path.isdir(out) and not overwrite and not _is_report(out):
+        raise MisconfigurationError(f"--out {out!r} exists and is not a report ember wrote; refusing to "
+                                    "overwrite it. Choose another path, or pass --overwrite")
+    check_output_path(out, True, (), "--out")
+    if os.path.lexists(png_dir):
+        others = (sorted(n for n in os.listdir(png_dir) if not n.endswith(".png"))
+                  if os.path.isdir(png_dir) and not os.path.islink(png_dir) else None)
+        if others is None or others:
+            raise MisconfigurationError(
+                f"--out {out!r}: its charts go to {png_dir}, which "
+                + ("is not a folder" if others is None else f"holds other files ({others[:5]})")
+                + "; refusing to write into it. Choose another --out")
+        if checkpoint_containing(png_dir):
+            raise MisconfigurationError(f"--out {out!r}: its charts folder {png_dir} lies inside the checkpoint "
+                                        f"{checkpoint_containing(png_dir)}. Choose a path outside it")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -437,13 +486,16 @@ def add_subcommand(sub, fmt) -> None:
                         formatter_class=fmt, description=__doc__.split("\n\n")[0])
     sp.add_argument("runs", nargs="+", metavar="LOG_DIR", help="a run's log folder (several: overlaid)")
     sp.add_argument("--out", "-o", default=None, metavar="FILE",
-                    help="the HTML file (default: LOG_DIR/report.html; report.html for several runs)")
+                    help="the HTML file (default: LOG_DIR/report.html; report.html for several runs); an "
+                         "existing file is replaced only when it is a report ember wrote, or with --overwrite")
+    sp.add_argument("--overwrite", action="store_true",
+                    help="replace the --out file if it exists (never a file inside a checkpoint)")
 
 
 def report_command(args) -> int:
     from ember.errors import UsageError
     try:
-        path = write_report(args.runs, args.out)
+        path = write_report(args.runs, args.out, overwrite=args.overwrite)
     except MisconfigurationError as err:
         raise UsageError(str(err)) from None
     print(path)

@@ -505,8 +505,7 @@ class DeepSpeedStrategy(DDPStrategy):
         error = None
         if self.is_global_zero:
             try:
-                cio._remove(tmp)
-                os.makedirs(tmp)
+                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.tmp
             except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
                 error = err
         from ember.strategies.full_load import raise_rank0_error

@@ -182,7 +182,7 @@ def drop(path: str, writer: "RankWriter | None", remove_tmp: bool, exc: BaseExce
         with contextlib.suppress(Exception):
             writer.wait()
     if remove_tmp:
-        cio._remove(cio.tmp_path(path))
+        cio.remove_staging(path)
     warnings.warn(f"the asynchronous save of {path} was not committed: the run failed ({type(exc).__name__})",
                   UserWarning, stacklevel=3)
 

@@ -476,10 +476,14 @@ class FSDPStrategy(DDPStrategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
         tmp = cio.tmp_path(path)
+        from ember.strategies.full_load import raise_rank0_error
+        error = None
         if self.is_global_zero:
-            cio._remove(tmp)
-            os.makedirs(tmp)
-        self.barrier("save_checkpoint:tmp")
+            try:
+                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.tmp
+            except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
+                error = err
+        raise_rank0_error(self, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
         if weights_only:
             sd = {_DCP_KEY_MODEL: get_model_state_dict(module)}
         else:
@@ -499,7 +503,7 @@ class FSDPStrategy(DDPStrategy):
             dcp.save(sd, checkpoint_id=target)
         except BaseException:
             if self.is_global_zero:
-                cio._remove(tmp)
+                cio.remove_staging(path)
             raise
         self._commit(path, state, meta)
 

@@ -176,6 +176,7 @@ def test_stale_tmp_and_old_dirs_are_ignored_and_cleaned(tmp_path):
     # crash during a replacement left a complete previous version under .old-<hex>
     stale = tmp_path / "epoch=1-step=20.tmp"
     stale.mkdir()
+    (stale / cio.STAGING_MARKER).touch()      # every staging folder ember makes starts with it
     (stale / "model.safetensors").write_bytes(b"\x00" * 10)
     old = tmp_path / "epoch=0-step=10.old-0123abcd"
     cio.write_checkpoint(old, {"w": torch.zeros(2)}, {"s": 0}, {})

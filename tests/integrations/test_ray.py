@@ -75,3 +75,21 @@ def test_ray_train_reports_checkpoints_and_resumes_from_one(ray_local, tmp_path,
     result = _fit(loop, tmp_path / "b", "b", storage, resume_from=start)
     assert result.error is None
     assert _equal(_final(tmp_path / "b"), _final(tmp_path / "a"))
+
+
+@pytest.mark.timeout(400)
+def test_ray_train_reports_background_saves_once_committed(ray_local, tmp_path):
+    """DDPStrategy(async_save=True): ModelCheckpoint keeps a checkpoint before its background
+    write commits; RayTrainReport waits for the commit (it failed the fit with
+    'report(checkpoint_dir=...): not a folder'), and every checkpoint still reaches Ray."""
+    import sys
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import ray_loops
+    finally:
+        sys.path.remove(SCRIPTS)
+    result = _fit(ray_loops.trainer_loop, tmp_path / "a", "a", tmp_path / "ray", async_save=True)
+    assert result.error is None, result.error
+    names = [f"epoch={s // 9}-step={s}" for s in range(2, 17, 2)]
+    assert sorted(os.path.basename(c.path) for c, _ in result.best_checkpoints) == sorted(names)
+    assert os.path.basename(result.checkpoint.path) == names[-1]

@@ -44,7 +44,11 @@ def trainer_loop(config):
             return torch.optim.AdamW(self.parameters(), lr=0.01)
 
     root = config["root"]
-    trainer = ember.Trainer(max_epochs=2, devices="cpu", seed=7, log_every_n_steps=2, logger=False,
+    strategy = "auto"
+    if config.get("async_save"):
+        from ember.strategies import DDPStrategy
+        strategy = DDPStrategy(async_save=True)
+    trainer = ember.Trainer(max_epochs=2, devices="cpu", seed=7, log_every_n_steps=2, logger=False, strategy=strategy,
                             callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"),
                                                        every_n_train_steps=2, save_top_k=-1), RayTrainReport()],
                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)

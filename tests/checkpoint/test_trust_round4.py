@@ -1,0 +1,273 @@
+"""Every writer checks its target in one place, the low-level checkpoint writer: no ember
+writer replaces or deletes anything it did not create (Fabric.save,
+convert_lightning_checkpoint, ModelCheckpoint's ``last``, ``ember report --out``). And
+a DCP ``.metadata`` that claims more than its files hold is refused before anything is
+allocated."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ember
+from conftest import LinearModule, regression_data
+from ember.checkpoint import io as cio
+from ember.errors import CheckpointError
+from helpers import reseal
+
+
+def _tree(root: Path) -> dict:
+    """Every file under ``root`` (or ``root`` itself) with its bytes, and every folder."""
+    if root.is_file():
+        return {".": root.read_bytes()}
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else "dir") for p in sorted(root.rglob("*"))}
+
+
+def _user_folders(tmp_path: Path) -> dict[str, Path]:
+    """What a user keeps next to checkpoints: a results folder, a dataset folder with its
+    own ``meta.json``, a notes file, a folder named like a staging folder, and an export
+    folder of checkpoint-like names under a ``.tmp`` name."""
+    results = tmp_path / "results"
+    (results / "plots").mkdir(parents=True)
+    (results / "results.csv").write_text("epoch,acc\n0,0.5\n")
+    (results / "plots" / "acc.png").write_bytes(b"\x89PNG")
+    data = tmp_path / "data"
+    (data / "images").mkdir(parents=True)
+    (data / "meta.json").write_text(json.dumps({"format_version": 1, "classes": 10}))
+    (data / "images" / "0.png").write_bytes(b"\x89PNG")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    run_tmp = tmp_path / "run.tmp"
+    run_tmp.mkdir()
+    (run_tmp / "draft.py").write_text("print('mine')")
+    export_tmp = tmp_path / "export.tmp"
+    export_tmp.mkdir()
+    (export_tmp / "model.safetensors").write_bytes(b"someone else's weights")
+    return {"results": results, "data": data, "notes.txt": notes, "run": run_tmp, "export": export_tmp}
+
+
+# -- the one place: the writer itself -----------------------------------------------------------
+@pytest.mark.parametrize("target", ["results", "data", "notes.txt", "run", "export"])
+def test_the_low_level_writer_refuses_every_user_target(tmp_path, target):
+    """``write_checkpoint`` (what every save calls) checks the target itself: a caller that
+    skips ``check_save_target`` can no longer replace a folder, a file or a ``NAME.tmp``."""
+    folders = _user_folders(tmp_path)
+    before = {k: _tree(v) for k, v in folders.items()}
+    path = folders[target] if target not in ("run", "export") else tmp_path / target
+    with pytest.raises(CheckpointError, match="refusing to (replace|delete)"):
+        cio.write_checkpoint(path, {"w": torch.ones(2)}, {"step": 1}, {})
+    assert {k: _tree(v) for k, v in folders.items()} == before
+
+
+def test_a_staging_folder_ember_made_is_still_replaced_and_carries_no_marker(tmp_path):
+    path = tmp_path / "ck"
+    tmp = Path(cio.make_staging(path))            # as a save killed midway leaves it
+    (tmp / "model.safetensors").write_bytes(b"half")
+    cio.write_checkpoint(path, {"w": torch.ones(2)}, {"step": 1}, {})
+    assert cio.is_checkpoint(path) and not tmp.exists()
+    assert cio.STAGING_MARKER not in os.listdir(path)
+    cio.write_checkpoint(path, {"w": torch.zeros(2)}, {"step": 2}, {})   # its own checkpoint: replaced
+    assert cio.read_checkpoint(path)[1] == {"step": 2}
+
+
+# -- item 1: Fabric.save --------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["results", "data", "notes.txt", "run", "export"])
+def test_fabric_save_never_replaces_or_deletes_a_users_files(tmp_path, target):
+    folders = _user_folders(tmp_path)
+    before = {k: _tree(v) for k, v in folders.items()}
+    fabric = ember.Fabric(devices=1)
+    model = fabric.setup(nn.Linear(2, 1))
+    path = folders[target] if target not in ("run", "export") else tmp_path / target
+    with pytest.raises(CheckpointError, match=r"Fabric.save\(.*refusing to (replace|delete)"):
+        fabric.save(path, {"model": model, "step": 3})
+    assert {k: _tree(v) for k, v in folders.items()} == before
+    fabric.save(tmp_path / "ok", {"model": model, "step": 3})
+    fabric.save(tmp_path / "ok", {"model": model, "step": 4})       # its own checkpoint: replaced
+    assert fabric.load(tmp_path / "ok")["step"] == 4
+
+
+# -- item 2: convert_lightning_checkpoint ---------------------------------------------------------
+def test_convert_lightning_checkpoint_never_replaces_a_project_folder_or_a_file(tmp_path):
+    from ember.utils import convert_lightning_checkpoint
+    ckpt = tmp_path / "epoch=0.ckpt"
+    torch.save({"state_dict": {"net.weight": torch.ones(1, 4), "net.bias": torch.zeros(1)},
+                "hyper_parameters": {"lr": 0.1}, "epoch": 0, "global_step": 4}, ckpt)
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "train.py").write_text("import ember\n")
+    (project / "data" / "x.csv").write_text("1,2\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    for out in (project, notes):
+        before = _tree(out)
+        with pytest.raises(CheckpointError, match=r"convert_lightning_checkpoint\(.*refusing to replace"):
+            convert_lightning_checkpoint(str(ckpt), str(out))
+        assert _tree(out) == before
+    out = convert_lightning_checkpoint(str(ckpt), str(tmp_path / "converted"))
+    assert torch.equal(cio.read_checkpoint(out)[0]["net.weight"], torch.ones(1, 4))
+
+
+# -- item 3: ModelCheckpoint(save_last=True) --------------------------------------------------------
+def _fit_with_last(root: Path, dirpath: Path, weights_only: bool = False):
+    from ember.callbacks import ModelCheckpoint
+    t = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(root), devices="cpu",
+                      callbacks=[ModelCheckpoint(dirpath=str(dirpath), save_last=True, save_weights_only=weights_only)])
+    t.fit(LinearModule(), torch.utils.data.DataLoader(regression_data(16), batch_size=4))
+    return t
+
+
+@pytest.mark.parametrize("kind", ["folder", "file", "safetensors"])
+def test_save_last_never_replaces_a_users_last(tmp_path, kind):
+    dirpath = tmp_path / "ck"
+    dirpath.mkdir()
+    if kind == "folder":
+        last = dirpath / "last"
+        last.mkdir()
+        (last / "notes.md").write_text("my notes")
+        (last / "model.safetensors").write_bytes(b"mine")
+    else:
+        last = dirpath / ("last" if kind == "file" else "last.safetensors")
+        last.write_bytes(b"my own weights, not ember's")
+    before = _tree(last)
+    with pytest.raises(CheckpointError, match=r"ModelCheckpoint\(save_last=True\): refusing to replace"):
+        _fit_with_last(tmp_path, dirpath, weights_only=kind == "safetensors")
+    assert _tree(last) == before
+
+
+def test_save_last_appearing_during_the_run_is_left_alone(tmp_path):
+    """A ``last`` created after setup (another program) is not replaced: a warning says so."""
+    from ember.callbacks import Callback
+    dirpath = tmp_path / "ck"
+
+    class MakeLast(Callback):
+        def on_train_start(self, trainer, module):
+            (dirpath / "last").mkdir()
+            (dirpath / "last" / "notes.md").write_text("mine")
+
+    from ember.callbacks import ModelCheckpoint
+    t = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path), devices="cpu",
+                      callbacks=[MakeLast(), ModelCheckpoint(dirpath=str(dirpath), save_last=True)])
+    with pytest.warns(UserWarning, match="not updating .*last"):
+        t.fit(LinearModule(), torch.utils.data.DataLoader(regression_data(16), batch_size=4))
+    assert (dirpath / "last" / "notes.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_save_last_still_follows_its_own_link_and_folder(tmp_path, weights_only):
+    dirpath = tmp_path / "ck"
+    last = dirpath / ("last.safetensors" if weights_only else "last")
+    _fit_with_last(tmp_path / "a", dirpath, weights_only)
+    assert os.path.islink(last) and (weights_only or cio.is_checkpoint(last))
+    _fit_with_last(tmp_path / "b", dirpath, weights_only)            # a second run replaces its own link
+    assert os.path.islink(last)
+    os.remove(last)                                   # where symlinks fail: a copy, replaced again
+    if weights_only:
+        shutil.copy2(next(p for p in dirpath.glob("epoch=*.safetensors")), last)
+    else:
+        shutil.copytree(cio.list_checkpoints(dirpath)[-1], last)
+    _fit_with_last(tmp_path / "c", dirpath, weights_only)
+    assert os.path.islink(last)
+
+
+# -- item 4: ember report --out ---------------------------------------------------------------------
+@pytest.fixture
+def run_dir(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("epoch,step,train/loss\n0,1,1.0\n0,2,0.5\n")
+    return run
+
+
+def test_report_out_follows_predict_outputs_rules(tmp_path, run_dir):
+    from ember.cli import main as cli_main
+    ckpt = cio.write_checkpoint(tmp_path / "ckpt", {"w": torch.ones(2)}, None, {})
+    weights = Path(ckpt) / "model.safetensors"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    before = weights.read_bytes()
+    for out, extra in ((weights, []), (notes, []), (tmp_path, []), (weights, ["--overwrite"])):
+        assert cli_main(["report", str(run_dir), "--out", str(out), *extra]) == 2
+    assert weights.read_bytes() == before and notes.read_text() == "precious"
+    assert not (Path(ckpt) / "model_charts").exists()
+    assert cli_main(["report", str(run_dir)]) == 0
+    assert cli_main(["report", str(run_dir)]) == 0                       # its own report: replaced
+    assert cli_main(["report", str(run_dir), "--out", str(notes), "--overwrite"]) == 0
+    assert notes.read_text().startswith("<!DOCTYPE html>")
+
+
+# -- item 12: DCP metadata claiming huge tensors ----------------------------------------------------
+def test_dcp_metadata_claiming_a_huge_tensor_is_refused_before_allocating(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from ember.strategies.fsdp import load_full_weights
+    path = tmp_path / "ck"
+    tmp = Path(cio.tmp_path(path))       # as FSDPStrategy stages it: every rank writes its DCP shards here
+    tmp.mkdir()
+    module = LinearModule()
+    dcp.save({"model": module.state_dict()}, checkpoint_id=str(tmp / cio.DCP_WEIGHTS_DIR), no_dist=True)
+    files = {f"{cio.DCP_WEIGHTS_DIR}/{p.name}": p.stat().st_size for p in (tmp / cio.DCP_WEIGHTS_DIR).iterdir()}
+    cio.write_checkpoint(path, None, None, {"strategy": "fsdp", "hparams": {}}, keep_existing_tmp=True,
+                         extra_files=files)
+    assert torch.equal(load_full_weights(str(path))["net.weight"], module.state_dict()["net.weight"])
+    md_file = path / cio.DCP_WEIGHTS_DIR / ".metadata"
+    md = pickle.loads(md_file.read_bytes())       # our own file: trusted here
+    key = "model.net.weight"
+    big = torch.Size([2**20, 2**20])
+    md.state_dict_metadata[key] = dataclasses.replace(
+        md.state_dict_metadata[key], size=big,
+        chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=big)])
+    md_file.write_bytes(pickle.dumps(md))
+    reseal(path)
+    with pytest.raises(CheckpointError, match=r"claims the tensor 'model.net.weight' is \[1048576, 1048576\]"):
+        load_full_weights(str(path))
+
+
+# -- weights files and exports -----------------------------------------------------------------------
+def test_weights_files_replace_only_what_ember_wrote(tmp_path):
+    from safetensors.torch import save_file
+    theirs = tmp_path / "hf"
+    theirs.mkdir()
+    save_file({"w": torch.ones(2)}, str(theirs / "model.safetensors"), metadata={"format": "pt"})
+    single = tmp_path / "w.safetensors"
+    save_file({"w": torch.ones(2)}, str(single))
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match="refusing to replace .*model.safetensors: .* ember did not write"):
+        cio.save_model_sharded({"w": torch.zeros(2)}, theirs)
+    with pytest.raises(CheckpointError, match="refusing to replace .*w.safetensors"):
+        cio.save_weights_file(single, {"w": torch.zeros(2)})
+    assert _tree(tmp_path) == before
+    ours = tmp_path / "export"
+    cio.save_model_sharded({"a": torch.ones(64), "b": torch.ones(64)}, ours, max_shard_size=300)
+    assert sorted(os.listdir(ours)) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                        "model.safetensors.index.json"]
+    cio.save_model_sharded({"a": torch.zeros(64), "b": torch.zeros(64)}, ours)      # its own export: replaced
+    assert sorted(os.listdir(ours)) == ["model.safetensors"]
+    assert torch.equal(cio.load_model_sharded(ours)["a"], torch.zeros(64))
+
+
+def test_a_deepspeed_checkpoint_with_its_recovery_scripts_is_still_ember_s(tmp_path):
+    """DeepSpeed copies zero_to_fp32.py and zero_to_torch.py next to its files (into the
+    staging folder, so into the checkpoint): a save over it, a failed save's clean-up and
+    ModelCheckpoint's top-k deletion still recognise the folder as ember's."""
+    path = tmp_path / "step=3"
+    tmp = Path(cio.make_staging(path))
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (tmp / name).write_text("# DeepSpeed's recovery script\n")
+    cio.remove_staging(path)
+    assert not tmp.exists()
+    cio.write_checkpoint(path, {"w": torch.ones(2)}, {"step": 3}, {})
+    (path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+    cio.write_checkpoint(path, {"w": torch.zeros(2)}, {"step": 4}, {})
+    (path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+    cio.remove_checkpoint(path)
+    assert not path.exists()
