@@ -7,8 +7,9 @@ The import lines below are the only ember-specific lines: run under
 ``ember`` modules to ``accelerate``'s), so the printed metrics can be compared.
 
 A tiny BERT from a config and synthetic token data stand in for GLUE MRPC (no
-downloads). ``shuffle=False`` for training: ember's data order comes from (seed,
-epoch), Accelerate's from its own sampler seed (see docs/porting.md).
+downloads). ``shuffle=False`` for training, as in the first rounds (on one process
+ember's shuffled order equals Accelerate's: tests/data/test_pass_orders.py, and
+docs/porting.md).
 
     python tests/ports/accelerate/by_feature.py OUT.json [PATTERN ...]
     ember launch --num_processes 2 --cpu tests/ports/accelerate/by_feature.py OUT.json
