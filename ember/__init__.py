@@ -52,7 +52,8 @@ _NOT_PORTED = {
     "cpu_offload_with_hook": "ember.big_modeling.dispatch_model(model, device_map={'': 'cpu'}, main_device='cuda')",
     "disk_offload": "ember.big_modeling.dispatch_model(model, device_map={'': 'disk'}, offload_dir=...)",
     "debug_launcher": "ember.notebook_launcher(function, args, num_processes=2) (CPU processes on a CPU machine)",
-    "ParallelismConfig": "a strategy: ember.strategies.FSDPStrategy or ModelParallelStrategy (Accelerator(strategy=...))",
+    "ParallelismConfig": "a strategy: ember.strategies.FSDPStrategy or ModelParallelStrategy "
+                         "(Accelerator(strategy=...))",
     "AutocastKwargs": "Accelerator(precision=...) and `with accelerator.autocast():`",
     "DDPCommunicationHookType": "ember.strategies.DDPStrategy (Accelerator(strategy=DDPStrategy(...)))",
     "DeepSpeedPlugin": "ember.strategies.DeepSpeedStrategy (Accelerator(strategy='deepspeed'))",

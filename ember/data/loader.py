@@ -38,6 +38,7 @@ class DataLoaderShard:
                                 and original is not None and edata.draws_sampler_seed(original))
         self._epoch_set = False   # set_epoch was called since the last pass started
         self._left = False        # the last pass was left before its end (the next one is a new epoch)
+        self._open: object | None = None   # the pass started and not over yet (its token)
         #: read one batch ahead, to know the last batch when it is handed out
         #: (:attr:`end_of_dataloader`, the Accelerator's gradient sync on it, as Accelerate);
         #: False (``Fabric``'s loaders, as Lightning Fabric): never read past what the loop
@@ -91,9 +92,10 @@ class DataLoaderShard:
         acc, base = self._acc, self.base
         skip, self._skip = self._skip, 0
         resumed = self._restored
-        if self._left and not self._epoch_set and not resumed:
+        if (self._left or self._open is not None) and not self._epoch_set and not resumed:
             self.epoch += 1   # the last pass was left before its end: this one is the next epoch
         self._left = self._epoch_set = False
+        me = self._open = object()   # an older iterator closed later does not speak for this pass
         if not resumed:   # a pass resumed by load_state continues the saved RNG stream as is
             drawn = edata.draw_like_a_dataloader(self._draws)   # what the user's DataLoader takes per pass
             if self._draw_order:   # its RandomSampler's seed (the last draw), rank 0's on every rank
@@ -149,7 +151,9 @@ class DataLoaderShard:
             if acc.step_rules.scheduler_step_pending:
                 acc.step_rules.flush()   # the pass's last scheduler step (its skip flag is read now)
         finally:
-            self._left = not complete   # left before its end (a break): the next pass is a new epoch
+            if self._open is me:
+                self._open = None
+                self._left = not complete   # left before its end (a break): the next pass is a new epoch
             acc._active_loader = prev
             resume.release(base, source)   # a StatefulDataLoader left mid-pass keeps its workers otherwise
 
@@ -190,6 +194,7 @@ class DataLoaderShard:
         edata.restore_generator(self.base, state, legacy_epoch=epoch, where="load_state (dataloader state)")
         self.epoch, self.batches_done, self._skip = epoch, done, done
         self._left = self._epoch_set = False
+        self._open = None
         # a stateful loader's state is loaded now: a state it refuses raises inside load_state,
         # where the processes agree on the outcome
         self._saved = resume.apply_position(self.base, saved, done, "load_state (dataloader state)")

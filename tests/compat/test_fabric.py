@@ -289,7 +289,8 @@ def test_ember_fabric_namespace_as_lightnings():
     from ember.fabric.utilities.types import LRScheduler, Optimizable
     from ember.fabric.wrappers import _unwrap_objects
     assert L.fabric.Fabric is Fabric and L.fabric.seed_everything is ember.seed_everything
-    assert issubclass(FSDPStrategy, Strategy) and issubclass(CSVLogger, Logger) and issubclass(TensorBoardLogger, Logger)
+    assert issubclass(FSDPStrategy, Strategy) and issubclass(CSVLogger, Logger)
+    assert issubclass(TensorBoardLogger, Logger)
     assert callable(rank_zero_only) and callable(rank_zero_warn) and callable(measure_flops)
     assert issubclass(ThroughputMonitor, Throughput)
     assert isinstance(torch.optim.SGD(_net().parameters(), lr=0.1), Optimizable)
@@ -343,7 +344,8 @@ def test_throughput_equals_lightnings_and_the_monitor_takes_a_fabric(tmp_path):
             assert ours.compute() == theirs.compute()
     net = nn.Linear(16, 8)
     x = torch.randn(4, 16)
-    assert measure_flops(net, lambda: net(x), lambda y: y.sum()) == l_measure_flops(net, lambda: net(x), lambda y: y.sum())
+    flops = measure_flops(net, lambda: net(x), lambda y: y.sum())
+    assert flops == l_measure_flops(net, lambda: net(x), lambda y: y.sum()) and flops > 0
     lg = CSVLogger(root_dir=tmp_path)
     f = Fabric(accelerator="cpu", devices=1, loggers=lg)
     mon = ThroughputMonitor(f, window_size=2)

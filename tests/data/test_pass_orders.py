@@ -90,3 +90,17 @@ def test_resume_continues_exactly_across_left_passes(tmp_path, save_at):
         cut = next(k for k, s in enumerate(full) if s[0] == p) + i + 1
         expected = full[cut:]
     assert resumed == expected and tail2 == tail
+
+
+def test_an_iterator_kept_alive_then_dropped_does_not_speak_for_the_next_pass():
+    acc = Accelerator(cpu=True, seed=1)
+    dl = acc.prepare(_loader())
+    it = iter(dl)
+    next(it)                              # a pass started and held, not finished
+    second = iter(dl)
+    first_of_second = next(second)[0].tolist()
+    assert dl.epoch == 1                  # a new pass: the next epoch
+    del it                                # the old iterator closes now, mid-way through the second pass
+    assert dl.state_dict()["batches_done"] == 1 and dl.state_dict()["epoch"] == 1
+    rest = [b.tolist() for (b,) in second]
+    assert len(rest) == 4 and first_of_second not in rest and dl.epoch == 2
