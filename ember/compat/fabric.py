@@ -56,9 +56,11 @@ class FabricModule(nn.Module):
     """What :meth:`Fabric.setup` returns for a model: its ``forward`` runs the prepared
     module (moved, wrapped for DDP) under Lightning Fabric's precision rules: floating
     inputs cast to the precision's dtype, the forward autocast under ``"16-mixed"`` /
-    ``"bf16-mixed"``, floating outputs cast back to the default dtype (float32). Only this
-    ``forward`` is: another method called through it (``model.training_step(...)``) runs
-    the original module as it is, as in Lightning Fabric. ``state_dict``,
+    ``"bf16-mixed"``, floating outputs cast back to the default dtype (float32). As in
+    Lightning Fabric, ``training_step`` and the other ``*_step`` methods (and those given to
+    :meth:`mark_forward_method`) called through the wrapper go through this ``forward`` when
+    the module is wrapped (DDP); otherwise, and for any other method, the original module's
+    method runs as it is (not autocast). ``state_dict``,
     ``load_state_dict`` and attribute reads go to the original module, so its keys carry
     no wrapper prefix on any number of processes. ``module`` is the original module."""
 
