@@ -58,10 +58,10 @@ _NOT_PORTED = {
     "DDPCommunicationHookType": "ember.strategies.DDPStrategy (Accelerator(strategy=DDPStrategy(...)))",
     "DeepSpeedPlugin": "ember.strategies.DeepSpeedStrategy (Accelerator(strategy='deepspeed'))",
     "FullyShardedDataParallelPlugin": "ember.strategies.FSDPStrategy (Accelerator(strategy='fsdp'))",
-    "is_rich_available": "importlib.util.find_spec('rich') is not None (ember's progress bar does not use rich)",
+    "is_rich_available": "importlib.util.find_spec('rich') is not None",
     "synchronize_rng_states": "nothing: prepared loaders agree their order across processes themselves "
                               "(ember.utils.set_seed seeds every process)",
-    "rich": "nothing (ember's progress bar does not use rich)",
+    "rich": "`import rich` (ember.callbacks.RichProgressBar draws with it)",
 }
 
 __all__ = ["Trainer", "TrainModule", "DataModule", "Accelerator", "Fabric", "seed_everything", "__version__"]
