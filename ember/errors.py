@@ -26,6 +26,11 @@ class DistributedOperationError(EmberError, RuntimeError):
     """Debug mode: the processes called different collectives, or one with tensors that do not fit."""
 
 
+class NotPortedError(EmberError, ImportError):
+    """A name of Lightning or Accelerate that ember does not offer (``from ember import
+    cpu_offload``): the message names ember's equivalent."""
+
+
 class UsageError(Exception):
     """A bad command-line value or config entry: reported as one line, exit code 2."""
 

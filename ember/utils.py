@@ -23,7 +23,7 @@ __all__ = ["set_seed", "ProjectConfiguration", "gather", "gather_object", "broad
            "pad_across_processes", "reduce", "send_to_device", "find_executable_batch_size",
            "release_memory", "should_reduce_batch_size", "tqdm", "DistributedType", "GradientAccumulationPlugin",
            "DataLoaderConfiguration", "write_basic_config", "DistributedDataParallelKwargs", "GradScalerKwargs",
-           "InitProcessGroupKwargs", "ProfileKwargs", "TorchDynamoPlugin", "is_main_process"]
+           "InitProcessGroupKwargs", "ProfileKwargs", "TorchDynamoPlugin", "is_main_process", "skip_first_batches"]
 
 
 def _strategy():
@@ -41,6 +41,19 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     if deterministic:
         torch.use_deterministic_algorithms(True)
     return seed_everything(seed)
+
+
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """Accelerate's ``skip_first_batches``: the next pass over ``dataloader`` starts after
+    ``num_batches`` batches. A loader prepared by an Accelerator skips indices (no data is
+    read) and is returned itself (:meth:`ember.Accelerator.skip_first_batches`); any other
+    iterable is wrapped and reads the skipped batches."""
+    from ember.distributed.processes import _Islice
+    from ember.data.loader import DataLoaderShard
+    if isinstance(dataloader, DataLoaderShard):
+        dataloader.skip(num_batches)
+        return dataloader
+    return _Islice(dataloader, num_batches)
 
 
 def is_main_process() -> bool:

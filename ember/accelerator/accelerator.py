@@ -51,8 +51,11 @@ class Accelerator(Topology):
         gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
         log_with: ``"tensorboard"`` | ``"csv"`` | ``"wandb"`` | ``"mlflow"`` | ``"all"`` | a Logger | a list of them.
         project_dir: where trackers and automatically named checkpoints go (default: cwd).
-        seed: seeds python/numpy/torch and the data order; default: the data order follows
-            ``torch.initial_seed()`` (so ``torch.manual_seed`` / ``seed_everything`` fix it).
+        seed: seeds python/numpy/torch and the data order (a shuffled loader's order is then
+            ``(seed, epoch)``); default: a prepared ``DataLoader(shuffle=True)`` draws its
+            order from the global torch RNG at the start of each pass, as the plain loader
+            does (rank 0's draw on every rank), so ``set_seed`` before or after the
+            Accelerator fixes it, and one process sees the plain loader's order.
         debug: check every collective's operation and shapes across ranks first
             (default: ``$EMBER_DEBUG``).
         mixed_precision: Accelerate's spelling (``"no"`` | ``"fp16"`` | ``"bf16"``) of ``precision``.
@@ -135,6 +138,9 @@ class Accelerator(Topology):
             self.save_iteration = int(it0)
         if data_opts.get("data_seed") is not None:   # DataLoaderConfiguration(data_seed=): the data order only
             self.seed = int(data_opts["data_seed"])
+        # no seed given: a prepared DataLoader(shuffle=True) draws its order at each pass from the
+        # global RNG as the plain loader does, so set_seed before or after Accelerator() fixes it
+        self._seed_given = seed is not None or data_opts.get("data_seed") is not None
 
     def _init(self, strategy) -> None:
         self.strategy = strategy
@@ -145,6 +151,7 @@ class Accelerator(Topology):
         self.step_scheduler_with_optimizer = True
         self.debug = False
         self.seed = None
+        self._seed_given = True
         self._step = 0
         self._models: list = []
         self._optimizers: list = []
@@ -287,7 +294,7 @@ class Accelerator(Topology):
             if isinstance(o, DataLoader):
                 from ember.compat.accelerate import split_loader
                 dl = split_loader(o, self.num_processes) if self._data_opts.get("split_batches") else o
-                out[i] = DataLoaderShard(self.setup_dataloader(dl), self, original=o)
+                out[i] = DataLoaderShard(self.setup_dataloader(dl), self, original=o, draw_order=not self._seed_given)
             elif is_scheduler(o) and not isinstance(o, AcceleratedScheduler):
                 out[i] = AcceleratedScheduler(o, self)
         self._models += [out[i] for i in mods]
@@ -657,7 +664,9 @@ class Accelerator(Topology):
                              doc="bool: a loader's batch is split over the processes")
     even_batches = property(lambda self: bool(self._data_opts.get("even_batches", True)),
                             doc="bool: every process gets as many batches (samples repeated)")
-    use_seedable_sampler = property(lambda self: True, doc="always: ember's order comes from (seed, epoch)")
+    use_seedable_sampler = property(lambda self: self._seed_given,
+                                    doc="whether the order comes from (seed, epoch) (a seed was given), "
+                                        "else from the global RNG at each pass")
     non_blocking = property(lambda self: bool(self._data_opts.get("non_blocking", False)),
                             doc="bool: batches are copied to the device with non_blocking=True")
     device_placement = property(lambda self: bool(self._data_opts.get("device_placement", True)),

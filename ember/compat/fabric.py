@@ -54,14 +54,23 @@ def _strategy(strategy: Any) -> Any:
 
 class FabricModule(nn.Module):
     """What :meth:`Fabric.setup` returns for a model: its ``forward`` runs the prepared
-    module (moved, wrapped for DDP, autocast by the precision); ``state_dict``,
+    module (moved, wrapped for DDP) under Lightning Fabric's precision rules: floating
+    inputs cast to the precision's dtype, the forward autocast under ``"16-mixed"`` /
+    ``"bf16-mixed"``, floating outputs cast back to the default dtype (float32). As in
+    Lightning Fabric, ``training_step`` and the other ``*_step`` methods (and those given to
+    :meth:`mark_forward_method`) called through the wrapper go through this ``forward`` when
+    the module is wrapped (DDP); otherwise, and for any other method, the original module's
+    method runs as it is (not autocast). ``state_dict``,
     ``load_state_dict`` and attribute reads go to the original module, so its keys carry
     no wrapper prefix on any number of processes. ``module`` is the original module."""
 
-    def __init__(self, forward_module: nn.Module, original_module: nn.Module) -> None:
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module, precision: Any = None) -> None:
         super().__init__()
         self._forward_module = forward_module
         self._original_module = original_module
+        self._precision = precision   # None: the forward runs as it is (a strategy that casts by itself)
+        #: methods called through the wrapper that go through ``forward`` (as Lightning Fabric's)
+        self._forward_methods = set(_STEP_METHODS)
         self._fabric_ready = True
 
     @property
@@ -70,8 +79,16 @@ class FabricModule(nn.Module):
         return self._original_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The prepared module's forward (DDP's gradient hooks, the precision's autocast)."""
-        return self._forward_module(*args, **kwargs)
+        """The prepared module's forward (DDP's gradient hooks) under the precision (see the class)."""
+        prec = self._precision
+        low = None if prec is None else (prec.autocast_dtype or (prec.param_dtype if prec.needs_input_cast else None))
+        if low is None:
+            return self._forward_module(*args, **kwargs)
+        from ember.precision import _cast_floats
+        args, kwargs = _cast_floats(args, low), _cast_floats(kwargs, low)
+        with prec.forward_context():
+            out = self._forward_module(*args, **kwargs)
+        return _cast_floats(out, torch.get_default_dtype())
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The original module's state dict (no ``_forward_module.`` / ``module.`` prefixes)."""
@@ -81,11 +98,55 @@ class FabricModule(nn.Module):
         """Load into the original module."""
         return self._original_module.load_state_dict(state_dict, strict=strict, **kwargs)
 
+    def mark_forward_method(self, method: Any) -> None:
+        """Route calls of ``method`` (a name or a bound method of the original module) made
+        through this wrapper through :meth:`forward` (the strategy's wrapper, the precision),
+        as Lightning Fabric's ``mark_forward_method``; ``training_step``, ``validation_step``,
+        ``test_step`` and ``predict_step`` are marked already."""
+        name = method if isinstance(method, str) else getattr(method, "__name__", None)
+        if name is None:
+            raise TypeError(f"mark_forward_method: expected a method or a name, got {type(method).__name__}")
+        if name == "forward":
+            raise ValueError("mark_forward_method: forward itself cannot be marked")
+        if not callable(getattr(self._original_module, name, None)):
+            raise AttributeError(f"mark_forward_method({name!r}): {type(self._original_module).__name__} has no "
+                                 f"method {name!r}")
+        self._forward_methods.add(name)
+
+    def _through_forward(self, name: str) -> Callable:
+        """``name`` called as the forward of the wrapped module (DDP's hooks, the precision),
+        as Lightning Fabric redirects a marked method when the module is wrapped."""
+        original = self._original_module
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            own = original.__dict__.get("forward")
+
+            def restore() -> None:
+                if own is None:
+                    original.__dict__.pop("forward", None)
+                else:
+                    original.__dict__["forward"] = own
+
+            def redirected(*a: Any, **k: Any) -> Any:
+                restore()   # the method may call the real forward itself
+                return getattr(original, name)(*a, **k)
+            original.__dict__["forward"] = redirected
+            try:
+                return self.forward(*args, **kwargs)
+            finally:
+                restore()
+        return call
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(super().__getattr__("_original_module"), name)
+            pass
+        original = super().__getattr__("_original_module")
+        if name in self.__dict__.get("_forward_methods", ()) and \
+                super().__getattr__("_forward_module") is not original:   # wrapped (DDP, ...): through forward
+            return self._through_forward(name)
+        return getattr(original, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if not self.__dict__.get("_fabric_ready") or name.startswith("_"):
@@ -115,6 +176,33 @@ def _prefixes(modules: list[str]) -> dict[str, str]:
     either's), ``[<i>]<name>.`` for all, which no two entries share."""
     clash = any(a != b and b.startswith(f"{a}.") for a in modules for b in modules)
     return {name: f"[{i}]{name}." if clash else f"{name}." for i, name in enumerate(modules)}
+
+
+class _EmptyInit(torch.overrides.TorchFunctionMode):
+    """While active, the ``torch.nn.init`` functions return their tensor untouched (Lightning
+    Fabric's ``init_module(empty_init=True)``): no time spent, no random number drawn."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.enabled and getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _user_key_path(err: Exception) -> Exception:
+    """A write error that names the format's inner level (``state['fabric']...``) names the
+    user's own key path (``state[...]``) instead."""
+    inner = f"state[{_FABRIC_META!r}]"
+    if isinstance(err, CheckpointError) and inner in str(err):
+        return CheckpointError(str(err).replace(inner, "state"))
+    return err
 
 
 def _unwrap(obj: Any) -> Any:
@@ -188,6 +276,8 @@ class Fabric:
         if plugins is not None:
             raise MisconfigurationError("Fabric(plugins=...) is not supported: pass precision=, strategy= "
                                         "(an ember Strategy for its options) instead")
+        if not isinstance(accelerator, str):   # an ember.fabric.accelerators.Accelerator (or Lightning-like) instance
+            accelerator = getattr(accelerator, "name", accelerator)
         self._acc = Accelerator(strategy=_strategy(strategy), devices=resolve_accelerator(accelerator, devices),
                                 num_nodes=num_nodes, precision=_precision(precision))
         self._callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else \
@@ -230,7 +320,7 @@ class Fabric:
         self._check_move(move_to_device)
         out = self._acc.prepare(module, *optimizers)
         out = out if isinstance(out, tuple) else (out,)
-        result = (FabricModule(out[0], module), *out[1:])
+        result = (self._wrap(out[0], module), *out[1:])
         if scheduler is not None:
             result = (*result, scheduler)
         return result[0] if len(result) == 1 else result
@@ -238,7 +328,16 @@ class Fabric:
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> FabricModule:
         """Prepare a model alone (set up its optimizers with :meth:`setup_optimizers`)."""
         self._check_move(move_to_device)
-        return FabricModule(self._acc.prepare(module), module)
+        return self._wrap(self._acc.prepare(module), module)
+
+    def _wrap(self, prepared: nn.Module, module: nn.Module) -> FabricModule:
+        """The FabricModule: Lightning Fabric's precision rules on its forward in place of the
+        Accelerator's (which autocast the module's own forward, outputs in the low dtype)."""
+        from ember.precision.forward import unwrap_forward
+        unwrap_forward(module)
+        strategy = self._acc.strategy
+        precision = None if strategy.owns_optimizer_step else strategy.precision   # DeepSpeed casts by itself
+        return FabricModule(prepared, module, precision)
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
         """Prepare optimizers alone: one comes back alone, several as a tuple."""
@@ -249,8 +348,11 @@ class Fabric:
         """Shard the loaders over the processes (as Fabric's ``DistributedSampler``: a
         shuffled loader is shuffled with the ``seed_everything`` seed and the pass number,
         the same permutation; a loader's own sampler is sharded after it draws), move batches
-        to the device, and advance the epoch at each pass. One loader comes back alone,
-        several as a list."""
+        to the device, and advance the epoch at each pass (also a pass left before its end,
+        unless ``set_epoch`` chose it). On one process a ``DataLoader(shuffle=True)`` draws
+        its order from the global torch RNG at each pass, as the plain loader (and Lightning
+        Fabric's) does. A loader reads no batch ahead of the loop. One loader comes back
+        alone, several as a list."""
         if not use_distributed_sampler:
             raise MisconfigurationError("setup_dataloaders(use_distributed_sampler=False) is not supported: ember "
                                         "shards every prepared loader (give the loader a DistributedSampler of "
@@ -260,7 +362,49 @@ class Fabric:
         if seed is not None:   # Fabric's sampler seed: the seed_everything seed (0 when none was set)
             self._acc.seed = int(seed)
         out = self._acc.prepare(*dataloaders)
+        from ember.data.loader import DataLoaderShard
+        for dl in out if isinstance(out, tuple) else (out,):
+            if isinstance(dl, DataLoaderShard):
+                dl.read_ahead = False   # as Lightning Fabric: never a batch past what the loop asked for
+                if self.world_size > 1 and dl._draw_order:
+                    # Lightning's DistributedSampler: (seed_everything seed, pass number), drawing no
+                    # sampler seed from the global RNG (the loader's worker base seed only)
+                    dl._draw_order = False
+                    dl._draws -= 1
         return list(out) if isinstance(out, tuple) else out
+
+    def init_module(self, empty_init: bool | None = None) -> ContextManager[None]:
+        """Context in which to build the model (Lightning Fabric's): on this process's
+        device, in the precision's dtype under a ``*-true`` precision. ``empty_init=True``:
+        the ``torch.nn.init`` initialisers are skipped (the weights are uninitialised memory,
+        to be loaded or initialised afterwards), so they draw no random numbers, as in
+        Lightning Fabric; under the FSDP strategy the model is built on the meta device and
+        materialised when set up. ``None``/``False``: initialised as usual."""
+        stack = contextlib.ExitStack()
+        strategy = self._acc.strategy
+        if strategy.name in ("fsdp", "deepspeed"):
+            if empty_init or strategy.name == "deepspeed":
+                stack.enter_context(strategy.module_init_context())   # meta / ZeRO-3 init, materialised in setup
+            else:
+                ctx = getattr(strategy.precision, "module_init_context", None)
+                stack.enter_context(ctx() if ctx is not None else contextlib.nullcontext())
+            return stack
+        stack.enter_context(torch.device(self.device))
+        stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
+        ctx = getattr(strategy.precision, "module_init_context", None)
+        if ctx is not None:
+            stack.enter_context(ctx())
+        return stack
+
+    def init_tensor(self) -> ContextManager[None]:
+        """Context in which new tensors are created on this process's device (and in the
+        dtype of a ``*-true`` precision)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device(self.device))
+        ctx = getattr(self._acc.strategy.precision, "module_init_context", None)
+        if ctx is not None:
+            stack.enter_context(ctx())
+        return stack
 
     @staticmethod
     def _check_move(move_to_device: bool) -> None:
@@ -457,7 +601,7 @@ class Fabric:
             try:
                 cio.write_checkpoint(path, weights, {_FABRIC_META: rest}, meta, what="Fabric.save")
             except Exception as err:   # reported to every rank below, raised here as it is
-                error = err
+                error = _user_key_path(err)
         raise_rank0_error(strategy, error, f"Fabric.save({path!r}) failed on rank 0")   # no closing barrier
 
     def load(self, path: str | os.PathLike, state: dict[str, Any] | None = None, strict: bool = True) -> dict[str, Any]:

@@ -16,15 +16,35 @@ _END = object()
 class DataLoaderShard:
     """A prepared DataLoader: sharded over processes, resumable, moves batches to the
     device, and tells the accelerator when the last batch is out
-    (:attr:`end_of_dataloader`). Each full pass is one epoch (:attr:`epoch` advances
-    and reshuffles); :attr:`batches_done` counts the batches of the current pass."""
+    (:attr:`end_of_dataloader`). Each pass is one epoch: :attr:`epoch` advances at the
+    end of a pass, and at the start of a new pass when the last one was left before its
+    end (a loop that breaks after N batches), unless :meth:`set_epoch` chose the epoch
+    since; :attr:`batches_done` counts the batches of the current pass.
 
-    def __init__(self, loader: Any, accelerator: Any, original: Any = None) -> None:
+    ``draw_order``: the user's ``DataLoader(shuffle=True)`` shuffles, as it would, with a
+    seed drawn from the global torch RNG at the start of each pass (its ``RandomSampler``'s
+    draw; rank 0's under several processes): the order follows the seed in force when the
+    iteration starts (``set_seed`` before or after the Accelerator) and equals the plain
+    loader's on one process. Otherwise the order is the run seed's ``(seed, epoch)``."""
+
+    def __init__(self, loader: Any, accelerator: Any, original: Any = None, draw_order: bool = False) -> None:
         self.base, self._acc, self._strategy = loader, accelerator, accelerator.strategy
         self.end_of_dataloader = False
         self._skip = self.batches_done = self.epoch = 0
         # what the user's DataLoader takes from the global RNG per pass (none when it is used as it is)
         self._draws = edata.global_rng_draws(original) if original is not None and original is not loader else 0
+        s = edata.sampler_of(loader)
+        self._draw_order = bool(draw_order and self._draws and type(s) is edata.ResumableSampler and s.shuffle
+                                and original is not None and edata.draws_sampler_seed(original))
+        self._epoch_set = False   # set_epoch was called since the last pass started
+        self._left = False        # the last pass was left before its end (the next one is a new epoch)
+        self._open: object | None = None   # the pass started and not over yet (its token)
+        #: read one batch ahead, to know the last batch when it is handed out
+        #: (:attr:`end_of_dataloader`, the Accelerator's gradient sync on it, as Accelerate);
+        #: False (``Fabric``'s loaders, as Lightning Fabric): never read past what the loop
+        #: asked for; the end is then known from the loader's length (after the last batch
+        #: for a stream without one)
+        self.read_ahead = True
         self._restored = False
         self._ahead: edata.LookAhead | None = None
         self._saved: dict | None = None   # the position load_state_dict read, for the next pass
@@ -58,8 +78,10 @@ class DataLoaderShard:
         return (getattr(self.base, "batch_size", None) or 1) * self._strategy.world_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Use the data order of ``epoch`` for the next pass."""
+        """Use the data order of ``epoch`` for the next pass (otherwise each new pass is
+        the next epoch, also after a pass left before its end)."""
         self.epoch = int(epoch)
+        self._epoch_set = True
 
     def skip(self, num_batches: int) -> None:
         """The next pass starts after ``num_batches`` batches (a map-style loader skips
@@ -70,17 +92,25 @@ class DataLoaderShard:
         acc, base = self._acc, self.base
         skip, self._skip = self._skip, 0
         resumed = self._restored
+        if (self._left or self._open is not None) and not self._epoch_set and not resumed:
+            self.epoch += 1   # the last pass was left before its end: this one is the next epoch
+        self._left = self._epoch_set = False
+        me = self._open = object()   # an older iterator closed later does not speak for this pass
         if not resumed:   # a pass resumed by load_state continues the saved RNG stream as is
-            edata.draw_like_a_dataloader(self._draws)   # what the user's DataLoader takes per pass
+            drawn = edata.draw_like_a_dataloader(self._draws)   # what the user's DataLoader takes per pass
+            if self._draw_order:   # its RandomSampler's seed (the last draw), rank 0's on every rank
+                seed = drawn[-1] if self._strategy.world_size == 1 else int(self._strategy.broadcast(drawn[-1]))
+                edata.sampler_of(base).pass_seed = seed
         self._restored = False
         edata.set_epoch(base, self.epoch)
         saved, self._saved = self._saved, None
         gas = acc.gradient_accumulation_steps
-        look_ahead = gas > 1 and self.num_batches is None
+        ahead = self.read_ahead
+        look_ahead = ahead and gas > 1 and self.num_batches is None
         # from batch ``skip``: by index, from a stateful loader's saved state, or read again
         # (a stream; warned about on a resume, not for skip_first_batches) (ember/data/resume.py)
         # (read one batch ahead below, to know the last: end_of_dataloader)
-        src = self._pass = resume.begin_pass(base, skip, saved, read_ahead=1 + (gas - 1 if look_ahead else 0),
+        src = self._pass = resume.begin_pass(base, skip, saved, read_ahead=int(ahead) + (gas - 1 if look_ahead else 0),
                                              warn=resumed and acc.is_main_process)
         self.batches_done = skip
         self.end_of_dataloader = False
@@ -90,6 +120,7 @@ class DataLoaderShard:
         acc._active_loader = self
         acc._finished_pass = None
         source = None
+        complete = False
         try:
             source = it = iter(src)
             self._ahead = None
@@ -98,7 +129,14 @@ class DataLoaderShard:
                 # is known when it starts (known_length), as in the Trainer
                 self._ahead = edata.LookAhead(it, gas - 1, start=skip)
                 it = iter(self._ahead)
-            nxt = next(it, _END)
+            if not ahead:   # read only what the loop asks for: the end is known from the length
+                n = self.num_batches
+                for cur in it:
+                    self.batches_done += 1
+                    self.end_of_dataloader = n is not None and self.batches_done >= n
+                    yield cur if to_device is None else to_device(cur)
+                self.end_of_dataloader = True
+            nxt = next(it, _END) if ahead else _END
             while nxt is not _END:
                 cur = nxt
                 nxt = next(it, _END)
@@ -108,10 +146,14 @@ class DataLoaderShard:
                 yield cur if to_device is None else to_device(cur)
             self.epoch += 1
             self.batches_done = 0
+            complete = True
             acc._finished_pass = self   # an epoch-end gather_for_metrics drops this pass's padding
             if acc.step_rules.scheduler_step_pending:
                 acc.step_rules.flush()   # the pass's last scheduler step (its skip flag is read now)
         finally:
+            if self._open is me:
+                self._open = None
+                self._left = not complete   # left before its end (a break): the next pass is a new epoch
             acc._active_loader = prev
             resume.release(base, source)   # a StatefulDataLoader left mid-pass keeps its workers otherwise
 
@@ -121,6 +163,11 @@ class DataLoaderShard:
         stateful loader's ``state_dict()``: :func:`ember.data.resume.position`; None for an
         index-based one), for a resume."""
         s = edata.sampler_of(self.base)
+        if self._left:   # the pass was left: the next one starts a new epoch, at its first batch
+            epoch = self.epoch + (0 if self._epoch_set else 1)
+            return {"epoch": epoch, "batches_done": 0,
+                    "sampler": {**s.state_dict(), "epoch": epoch} if isinstance(s, edata.ResumableSampler) else {},
+                    **edata.generator_checkpoint_state(self.base), "position": resume.position(self.base, None, 0)}
         out = {"epoch": self.epoch, "batches_done": self.batches_done,
                "sampler": s.state_dict() if isinstance(s, edata.ResumableSampler) else {}}
         out.update(edata.generator_checkpoint_state(self.base))   # a user sampler's own generator
@@ -156,6 +203,8 @@ class DataLoaderShard:
         # the state the next pass starts from
         edata.restore_generator(self.base, state, legacy_epoch=epoch, where="load_state (dataloader state)")
         self.epoch, self.batches_done, self._skip = epoch, done, done
+        self._left = self._epoch_set = False
+        self._open = None
         # a stateful loader's state is loaded now: a state it refuses raises inside load_state,
         # where the processes agree on the outcome
         self._saved = resume.apply_position(self.base, saved, done, "load_state (dataloader state)")

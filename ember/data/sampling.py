@@ -57,6 +57,10 @@ class ResumableSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self.start = 0  # number of this rank's indices to skip at the next __iter__
+        #: when set, the pass's shuffle seed in place of ``seed + epoch``: the seed a plain
+        #: ``RandomSampler`` draws from the global RNG at each pass (a prepared loader outside
+        #: the Trainer with no seed of its own: :class:`ember.data.loader.DataLoaderShard`)
+        self.pass_seed: int | None = None
         if drop_last and dataset_len % num_replicas:
             self.num_samples = dataset_len // num_replicas
         else:
@@ -75,7 +79,7 @@ class ResumableSampler(Sampler[int]):
         subclass may order it otherwise: :class:`LengthGroupedSampler`)."""
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+            g.manual_seed(self.seed + self.epoch if self.pass_seed is None else self.pass_seed)
             return torch.randperm(self.dataset_len, generator=g).tolist()
         return list(range(self.dataset_len))
 
@@ -100,10 +104,14 @@ class ResumableSampler(Sampler[int]):
         return self.num_samples
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch}
+        out = {"seed": self.seed, "epoch": self.epoch}
+        if self.pass_seed is not None:
+            out["pass_seed"] = self.pass_seed
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.epoch = int(state["seed"]), int(state["epoch"])
+        self.pass_seed = None if state.get("pass_seed") is None else int(state["pass_seed"])
 
 
 class _SkipBatchSampler(Sampler[list]):
@@ -811,9 +819,17 @@ def global_rng_draws(loader: Any) -> int:
     return n
 
 
-def draw_like_a_dataloader(n: int) -> None:
+def draw_like_a_dataloader(n: int) -> list[int]:
     """Take ``n`` values from the global torch RNG, as a plain DataLoader's pass does (its
-    workers' base seed, a RandomSampler's seed): the user's random stream advances exactly
-    as in a loop written by hand (:func:`global_rng_draws`)."""
-    for _ in range(n):
-        torch.empty((), dtype=torch.int64).random_()
+    workers' base seed, then a RandomSampler's seed): the user's random stream advances
+    exactly as in a loop written by hand (:func:`global_rng_draws`). Returns the values
+    (the last is the RandomSampler's seed when it draws one: :func:`draws_sampler_seed`)."""
+    return [int(torch.empty((), dtype=torch.int64).random_().item()) for _ in range(n)]
+
+
+def draws_sampler_seed(loader: Any) -> bool:
+    """Whether ``loader`` (the user's DataLoader) shuffles with a ``RandomSampler`` that
+    draws its seed from the global torch RNG at each pass (``shuffle=True``, no generator)."""
+    sampler = getattr(loader, "sampler", None)
+    return type(sampler) is RandomSampler and sampler.generator is None and not sampler.replacement \
+        and sampler._num_samples is None and getattr(loader, "generator", None) is None

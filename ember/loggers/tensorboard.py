@@ -9,6 +9,10 @@ from typing import Any
 from ember.loggers.base import DEFAULT_NAME, FileLogger, add_prefix, check_status, flatten_params, to_scalar
 
 
+#: the ``SummaryWriter`` keywords a TensorBoardLogger passes on (``log_dir`` is the logger's own)
+_WRITER_KWARGS = frozenset({"comment", "purge_step", "max_queue", "flush_secs", "filename_suffix"})
+
+
 class TensorBoardLogger(FileLogger):
     """Writes TensorBoard event files to ``save_dir/name/version_N``.
 
@@ -30,6 +34,12 @@ class TensorBoardLogger(FileLogger):
 
     def __init__(self, save_dir: str | os.PathLike, name: str | None = DEFAULT_NAME, version: int | str | None = None,
                  default_hp_metric: bool = False, prefix: str = "", handoff_secs: float = 5.0, **writer_kwargs: Any):
+        unknown = sorted(set(writer_kwargs) - _WRITER_KWARGS)
+        if unknown:   # never dropped silently (Fabric's root_dir= here would be lost)
+            hint = (" (root_dir= is the Fabric logger's: ember.fabric.loggers.TensorBoardLogger(root_dir=...), "
+                    "or save_dir= here)") if "root_dir" in unknown else ""
+            raise TypeError(f"TensorBoardLogger: unexpected keyword argument(s) {unknown}{hint}; the SummaryWriter "
+                            f"takes {sorted(_WRITER_KWARGS)}")
         super().__init__(save_dir, name=name, version=version, prefix=prefix)
         self._default_hp_metric = default_hp_metric
         self._writer_kwargs = writer_kwargs

@@ -4,7 +4,8 @@ metrics), the line printed when a checkpoint is restored, the message of a
 Ctrl-C stop, and the results table of ``validate()``/``test()``.
 
 Text goes through the progress bar callback (so it lands above a live bar);
-without a progress bar the summary and restore lines are not printed. The
+without a progress bar the summary is not printed, and the restore line goes to
+stderr (batch jobs and CI logs still say what was restored). The
 results table follows ``verbose=`` of ``validate()``/``test()``.
 """
 from __future__ import annotations
@@ -27,6 +28,17 @@ def _say(t, text: str) -> None:
     bar = _bar(t)
     if bar is not None and t.is_global_zero:
         bar.print(text)
+
+
+def _say_always(t, text: str) -> None:
+    """On global rank 0: through the progress bar when there is one, else on stderr."""
+    if not t.is_global_zero:
+        return
+    bar = _bar(t)
+    if bar is not None:
+        bar.print(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _fmt(v) -> str:
@@ -132,7 +144,7 @@ def restored(t, path: str) -> None:
     trainer's counters after the restore (a checkpoint saved at an epoch's end resumes at the
     next epoch). A checkpoint without them (a weights file) is named alone."""
     note = getattr(t.state, "reshard_note", None)   # another number of processes (resume_data.reshard)
-    _say(t, f"ember: restored {path}{_saved_at(path)}" + (f". {note}" if note else ""))
+    _say_always(t, f"ember: restored {path}{_saved_at(path)}" + (f". {note}" if note else ""))
 
 
 def _saved_at(path) -> str:

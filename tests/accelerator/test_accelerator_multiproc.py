@@ -52,6 +52,8 @@ def test_two_processes_torchrun(tmp_path):
         # exactly the 1001 samples, in dataset order (the sampler's padding sample dropped)
         assert res["gfm_shuffleFalse"] == list(range(1001))
         assert sorted(res["gfm_shuffleTrue"]) == list(range(1001)) and res["gfm_shuffleTrue"] != list(range(1001))
+        first, second = res["gfm_rank_seeds"]   # seeded differently per rank: still one order, new each pass
+        assert sorted(first) == sorted(second) == list(range(1001)) and first != second
         assert res["gfm_dict_pred"] == [2 * i for i in range(1001)]
         assert res["gfm_dict_ids"] == [f"s{i}" for i in range(1001)]
         assert res["reduce_sum"] == [3.0] and res["reduce_mean"] == [1.5] and res["reduce_max"] == [6.0]

@@ -59,6 +59,7 @@ def test_load_state_resumes_mid_epoch_by_skipping_indices(tmp_path):
         if loader.batches_done == 2:
             acc.save_state(tmp_path / "mid")
             break
+    loader.set_epoch(0)                   # (a new pass after a left one is the next epoch, unless set)
     full = [b.tolist() for b in loader]   # an uninterrupted epoch 0, for reference
     acc2 = Accelerator(seed=99)           # a different seed: the sampler's seed comes from the checkpoint
     ds = CountingDataset(20)

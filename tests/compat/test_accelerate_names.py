@@ -180,3 +180,56 @@ def test_notebook_launcher_two_cpu_processes_with_local_sgd(tmp_path, monkeypatc
     assert res["world"] == 2 and res["type"] == "MULTI_CPU"
     assert res["sizes"] == [4, 4, 4, 4]   # split_batches: batch 8 is the global batch
     assert res["mid_differ"] and res["final_equal"]
+
+
+def _accelerate_top_level_names() -> list[str]:
+    """The names accelerate/__init__.py binds (its imports, the conditional ``rich`` too)."""
+    import ast
+    import importlib.util
+    src = open(importlib.util.find_spec("accelerate").origin).read()
+    names = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
+    return sorted(names)
+
+
+def test_every_accelerate_top_level_name_is_in_ember_or_names_its_equivalent():
+    """``from accelerate import X`` ports to ``from ember import X`` for every X accelerate
+    exports, or the import error names what ember has instead."""
+    import importlib
+
+    from ember.errors import NotPortedError
+    names = _accelerate_top_level_names()
+    assert {"Accelerator", "DataLoaderConfiguration", "skip_first_batches", "init_empty_weights"} <= set(names)
+    missing, ported, not_ported = [], [], []
+    for name in names:
+        try:
+            value = getattr(importlib.import_module("ember"), name)
+        except NotPortedError as e:
+            assert name in str(e) and "use " in str(e), str(e)
+            not_ported.append(name)
+            continue
+        except AttributeError:
+            missing.append(name)
+            continue
+        assert value is not None
+        ported.append(name)
+    assert missing == [], f"Accelerate names with neither a port nor an error naming ember's equivalent: {missing}"
+    assert len(ported) >= 17 and len(not_ported) <= 12, (ported, not_ported)
+    ns: dict = {}
+    exec("from ember import DataLoaderConfiguration, skip_first_batches, dispatch_model", ns)
+    assert ns["DataLoaderConfiguration"] is DataLoaderConfiguration
+    with pytest.raises(ImportError, match="FSDPStrategy"):
+        exec("from ember import FullyShardedDataParallelPlugin", {})
+    assert not hasattr(ember, "no_such_name")
+
+
+def test_skip_first_batches_function_form():
+    acc = Accelerator(devices="cpu")
+    dl = acc.prepare(DataLoader(TensorDataset(torch.arange(10)), batch_size=2))
+    assert ember.skip_first_batches(dl, 3) is dl
+    assert [b[0].tolist() for b in dl] == [[6, 7], [8, 9]]
+    assert [b[0].tolist() for b in dl] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]   # once
+    plain = DataLoader(TensorDataset(torch.arange(6)), batch_size=2)
+    assert [b[0].tolist() for b in ember.skip_first_batches(plain, 2)] == [[4, 5]]

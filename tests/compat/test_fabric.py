@@ -164,3 +164,240 @@ def test_log_call_and_arguments(tmp_path):
     for bad in ({"strategy": "ddp_spawn"}, {"plugins": object()}, {"precision": "transformer-engine"}):
         with pytest.raises(MisconfigurationError):
             Fabric(devices=1, **bad)
+
+
+# -- ports round 4: Lightning Fabric side by side -----------------------------------------------
+def _lightning_fabric():
+    return pytest.importorskip("lightning.fabric")
+
+
+def _pass_orders(fabric, passes=3, stop=2, n=20):
+    """The first ``stop`` batches of each pass over a shuffled loader, the loop leaving early."""
+    fabric.seed_everything(42)
+    dl = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(n)), batch_size=4, shuffle=True))
+    out = []
+    for _ in range(passes):
+        got = []
+        for i, (b,) in enumerate(dl):
+            got.append(b.tolist())
+            if i + 1 == stop:
+                break
+        out.append(got)
+    return out, torch.rand(2).tolist()
+
+
+def test_a_left_pass_gives_a_new_order_next_pass_as_lightning_fabric():
+    """build_your_own_trainer leaves each epoch after a few batches: the next pass is a new
+    order (it was the same one, training the same samples every epoch), equal to Lightning
+    Fabric's, and the global random stream after it is the same too."""
+    L = _lightning_fabric()
+    ours = _pass_orders(Fabric(accelerator="cpu", devices=1))
+    theirs = _pass_orders(L.Fabric(accelerator="cpu", devices=1))
+    assert ours == theirs
+    firsts = [p[0] for p in ours[0]]
+    assert len({tuple(f) for f in firsts}) == 3
+
+
+def test_set_epoch_chooses_the_pass_and_a_left_pass_is_recorded_for_a_resume():
+    fabric = Fabric(accelerator="cpu", devices=1)
+    acc = fabric._acc
+    dl = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=True))
+    for i, _ in enumerate(dl):
+        if i == 1:
+            break
+    st = dl.state_dict()
+    assert (st["epoch"], st["batches_done"]) == (1, 0)   # the next pass is a new epoch, from its start
+    dl.set_epoch(0)
+    assert dl.state_dict()["epoch"] == 0
+    next(iter(dl))
+    assert dl.epoch == 0   # set_epoch chose it: no advance
+    assert acc is fabric._acc
+
+
+def _bf16_model():
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+        def training_step(self, x):
+            out = self(x)
+            return out, out.float().pow(2).mean()
+    return Net()
+
+
+def test_bf16_mixed_follows_lightning_fabric_forward_only_outputs_float32():
+    """bf16-mixed: the forward through the set-up model autocasts, its outputs come back in
+    float32; model.training_step(...) called through it is not autocast (Lightning's rules)."""
+    L = _lightning_fabric()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    got = {}
+    for name, cls in (("ember", Fabric), ("lightning", L.Fabric)):
+        f = cls(accelerator="cpu", devices=1, precision="bf16-mixed")
+        model = f.setup(_bf16_model())
+        out = model(x)
+        step_out, loss = model.training_step(x)
+        got[name] = (out, step_out, loss)
+    (o1, s1, l1), (o2, s2, l2) = got["ember"], got["lightning"]
+    assert o1.dtype == o2.dtype == torch.float32 and torch.equal(o1, o2)
+    assert s1.dtype == s2.dtype == torch.float32 and torch.equal(s1, s2) and torch.equal(l1, l2)
+    assert not torch.equal(o1, s1)   # the forward ran in bf16, the training_step in float32
+    model = Fabric(accelerator="cpu", devices=1).setup(_bf16_model())
+    model.mark_forward_method("training_step")
+    with pytest.raises(ValueError, match="forward"):
+        model.mark_forward_method("forward")
+    with pytest.raises(AttributeError, match="nope"):
+        model.mark_forward_method("nope")
+    # the Accelerator keeps Accelerate's rule: the model's own forward autocast, outputs in bf16
+    acc = ember.Accelerator(devices="cpu", precision="bf16-mixed")
+    assert acc.prepare(_bf16_model())(x).dtype == torch.bfloat16
+
+
+def test_init_module_empty_init_draws_as_lightning_fabric():
+    """empty_init=True skips the initialisers (no random numbers drawn), as Lightning Fabric:
+    the weights a script initialises afterwards, and the stream after them, are Lightning's."""
+    L = _lightning_fabric()
+    got = {}
+    for name, cls in (("ember", Fabric), ("lightning", L.Fabric)):
+        f = cls(accelerator="cpu", devices=1)
+        f.seed_everything(7)
+        with f.init_module(empty_init=True):
+            model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+        for p in model.parameters():   # litgpt's initialize_weights, after the context
+            nn.init.normal_(p, std=0.02)
+        with f.init_module(empty_init=False):
+            plain = nn.Linear(3, 3)
+        got[name] = ([p.detach().clone() for p in model.parameters()] + [plain.weight.detach().clone()],
+                     torch.rand(3))
+    (w1, r1), (w2, r2) = got["ember"], got["lightning"]
+    assert all(torch.equal(a, b) for a, b in zip(w1, w2)) and torch.equal(r1, r2)
+    with Fabric(accelerator="cpu", devices=1, precision="bf16-true").init_module(empty_init=True):
+        assert nn.Linear(2, 2).weight.dtype == torch.bfloat16
+
+
+def test_ember_fabric_namespace_as_lightnings():
+    import ember as L
+    from ember.fabric.loggers import CSVLogger, Logger, TensorBoardLogger
+    from ember.fabric.strategies import FSDPStrategy, Strategy
+    from ember.fabric.utilities import (Throughput, ThroughputMonitor, measure_flops, rank_zero_only,
+                                        rank_zero_warn)
+    from ember.fabric.utilities.types import LRScheduler, Optimizable
+    from ember.fabric.wrappers import _unwrap_objects
+    assert L.fabric.Fabric is Fabric and L.fabric.seed_everything is ember.seed_everything
+    assert issubclass(FSDPStrategy, Strategy) and issubclass(CSVLogger, Logger)
+    assert issubclass(TensorBoardLogger, Logger)
+    assert callable(rank_zero_only) and callable(rank_zero_warn) and callable(measure_flops)
+    assert issubclass(ThroughputMonitor, Throughput)
+    assert isinstance(torch.optim.SGD(_net().parameters(), lr=0.1), Optimizable)
+    assert LRScheduler is torch.optim.lr_scheduler.LRScheduler
+    f = Fabric(accelerator=L.fabric.accelerators.CPUAccelerator(), devices=1)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    dl0 = DataLoader(_data(), batch_size=4)
+    model, optimizer = f.setup(net, opt)
+    dl = f.setup_dataloaders(dl0)
+    un = _unwrap_objects({"model": model, "opt": optimizer, "loaders": [dl, 3]})
+    assert un["model"] is net and un["opt"] is opt and un["loaders"][1] == 3
+    assert un["loaders"][0] is dl.base
+    from ember import TrainModule
+
+    class M(TrainModule):
+        def training_step(self, batch, batch_idx):
+            return None
+    assert L.fabric.is_overridden("training_step", M()) and not L.fabric.is_overridden("validation_step", M())
+
+
+def test_fabric_loggers_take_root_dir_and_unknown_keywords_are_errors(tmp_path):
+    from ember.fabric.loggers import CSVLogger, TensorBoardLogger
+    lg = CSVLogger(root_dir=tmp_path, name="exp")
+    f = Fabric(accelerator="cpu", devices=1, loggers=lg)
+    f.log("loss", 1.5, step=0)
+    lg.finalize("success")
+    assert os.path.isfile(tmp_path / "exp" / "version_0" / "metrics.csv")
+    assert TensorBoardLogger(root_dir=tmp_path).log_dir == os.path.join(str(tmp_path), "lightning_logs", "version_0")
+    with pytest.raises(TypeError, match="root_dir"):
+        ember.loggers.TensorBoardLogger(save_dir=tmp_path, root_dir=tmp_path)
+    with pytest.raises(TypeError, match="bogus"):
+        TensorBoardLogger(root_dir=tmp_path, bogus=1)
+    with pytest.raises(TypeError, match="bogus"):
+        CSVLogger(root_dir=tmp_path, bogus=1)
+
+
+def test_throughput_equals_lightnings_and_the_monitor_takes_a_fabric(tmp_path):
+    L = _lightning_fabric()
+    from lightning.fabric.utilities import Throughput as LThroughput
+    from lightning.fabric.utilities import measure_flops as l_measure_flops
+
+    from ember.fabric.loggers import CSVLogger
+    from ember.fabric.utilities import Throughput, ThroughputMonitor, measure_flops
+    for world in (1, 4):
+        ours, theirs = (cls(available_flops=1e9, world_size=world, window_size=3) for cls in (Throughput, LThroughput))
+        for i in range(1, 6):
+            kw = dict(time=0.5 * i + 0.01 * i * i, batches=i, samples=8 * i, lengths=64 * i, flops=1000 * i)
+            ours.update(**kw)
+            theirs.update(**kw)
+            assert ours.compute() == theirs.compute()
+    net = nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    flops = measure_flops(net, lambda: net(x), lambda y: y.sum())
+    assert flops == l_measure_flops(net, lambda: net(x), lambda y: y.sum()) and flops > 0
+    lg = CSVLogger(root_dir=tmp_path)
+    f = Fabric(accelerator="cpu", devices=1, loggers=lg)
+    mon = ThroughputMonitor(f, window_size=2)
+    mon.update(time=1.0, batches=1, samples=4)
+    mon.update(time=2.0, batches=2, samples=8)
+    assert mon.compute_and_log()["device/samples_per_sec"] == 4.0 and mon.step == 0
+    lg.finalize("success")
+    rows = list(csv.DictReader(open(os.path.join(lg.log_dir, "metrics.csv"))))
+    assert float(rows[-1]["device/samples_per_sec"]) == 4.0
+    with pytest.raises(TypeError, match="bogus"):
+        ThroughputMonitor(f, bogus=1)
+    assert L is not None
+
+
+def test_fabric_loaders_read_no_batch_ahead_the_accelerators_one():
+    """A loop that stops after 3 batches has read 3 under Fabric (as Lightning Fabric); the
+    Accelerator reads one ahead, to know the last batch (as Accelerate)."""
+    class Counting(torch.utils.data.IterableDataset):
+        def __init__(self):
+            self.read = 0
+
+        def __iter__(self):
+            for i in range(100):
+                self.read += 1
+                yield torch.tensor([float(i)])
+
+    for make, expected in ((lambda: Fabric(accelerator="cpu", devices=1), 3),):
+        ds = Counting()
+        f = make()
+        dl = f.setup_dataloaders(DataLoader(ds, batch_size=1))
+        for i, _ in enumerate(dl):
+            if i == 2:
+                break
+        assert ds.read == expected
+    ds = Counting()
+    dl = ember.Accelerator(devices="cpu").prepare(DataLoader(ds, batch_size=1))
+    for i, _ in enumerate(dl):
+        if i == 2:
+            break
+    assert ds.read == 4
+    f = Fabric(accelerator="cpu", devices=1)
+    dl = f.setup_dataloaders(DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2))
+    ends = [dl.end_of_dataloader for _ in dl]
+    assert ends == [False, False, True]
+
+
+def test_fabric_save_error_names_the_users_key_path(tmp_path):
+    f = Fabric(accelerator="cpu", devices=1)
+
+    class Sched:
+        def state_dict(self):
+            return {"lr_lambdas": [lambda e: 0.5]}
+    with pytest.raises(ember.errors.CheckpointError) as err:
+        f.save(tmp_path / "c", {"model": f.setup(_net()), "scheduler": Sched()})
+    assert "state['scheduler']['lr_lambdas'][0]" in str(err.value) and "'fabric'" not in str(err.value)

@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, clean_env
 
 PORTS = ROOT / "tests" / "ports" / "fabric"
-NAMES = ["image_classifier", "language_model"]
+NAMES = ["image_classifier", "language_model", "trainer_loop"]
 pytestmark = pytest.mark.slow
 
 
@@ -78,7 +78,20 @@ def test_language_model_on_two_processes(results):
     one, two = results("language_model"), results("language_model", devices=2)
     assert two["world"] == 2 and two["params"].keys() == one["params"].keys() and two["params"] != one["params"]
     assert all(math.isfinite(v) for v in two["params"].values()) and two["val_losses"][-1] < two["val_losses"][0]
-    # shuffled under DDP: each epoch's order is Fabric's DistributedSampler permutation (seed 42 + epoch);
-    # the dropout draws differ after it (ember takes a RandomSampler's seed from the global RNG)
+    # shuffled under DDP: each epoch's order is Fabric's DistributedSampler permutation (seed 42 + epoch),
+    # and the loader draws from the global RNG what Fabric's does (the dropout after it is the same)
     fabric = results("language_model", devices=2, fabric=True)
     assert two["first_batches"] == fabric["first_batches"] and len(set(two["first_batches"])) == 2
+    assert two == fabric
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(500)
+def test_trainer_loop_on_two_processes_equals_lightning_fabric(results):
+    """build_your_own_trainer's and litgpt's patterns under DDP: a shuffled pass left early (a new
+    order each pass), init_module(empty_init=True), training_step through the wrapped model
+    (through DDP's forward, autocast, outputs in float32), ThroughputMonitor(fabric), save."""
+    ember = results("trainer_loop", devices=2)
+    assert ember["world"] == 2 and len(set(map(tuple, ember["first_batches"]))) == 3
+    assert ember["out_dtypes"] == ["torch.float32"] and ember["unwrapped"] == ["DistributedDataParallel", "AdamW"]
+    assert ember == results("trainer_loop", devices=2, fabric=True)

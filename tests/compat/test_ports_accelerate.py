@@ -35,6 +35,9 @@ def test_ports_on_one_process_equal_accelerate(ember_one, tmp_path):
     # find_executable_batch_size: 10% off after each out-of-memory error, as Accelerate
     assert ember_one["memory"]["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8]
     assert ember_one == acc
+    # shuffle=True, set_seed after Accelerator(), each pass left at a step limit: Accelerate's order
+    shuffled = ember_one["shuffled_passes"]
+    assert shuffled["same_twice"] and len({tuple(r) for r in shuffled["first_rows"]}) == 3
     assert ember_one["checkpointing"]["resumed"] == ember_one["checkpointing"]["uninterrupted"]
 
 
@@ -49,4 +52,5 @@ def test_ports_on_two_processes(tmp_path):
         assert two[name]["n_eval"] == 36, name        # exactly the evaluation set, no padding duplicates
     assert two["checkpointing"]["resumed"] == two["checkpointing"]["uninterrupted"]
     assert two["early_stopping"]["stopped_after"] == 3 and two["cross_validation"]["n_test"] == 20
+    assert two["shuffled_passes"]["same_twice"] and len({tuple(r) for r in two["shuffled_passes"]["first_rows"]}) == 3
     assert two["memory"]["tried"] == [32, 28, 25, 22, 19, 17, 15, 13, 11, 9, 8] and two["automatic_gradient_accumulation"]["gas"] == 2

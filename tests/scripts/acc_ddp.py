@@ -85,6 +85,10 @@ def main():
         loader = acc.prepare(DataLoader(TensorDataset(torch.arange(n)), batch_size=8, shuffle=shuffle))
         got = [acc.gather_for_metrics(b) for (b,) in loader]
         res[f"gfm_shuffle{shuffle}"] = torch.cat(got).tolist()
+    # the ranks' global streams differ: the order is rank 0's draw on every rank (one broadcast per pass)
+    torch.manual_seed(100 + acc.process_index)
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(n)), batch_size=8, shuffle=True))
+    res["gfm_rank_seeds"] = [torch.cat([acc.gather_for_metrics(b) for (b,) in loader]).tolist() for _ in range(2)]
     # the same by hand with several tensors and a list of strings per batch
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(n)), batch_size=16))
     preds, labels = [], []

@@ -46,3 +46,25 @@ def test_restore_line_of_a_weights_file_names_it_alone(tmp_path):
     folder.mkdir()
     (folder / "meta.json").write_text(json.dumps({"epoch": 2, "global_step": 190}))
     assert _saved_at(folder) == " (epoch 2, step 190)"
+
+
+def test_restore_line_prints_without_a_progress_bar_and_once_with_one(tmp_path, capsys):
+    """Batch jobs (enable_progress_bar=False) still say what was restored, on stderr; with a
+    bar the line comes once, through it."""
+    dl = DataLoader(regression_data(32), batch_size=8)
+    t = ember.Trainer(max_epochs=1, logger=False, enable_model_summary=False, devices="cpu",
+                      default_root_dir=tmp_path, enable_progress_bar=False, enable_checkpointing=False)
+    t.fit(LinearModule(), dl)
+    path = tmp_path / "c"
+    t.save_checkpoint(path)
+    capsys.readouterr()
+    ember.Trainer(max_epochs=2, logger=False, enable_model_summary=False, devices="cpu", default_root_dir=tmp_path,
+                  enable_progress_bar=False, enable_checkpointing=False).fit(LinearModule(), dl, ckpt_path=str(path))
+    err = capsys.readouterr().err
+    assert err.count(f"ember: restored {path} (epoch 1, step 4)") == 1, err[-800:]
+    con = _console()
+    ember.Trainer(max_epochs=2, logger=False, enable_model_summary=False, devices="cpu", default_root_dir=tmp_path,
+                  enable_checkpointing=False, callbacks=[RichProgressBar(console=con)]).fit(
+        LinearModule(), dl, ckpt_path=str(path))
+    both = con.export_text() + capsys.readouterr().err
+    assert both.count("ember: restored ") == 1, both[-800:]

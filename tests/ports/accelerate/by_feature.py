@@ -1,14 +1,16 @@
 """Ports of the patterns of Accelerate's example scripts (``nlp_example.py`` and
 ``examples/by_feature/*``: gradient_accumulation, checkpointing, tracking,
 multi_process_metrics, early_stopping, memory, automatic_gradient_accumulation,
-local_sgd, cross_validation, profiler), written against ember's Accelerate names.
+local_sgd, cross_validation, profiler), and their shuffled loop left at a step limit
+(``shuffled_passes``), written against ember's Accelerate names.
 The import lines below are the only ember-specific lines: run under
 ``run_with_accelerate.py`` the same file runs on Accelerate itself (it maps the
 ``ember`` modules to ``accelerate``'s), so the printed metrics can be compared.
 
 A tiny BERT from a config and synthetic token data stand in for GLUE MRPC (no
-downloads). ``shuffle=False`` for training: ember's data order comes from (seed,
-epoch), Accelerate's from its own sampler seed (see docs/porting.md).
+downloads). ``shuffle=False`` for training, as in the first rounds (on one process
+ember's shuffled order equals Accelerate's: tests/data/test_pass_orders.py, and
+docs/porting.md).
 
     python tests/ports/accelerate/by_feature.py OUT.json [PATTERN ...]
     ember launch --num_processes 2 --cpu tests/ports/accelerate/by_feature.py OUT.json
@@ -312,9 +314,40 @@ def profiler(args):
     return {"profiled_ops": int(len(prof.key_averages()) > 0)}
 
 
+def shuffled_passes(args):
+    """The loop as Accelerate's examples ship it: ``shuffle=True``, ``set_seed`` after the
+    Accelerator, and each epoch left after a step limit (run_clm_no_trainer's
+    ``max_train_steps``; build_your_own_trainer's ``limit_train_batches``): a new order every
+    pass, the same one in two identical runs, and on one process Accelerate's order and losses."""
+    runs = []
+    for _ in range(2):
+        accelerator = Accelerator(cpu=args.get("cpu", False))
+        set_seed(CONFIG["seed"])
+        train_dl = DataLoader(synthetic(64, 1), shuffle=True, batch_size=CONFIG["batch_size"])
+        model = get_model()
+        optimizer = torch.optim.AdamW(params=model.parameters(), lr=CONFIG["lr"])
+        model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+        losses, first_rows = [], []
+        for epoch in range(3):
+            model.train()
+            for step, batch in enumerate(train_dl):
+                if step == 0:
+                    first_rows.append(batch["input_ids"][0].tolist())
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(round(loss.item(), 6))
+                if step + 1 == 3:   # the step limit: the pass is left here
+                    break
+        runs.append({"losses": losses, "first_rows": first_rows})
+        accelerator.free_memory()
+    return {**runs[0], "same_twice": runs[0] == runs[1], "world": accelerator.num_processes}
+
+
 PATTERNS = ["nlp_example", "gradient_accumulation", "checkpointing", "tracking", "multi_process_metrics",
             "early_stopping", "memory", "automatic_gradient_accumulation", "local_sgd", "cross_validation",
-            "profiler"]
+            "profiler", "shuffled_passes"]
 
 
 def main():

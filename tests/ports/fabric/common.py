@@ -15,9 +15,9 @@ from torch.utils.data import Dataset
 from ember.strategies import DDPStrategy  # (from lightning.fabric.strategies import DDPStrategy)
 
 DEVICES = int(os.environ.get("PORT_DEVICES", "1"))
-# Lightning Fabric draws nothing from the global RNG for a DistributedSampler, ember mimics a
-# plain DataLoader's RandomSampler draw; the ports shuffle under DDP only, as the Lightning ports
-SHUFFLE_TRAIN = DEVICES > 1
+# the training loaders shuffle as the originals do: ember's order (and the global random stream
+# after it) equals Lightning Fabric's on one process and under DDP (docs/porting.md, "Data order")
+SHUFFLE_TRAIN = True
 
 
 def fabric_kwargs() -> dict[str, Any]:

@@ -12,11 +12,9 @@ Changed from the original, and why: ``import ember as L`` (for ``import lightnin
 small encoder-decoder of the same shape and a synthetic token stream (as the Lightning
 port ``tests/ports/lightning/transformer.py``) stand in (no downloads); fewer samples and
 2 epochs; ``L.Fabric(**fabric_kwargs())`` names the processes and ``fabric.launch()`` is
-called; the training loader shuffles under DDP only (``common.SHUFFLE_TRAIN``: on one
-process ember's order comes from (seed, epoch), Lightning's from the global RNG); the
-numbers are written to ``PORT_OUT``, with the token sum of each epoch's first batch
-(under DDP the shuffled order equals Fabric's; the dropout draws then differ: see
-docs/porting.md, "Data order").
+called; the numbers are written to ``PORT_OUT``, with the token sum of each epoch's first
+batch (the shuffled order, and the random draws after it, equal Fabric's on one process and
+under DDP: see docs/porting.md, "Data order").
 
 Features used: setup, setup_dataloaders, backward, clip_gradients(clip_val), print,
 seed_everything; dropout (global RNG).

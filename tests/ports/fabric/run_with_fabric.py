@@ -12,12 +12,18 @@ import sys
 import types
 
 import lightning.fabric as lf
+import lightning.fabric.loggers
 import lightning.fabric.strategies
+import lightning.fabric.utilities
+import lightning.fabric.utilities.types
+import lightning.fabric.wrappers
 
 ember = types.ModuleType("ember")
 ember.Fabric, ember.seed_everything = lf.Fabric, lf.seed_everything
-ember.strategies = lf.strategies
-sys.modules.update({"ember": ember, "ember.strategies": lf.strategies})
+ember.strategies, ember.fabric = lf.strategies, lf   # (import lightning as L; L.fabric)
+sys.modules.update({"ember": ember, "ember.strategies": lf.strategies, "ember.fabric": lf,
+                    "ember.fabric.loggers": lf.loggers, "ember.fabric.utilities": lf.utilities,
+                    "ember.fabric.utilities.types": lf.utilities.types, "ember.fabric.wrappers": lf.wrappers})
 script = os.environ.get("PORT_SCRIPT")
 if script is None:
     script = os.environ["PORT_SCRIPT"] = os.path.abspath(sys.argv.pop(1))
