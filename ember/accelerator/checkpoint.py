@@ -170,7 +170,7 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
     for hook in getattr(acc, "_save_hooks", ()):
         hook(models, weights, path)
     opt_states = [strategy.optimizer_state_dict(o, models[0] if models else None) for o in raw_opts]
-    tmp = cio.make_staging(path, "Accelerator.save_state")   # the target check, then an empty NAME.tmp
+    tmp = cio.make_staging(path, "Accelerator.save_state")   # the target check, then an empty NAME.ember-tmp
     try:
         for i, w in enumerate(weights[1:], 1):  # model 0 is model.safetensors, as in Trainer checkpoints
             name = f"model_{i}.safetensors"

@@ -426,7 +426,7 @@ class ModelCheckpoint(Callback):
         from ember.checkpoint import io as cio
         what = "ModelCheckpoint(save_last=True)"
         if os.path.isdir(target):
-            tmp = cio.make_staging(last, what)        # refuses a `last` or `last.tmp` ember did not make
+            tmp = cio.make_staging(last, what)        # refuses a `last` or `last.ember-tmp` ember did not make
             shutil.copytree(target, tmp, dirs_exist_ok=True)
             cio.commit_directory(tmp, last, what)
         else:
@@ -542,9 +542,10 @@ def _reserved(name: str) -> str:
     base = name.strip()
     if base in (ModelCheckpoint.CHECKPOINT_NAME_LAST, ModelCheckpoint.CHECKPOINT_NAME_LAST + ".safetensors"):
         return "'last' is reserved for the link to the newest checkpoint (save_last); choose another name"
-    if base.endswith(".tmp") or re.search(r"\.old-[0-9a-f]*$", base) or base == LOCK_NAME:
-        return ("names ending in '.tmp' or '.old-...' are reserved for unfinished saves, which checkpoint "
-                "discovery ignores; choose another name")
+    from ember.checkpoint.format import LEGACY_TMP_SUFFIX, TMP_SUFFIX, is_unfinished_name
+    if is_unfinished_name(base) or re.search(r"\.old-[0-9a-f]*$", base) or base == LOCK_NAME:
+        return (f"names ending in '{TMP_SUFFIX}' (ember's staging folders), '{LEGACY_TMP_SUFFIX}' or '.old-...' "
+                "are reserved for unfinished saves, which checkpoint discovery ignores; choose another name")
     return ""
 
 

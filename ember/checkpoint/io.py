@@ -2,7 +2,7 @@
 
 A checkpoint is a directory ``NAME/`` holding ``model.safetensors`` (or a DCP
 folder ``model/``), ``trainer_state.pt`` (weights_only-loadable) and
-``meta.json`` (written last). It is staged in ``NAME.tmp/`` and moved into place
+``meta.json`` (written last). It is staged in ``NAME.ember-tmp/`` and moved into place
 when complete; nothing is ever unpickled beyond tensors and plain containers. Every
 write checks its target here, in :func:`make_staging`, so no caller can skip it: no
 writer replaces or deletes anything that ember did not create.
@@ -29,7 +29,8 @@ import torch
 
 from ember.checkpoint import trust as checks
 from ember.checkpoint.format import (ALIAS_KEY, DCP_WEIGHTS_DIR, FORMAT_VERSION, INDEX_NAME, META_NAME,  # noqa: F401
-                                     STAGING_MARKER, STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME, tmp_path)
+                                     LEGACY_TMP_SUFFIX, STAGING_MARKER, STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME,
+                                     is_unfinished_name, tmp_path)
 from ember.checkpoint.rng import collect_rng_states, restore_rng_states  # noqa: F401  (public here)
 from ember.errors import CheckpointError, MisconfigurationError
 
@@ -131,10 +132,12 @@ def commit_directory(tmp: str, path: str | os.PathLike, what: str = "commit_dire
 
 def make_staging(path: str | os.PathLike, what: str = "write_checkpoint") -> str:
     """Check that a save may write checkpoint ``path`` and create its empty staging folder
-    ``NAME.tmp`` (with ember's marker); return it. The target check
-    (:func:`ember.checkpoint.trust.check_save_target`) comes first: a ``path`` that is not an
-    ember checkpoint, or a ``NAME.tmp`` that no ember save made, raises CheckpointError and
-    nothing is touched. A stale staging folder of ember's (a save killed midway) is removed."""
+    ``NAME.ember-tmp`` (:func:`tmp_path`, with ember's marker); return it. The name is fixed,
+    so every rank of a sharded save finds it; it is ember's own, so a user's ``NAME.tmp``
+    plays no part. The target check (:func:`ember.checkpoint.trust.check_save_target`) comes
+    first: a ``path`` that is not an ember checkpoint, or a ``NAME.ember-tmp`` that no ember
+    save made, raises CheckpointError and nothing is touched. A stale staging folder of
+    ember's (a save killed midway) is removed."""
     path = os.path.normpath(os.fspath(path))
     checks.check_save_target(path, what)
     tmp = tmp_path(path)
@@ -159,13 +162,13 @@ def remove_staging(path: str | os.PathLike) -> None:
 def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False,
                      commit: "Callable[[str, str], None] | None" = None,
                      what: str = "write_checkpoint") -> Iterator[str]:
-    """Yield ``NAME.tmp`` to write into; on success fsync it and move it to ``NAME``
+    """Yield ``NAME.ember-tmp`` to write into; on success fsync it and move it to ``NAME``
     (``commit(tmp, path)`` instead of :func:`commit_directory` when given).
 
     The one place every checkpoint write goes through checks its target first
     (:func:`make_staging`; ``what`` names the caller in the error): nothing that is not an
-    ember checkpoint is replaced, no ``NAME.tmp`` that no ember save made is deleted. A
-    stale ``NAME.tmp`` of ember's (from a crashed save) is removed first, unless
+    ember checkpoint is replaced, no ``NAME.ember-tmp`` that no ember save made is deleted. A
+    stale ``NAME.ember-tmp`` of ember's (from a crashed save) is removed first, unless
     ``keep_existing_tmp`` (other ranks already wrote shards into the staging folder made
     with :func:`make_staging`). On an exception the staging directory is removed and the
     exception re-raised; ``NAME`` is untouched.
@@ -458,7 +461,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     """True for a complete checkpoint directory (has ``meta.json``; not a staging dir)."""
     path = os.path.normpath(os.fspath(path))
     name = os.path.basename(path)
-    return (os.path.isdir(path) and not name.endswith(_TMP_SUFFIX) and not _OLD_RE.search(name)
+    return (os.path.isdir(path) and not is_unfinished_name(name) and not _OLD_RE.search(name)
             and os.path.isfile(os.path.join(path, META_NAME)))
 
 
@@ -469,7 +472,8 @@ def _natural(s: str):
 def list_checkpoints(dirpath: str | os.PathLike) -> list[str]:
     """Paths of the complete checkpoints directly under ``dirpath``, oldest first.
 
-    Staging (``*.tmp``) and replaced (``*.old-*``) directories and plain files are ignored.
+    Staging (``*.ember-tmp``, and an earlier version's ``*.tmp``) and replaced (``*.old-*``)
+    directories and plain files are ignored.
     """
     dirpath = os.fspath(dirpath)
     if not os.path.isdir(dirpath):
@@ -534,7 +538,7 @@ def read_checkpoint(path: str | os.PathLike, load_state: bool = True
     if not os.path.isfile(meta_file):
         if os.path.isfile(os.path.join(path, INDEX_NAME)):
             return load_model_sharded(path), None, {}
-        hint = " (a staging directory of a save that did not finish)" if path.rstrip("/\\").endswith(_TMP_SUFFIX) else ""
+        hint = " (a staging directory of a save that did not finish)" if is_unfinished_name(path) else ""
         contents = sorted(os.listdir(path))
         raise CheckpointError(f"checkpoint {path} is incomplete{hint}: it has no {META_NAME}, which is "
                               f"written last when a save completes. Contents: {contents[:10] or 'nothing'}"

@@ -535,7 +535,7 @@ def dcp_planner(allow_partial_load: bool = False):
 
 
 # -- saving ------------------------------------------------------------------------------
-#: the entries a checkpoint directory (or its ``NAME.tmp`` staging folder) holds: the
+#: the entries a checkpoint directory (or its ``NAME.ember-tmp`` staging folder) holds: the
 #: weights, the trainer state, ``meta.json``, a sharded strategy's ``model/`` folder
 #: (DCP or DeepSpeed), an Accelerator's extra models and per-rank RNG files, the
 #: hidden temporary file a writer killed mid-write leaves (safetensors' ``.tmpXXXXXX``),
@@ -549,7 +549,7 @@ def not_a_checkpoint(path: str | os.PathLike, staging: bool = False) -> str:
     """Why the directory ``path`` is not recognisably an ember checkpoint, or ``""`` when
     it is one, so that ember may replace or delete it: a ``meta.json`` carrying ember's
     format marker (an integer ``format_version``), and nothing but the files a checkpoint
-    holds. ``staging``: a ``NAME.tmp`` folder of an unfinished save (``meta.json`` is
+    holds. ``staging``: a ``NAME.ember-tmp`` folder of an unfinished save (``meta.json`` is
     written last, so it may be missing, or cut short where an earlier version was killed
     while writing it). An empty directory counts as one (nothing to lose).
     This one check guards every replace and delete of a save: ``save_checkpoint``'s
@@ -598,18 +598,19 @@ def _cut_short(meta_file: str) -> bool:
 def checkpoint_containing(path: str | os.PathLike) -> str:
     """The ember checkpoint directory that ``path`` (symlinks resolved) is or lies in,
     or ``""``: a folder with ember's ``meta.json`` (integer ``format_version``), or its
-    ``NAME.tmp`` staging folder. Outputs that are not checkpoints never go there."""
+    staging folder (``NAME.ember-tmp``, or an earlier version's ``NAME.tmp``). Outputs that
+    are not checkpoints never go there."""
     real = os.path.realpath(os.fspath(path))
     d = real
     while True:
         meta_file = os.path.join(d, cio.META_NAME)
-        if os.path.isdir(d) and (os.path.isfile(meta_file) or d.endswith(cio.TMP_SUFFIX)):
+        if os.path.isdir(d) and (os.path.isfile(meta_file) or cio.is_unfinished_name(d)):
             try:
                 fv = read_meta(meta_file).get("format_version") if os.path.isfile(meta_file) else None
             except CheckpointError:
                 fv = None
             if (isinstance(fv, int) and not isinstance(fv, bool)) or \
-                    (d.endswith(cio.TMP_SUFFIX) and not not_a_checkpoint(d, staging=True) and os.listdir(d)):
+                    (cio.is_unfinished_name(d) and not not_a_checkpoint(d, staging=True) and os.listdir(d)):
                 return d
         parent = os.path.dirname(d)
         if parent == d:
@@ -621,9 +622,10 @@ def check_save_target(path: str | os.PathLike, what: str, staging: bool = True) 
     """Refuse to replace anything at ``path`` that is not recognisably an ember checkpoint
     (:func:`not_a_checkpoint`): a plain file, a non-empty directory without ember's
     ``meta.json`` (a log folder), or one that holds other files too (a dataset folder
-    with its own ``meta.json`` and ``images/``); and (``staging``) a ``NAME.tmp`` that is
-    not a staging folder of an ember save (:func:`not_staging`). Every checkpoint write runs
-    it (``ember.checkpoint.io.make_staging``), so no caller can skip it."""
+    with its own ``meta.json`` and ``images/``); and (``staging``) a ``NAME.ember-tmp``
+    (:func:`ember.checkpoint.format.tmp_path`) that is not a staging folder of an ember save
+    (:func:`not_staging`). A user's ``NAME.tmp`` is no staging name and plays no part. Every
+    checkpoint write runs it (``ember.checkpoint.io.make_staging``), so no caller can skip it."""
     path = os.path.normpath(os.fspath(path))
     if os.path.islink(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a symlink that does not point to a checkpoint; "
@@ -644,12 +646,12 @@ def check_save_target(path: str | os.PathLike, what: str, staging: bool = True) 
 
 
 def not_staging(tmp: str | os.PathLike) -> str:
-    """Why the existing ``NAME.tmp`` folder ``tmp`` is not one an ember save made (so that
+    """Why the existing ``NAME.ember-tmp`` folder ``tmp`` is not one an ember save made (so that
     no save may delete it), or ``""`` when it is absent or ember's: empty, or holding only
     checkpoint files plus ember's staging marker (:data:`~ember.checkpoint.format.STAGING_MARKER`,
     created first in every staging folder) or a ``meta.json`` of ember's (complete, or cut
     short by a kill). A folder of checkpoint-like names without either (someone's
-    ``export.tmp/model.safetensors``) is not ember's."""
+    ``export.ember-tmp/model.safetensors``) is not ember's."""
     tmp = os.fspath(tmp)
     if not os.path.lexists(tmp):
         return ""

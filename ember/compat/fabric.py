@@ -545,7 +545,7 @@ class Fabric:
         its name), the rest in ``trainer_state.pt`` (read back with ``weights_only=True``),
         ``meta.json`` last. ``filter``: ``{name: (key, value) -> keep?}`` per entry. Every
         process calls it; rank 0 writes. Like every ember save, it replaces only an ember
-        checkpoint (a folder of other files, a file, a ``NAME.tmp`` no ember save made are
+        checkpoint (a folder of other files, a file, a ``NAME.ember-tmp`` no ember save made are
         refused). Every process checks the target and ``state`` before anything is written,
         and a failed write on rank 0 is raised on every process, so a caught error leaves no
         process waiting."""

@@ -2,7 +2,7 @@
 ``Strategy(async_save=True)``, the switch ``FSDPStrategy`` has for DCP's ``async_save``.
 
 The training thread copies the state to CPU memory (so training may go on and change
-the parameters at once) and hands it to one writer thread, which writes ``NAME.tmp``
+the parameters at once) and hands it to one writer thread, which writes ``NAME.ember-tmp``
 and commits it with the same rules as a synchronous save (``meta.json`` with the file
 list last, rename into place, the ENOSPC message). At most one write is in flight.
 """
@@ -64,9 +64,9 @@ def _snap(obj: Any, reuse: Any, cuda: list, memo: dict) -> Any:
 
 class PendingWrite:
     """One checkpoint being written by a background thread (``write_checkpoint`` of a
-    CPU snapshot into ``NAME.tmp``, committed by that thread when complete).
+    CPU snapshot into ``NAME.ember-tmp``, committed by that thread when complete).
     :meth:`result` waits for it and raises the writer's exception; :meth:`drop` makes
-    sure it is not committed if it has not been yet (its ``NAME.tmp`` is removed)."""
+    sure it is not committed if it has not been yet (its ``NAME.ember-tmp`` is removed)."""
 
     def __init__(self, path: str, weights: dict, state: "dict | None", meta: dict):
         from ember.checkpoint import io as cio
@@ -103,7 +103,7 @@ class PendingWrite:
 
     def drop(self) -> bool:
         """Cancel the commit unless it happened, then wait for the writer to end (it removes
-        its ``NAME.tmp``; its buffers are free again). True when this save was not committed."""
+        its ``NAME.ember-tmp``; its buffers are free again). True when this save was not committed."""
         with self._lock:
             self._dropped = not self.committed
         self._thread.join()

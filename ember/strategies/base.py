@@ -131,7 +131,7 @@ class Strategy:
     def on_exception(self, exc: BaseException) -> None:
         """After an exception in the run (the Trainer calls this before teardown): a
         background save not committed yet is dropped (its writer is let finish and removes
-        its ``NAME.tmp``, which never counts; no collective, so a failed rank ends at once),
+        its ``NAME.ember-tmp``, which never counts; no collective, so a failed rank ends at once),
         and what waited for its commit (:meth:`after_commit`) never runs."""
         self._commit_actions = None
         pending, self._pending_save = self._pending_save, None

@@ -480,7 +480,7 @@ class DeepSpeedStrategy(DDPStrategy):
     # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, module: nn.Module, optimizers: list, trainer_state: dict,
                         meta: dict, weights_only: bool = False) -> None:
-        """``engine.save_checkpoint`` into ``NAME.tmp/model/`` (every rank writes its
+        """``engine.save_checkpoint`` into ``NAME.ember-tmp/model/`` (every rank writes its
         partitions), then rank 0 checks that every rank's files are there (:meth:`_commit`),
         adds ``trainer_state.pt`` and ``meta.json`` and renames."""
         from ember.checkpoint import io as cio
@@ -505,7 +505,7 @@ class DeepSpeedStrategy(DDPStrategy):
         error = None
         if self.is_global_zero:
             try:
-                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.tmp
+                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.ember-tmp
             except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
                 error = err
         from ember.strategies.full_load import raise_rank0_error
@@ -553,7 +553,7 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def on_exception(self, exc: BaseException) -> None:
         """A checkpoint not committed yet is dropped without a collective: this rank's
-        writer is let finish, rank 0 removes ``NAME.tmp`` (which never counts)."""
+        writer is let finish, rank 0 removes ``NAME.ember-tmp`` (which never counts)."""
         pending, self._ds_pending = self._ds_pending, None
         self._async_in_flight = False
         if pending is not None:
@@ -565,7 +565,7 @@ class DeepSpeedStrategy(DDPStrategy):
 
     def _commit(self, path: str, state: dict, meta: dict, mine: "dict[str, int] | str") -> None:
         """Every rank reports the ZeRO files it wrote (``{name: bytes}``, or its error);
-        rank 0 renames ``NAME.tmp`` into place only when each of them is there with its
+        rank 0 renames ``NAME.ember-tmp`` into place only when each of them is there with its
         bytes, all listed in ``meta.json``. A missing or short file, or a failed write on
         any rank, raises on every rank a CheckpointError naming the rank (rank 0's verdict
         is broadcast in place of a closing barrier, so no rank waits for one that failed)."""

@@ -21,7 +21,7 @@ DeepSpeed's default ``TorchCheckpointEngine`` for two reasons:
 The strategy takes this rank's outcome after ``engine.save_checkpoint`` returned
 (:meth:`EmberCheckpointEngine.take`: the writer, the recorded error) and commits the
 checkpoint with one rule (every rank reports its files or its error, rank 0 checks them
-and renames ``NAME.tmp`` into place): at once for a synchronous save; at the next save,
+and renames ``NAME.ember-tmp`` into place): at once for a synchronous save; at the next save,
 before a load, or at teardown for a background one. Outside ember's saves (e.g. the
 user calling ``engine.save_16bit_model``) the wrapper writes as DeepSpeed does.
 Imported only when a DeepSpeed strategy sets up (it needs deepspeed).
@@ -173,7 +173,7 @@ def install(engine, background: bool) -> "EmberCheckpointEngine | None":
 
 def drop(path: str, writer: "RankWriter | None", remove_tmp: bool, exc: BaseException) -> None:
     """After an exception in the run: let this rank's ``writer`` of the uncommitted
-    checkpoint ``path`` finish (its errors no longer matter), remove ``NAME.tmp`` when
+    checkpoint ``path`` finish (its errors no longer matter), remove ``NAME.ember-tmp`` when
     ``remove_tmp`` (rank 0) and warn. No collective: a failed rank ends at once."""
     import contextlib
     import warnings

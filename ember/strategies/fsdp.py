@@ -373,7 +373,7 @@ class FSDPStrategy(DDPStrategy):
         """After an exception (the Trainer calls this before teardown), a pending
         ``async_save`` is dropped, not committed: a commit needs every rank at its
         collectives, and a rank that failed must end at once rather than wait there. Its
-        ``NAME.tmp`` stays behind and never counts as a checkpoint."""
+        ``NAME.ember-tmp`` stays behind and never counts as a checkpoint."""
         if not isinstance(self._pending_save, tuple):   # a full-state write by rank 0's thread
             return super().on_exception(exc)
         self._commit_actions = None     # the dropped save is never committed
@@ -463,9 +463,9 @@ class FSDPStrategy(DDPStrategy):
 
     def save_checkpoint(self, path: str, module: nn.Module, optimizers: list, trainer_state: dict,
                         meta: dict, weights_only: bool = False) -> None:
-        """Write ``path`` atomically: rank 0 prepares ``NAME.tmp``, every rank writes its
-        shards into ``NAME.tmp/model/`` (DCP), rank 0 adds ``trainer_state.pt`` and
-        ``meta.json`` and renames ``NAME.tmp`` to ``NAME``."""
+        """Write ``path`` atomically: rank 0 prepares ``NAME.ember-tmp``, every rank writes its
+        shards into ``NAME.ember-tmp/model/`` (DCP), rank 0 adds ``trainer_state.pt`` and
+        ``meta.json`` and renames ``NAME.ember-tmp`` to ``NAME``."""
         from ember.checkpoint import io as cio
         self._finish_pending_save()
         path = os.path.normpath(os.fspath(path))
@@ -480,7 +480,7 @@ class FSDPStrategy(DDPStrategy):
         error = None
         if self.is_global_zero:
             try:
-                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.tmp
+                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.ember-tmp
             except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
                 error = err
         raise_rank0_error(self, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
@@ -508,7 +508,7 @@ class FSDPStrategy(DDPStrategy):
         self._commit(path, state, meta)
 
     def _commit(self, path: str, state: dict | None, meta: dict) -> None:
-        """Rank 0 renames ``NAME.tmp`` into place only when every shard file the DCP
+        """Rank 0 renames ``NAME.ember-tmp`` into place only when every shard file the DCP
         metadata names is there with its bytes (listed in ``meta.json``). A missing shard,
         or a failed write on rank 0, raises on every rank (rank 0's verdict is broadcast
         instead of a closing barrier, so no rank waits for one that failed)."""

@@ -188,7 +188,7 @@ def find_last(t) -> str | None:
     """This run's newest complete checkpoint: the highest ``global_step`` in
     ``meta.json`` (not the modification time) in the first of :func:`_candidate_dirs`
     that has one; a real ``last`` directory (a preemption save) wins a tie, a ``last``
-    symlink counts as (and is returned for) the checkpoint it points to. Staging ``*.tmp`` folders and
+    symlink counts as (and is returned for) the checkpoint it points to. Staging ``*.ember-tmp`` (and older ``*.tmp``) folders and
     weights-only files never count. Reads only files (rank 0 can run it and broadcast)."""
     from ember.checkpoint import io as cio
     for d in _candidate_dirs(t):

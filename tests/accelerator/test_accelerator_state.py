@@ -106,7 +106,7 @@ def test_automatic_checkpoint_names_and_load_latest(tmp_path):
         net.weight.fill_(0.0)
     acc.load_state()
     assert torch.all(net.weight == 2.0)
-    assert not glob.glob(str(tmp_path / "checkpoints" / "*.tmp"))
+    assert not glob.glob(str(tmp_path / "checkpoints" / "*.ember-tmp"))
 
 
 def test_load_state_errors(tmp_path):
@@ -136,7 +136,7 @@ def test_load_state_errors(tmp_path):
     acc.register_for_checkpointing(Unsafe())
     with pytest.raises(CheckpointError, match="fn"):
         acc.save_state(tmp_path / "unsafe")
-    assert not os.path.exists(tmp_path / "unsafe") and not os.path.exists(tmp_path / "unsafe.tmp")
+    assert not os.path.exists(tmp_path / "unsafe") and not os.path.exists(tmp_path / "unsafe.ember-tmp")
 
 
 def test_save_model_shards_with_index(tmp_path):

@@ -32,7 +32,7 @@ def test_kill_during_an_async_save_leaves_a_checkpoint_that_resumes_exactly(tmp_
         assert r["complete"], (timing, r)                   # at least one complete checkpoint is left
         assert r["resume_code"] == 0 and r["resumed"]["equal"] is True, (timing, r.pop("resume_error"), r)
         assert r["resumed"]["global_step"] == 5
-        killed_mid_write += r["status"] == -9 and any(n.endswith(".tmp") for n in r["left"])
+        killed_mid_write += r["status"] == -9 and any(n.endswith(".ember-tmp") for n in r["left"])
     # the gate kills inside the write for certain; the timed kills land wherever the run is then
-    assert result["gate"]["status"] == -9 and any(n.endswith(".tmp") for n in result["gate"]["left"])
+    assert result["gate"]["status"] == -9 and any(n.endswith(".ember-tmp") for n in result["gate"]["left"])
     assert killed_mid_write >= 1, result

@@ -146,7 +146,7 @@ def test_unsafe_state_is_refused_at_save_time_and_old_checkpoint_survives(tmp_pa
 def test_exception_inside_atomic_directory_leaves_nothing(tmp_path):
     with pytest.raises(ZeroDivisionError):
         with cio.atomic_directory(tmp_path / "ckpt") as tmp:
-            assert tmp == str(tmp_path / "ckpt.tmp")
+            assert tmp == str(tmp_path / "ckpt.ember-tmp")
             cio.save_safetensors({"a": torch.ones(2)}, os.path.join(tmp, "model.safetensors"))
             1 / 0
     assert os.listdir(tmp_path) == []
@@ -174,7 +174,7 @@ def test_stale_tmp_and_old_dirs_are_ignored_and_cleaned(tmp_path):
     good = cio.write_checkpoint(tmp_path / "epoch=0-step=10", {"w": torch.ones(2)}, {"s": 1}, {})
     # a crash in the middle of writing "epoch=1-step=20" left its staging dir, and a
     # crash during a replacement left a complete previous version under .old-<hex>
-    stale = tmp_path / "epoch=1-step=20.tmp"
+    stale = tmp_path / "epoch=1-step=20.ember-tmp"
     stale.mkdir()
     (stale / cio.STAGING_MARKER).touch()      # every staging folder ember makes starts with it
     (stale / "model.safetensors").write_bytes(b"\x00" * 10)
@@ -350,7 +350,7 @@ def test_dcp_model_folder_yields_weights_none(tmp_path):
     cio.check_compatible(nn.Linear(2, 2), None, path)  # no-op
     with pytest.raises(CheckpointError, match="weights=None but no model/ folder"):
         cio.write_checkpoint(tmp_path / "other", None, {"step": 4}, {})
-    assert not (tmp_path / "other").exists() and not (tmp_path / "other.tmp").exists()
+    assert not (tmp_path / "other").exists() and not (tmp_path / "other.ember-tmp").exists()
 
 
 # -- compatibility ------------------------------------------------------------------------------

@@ -53,8 +53,8 @@ def test_save_checkpoint_refuses_to_replace_what_is_not_a_checkpoint(tmp_path, t
     elif target == "file":
         dest.write_text("precious")
     else:
-        (tmp_path / "dest.tmp").mkdir()
-        (tmp_path / "dest.tmp" / "notes.txt").write_text("precious")
+        (tmp_path / "dest.ember-tmp").mkdir()          # ember's staging name, not made by ember
+        (tmp_path / "dest.ember-tmp" / "notes.txt").write_text("precious")
     before = snapshot(tmp_path)
     with pytest.raises(CheckpointError, match="refusing to"):
         t.save_checkpoint(str(dest))
@@ -79,7 +79,7 @@ def test_accelerator_save_state_refuses_a_non_checkpoint_folder(tmp_path):
 
 
 # -- 7: reserved names ---------------------------------------------------------------------
-@pytest.mark.parametrize("filename", ["last", "{epoch}.tmp", "x.old-1a"])
+@pytest.mark.parametrize("filename", ["last", "{epoch}.tmp", "{epoch}.ember-tmp", "x.old-1a"])
 def test_reserved_checkpoint_names(filename):
     with pytest.raises(MisconfigurationError, match="reserved"):
         ModelCheckpoint(filename=filename, save_last=True)

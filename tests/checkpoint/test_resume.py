@@ -258,7 +258,7 @@ def test_stress_random_sigkills_then_resume_is_bit_exact(tmp_path):
     """Ten SIGKILLs at random moments of a fit that checkpoints every step (so many land
     inside a save); every run resumes from the newest complete checkpoint ('last', or the
     top-k one saved just before a kill that came before `last` was swapped to it), never
-    from a half-written '*.tmp', and the final parameters equal the uninterrupted run's.
+    from a half-written '*.ember-tmp', and the final parameters equal the uninterrupted run's.
     Each kill comes at a random moment within about four steps after the run's first new
     checkpoint, so every run makes progress however fast the machine is (a whole fit
     takes ~0.2 s here)."""
@@ -286,7 +286,7 @@ def test_stress_random_sigkills_then_resume_is_bit_exact(tmp_path):
             assert code in (-signal.SIGKILL, 0)
             kills += code == -signal.SIGKILL
             found = cio.list_checkpoints(root / "checkpoints")
-            assert not [c for c in found if c.endswith(".tmp")]
+            assert not [c for c in found if c.endswith((".tmp", ".ember-tmp"))]
         out = tmp_path / "final.pt"
         pid = z.run(root, True, out)
         start = z.expect("start").split()
@@ -305,7 +305,7 @@ def test_stress_random_sigkills_then_resume_is_bit_exact(tmp_path):
     for s, p in resumed_from[1:]:
         if p != "None":
             name = os.path.basename(p)
-            assert os.path.dirname(p) == ckpt_dir and not name.endswith(".tmp"), resumed_from
+            assert os.path.dirname(p) == ckpt_dir and not name.endswith((".tmp", ".ember-tmp")), resumed_from
             assert name == "last" or name.endswith(f"-step={s}"), resumed_from
     assert differences(torch.load(ref_out, weights_only=True), torch.load(out, weights_only=True)) == []
     # top-k (2 latest) bookkeeping survived the kills: no orphans left behind

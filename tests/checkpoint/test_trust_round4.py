@@ -32,8 +32,8 @@ def _tree(root: Path) -> dict:
 
 def _user_folders(tmp_path: Path) -> dict[str, Path]:
     """What a user keeps next to checkpoints: a results folder, a dataset folder with its
-    own ``meta.json``, a notes file, a folder named like a staging folder, and an export
-    folder of checkpoint-like names under a ``.tmp`` name."""
+    own ``meta.json``, a notes file, and a folder of checkpoint-like names under ember's own
+    staging name (``x.ember-tmp``, which ember did not make)."""
     results = tmp_path / "results"
     (results / "plots").mkdir(parents=True)
     (results / "results.csv").write_text("epoch,acc\n0,0.5\n")
@@ -44,26 +44,46 @@ def _user_folders(tmp_path: Path) -> dict[str, Path]:
     (data / "images" / "0.png").write_bytes(b"\x89PNG")
     notes = tmp_path / "notes.txt"
     notes.write_text("precious")
+    staged = tmp_path / "x.ember-tmp"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"someone else's weights")
+    return {"results": results, "data": data, "notes.txt": notes, "x": staged}
+
+
+def _users_tmp(tmp_path: Path, kind: str) -> Path:
+    """A user's ``run.tmp`` (the staging name of earlier ember versions), a folder or a file."""
     run_tmp = tmp_path / "run.tmp"
-    run_tmp.mkdir()
-    (run_tmp / "draft.py").write_text("print('mine')")
-    export_tmp = tmp_path / "export.tmp"
-    export_tmp.mkdir()
-    (export_tmp / "model.safetensors").write_bytes(b"someone else's weights")
-    return {"results": results, "data": data, "notes.txt": notes, "run": run_tmp, "export": export_tmp}
+    if kind == "folder":
+        run_tmp.mkdir()
+        (run_tmp / "draft.py").write_text("print('mine')")
+        (run_tmp / "model.safetensors").write_bytes(b"someone else's weights")
+        (run_tmp / ".ember-staging").write_text("")      # even one that looks like an old staging folder
+    else:
+        run_tmp.write_text("my notes")
+    return run_tmp
 
 
 # -- the one place: the writer itself -----------------------------------------------------------
-@pytest.mark.parametrize("target", ["results", "data", "notes.txt", "run", "export"])
+@pytest.mark.parametrize("target", ["results", "data", "notes.txt", "x"])
 def test_the_low_level_writer_refuses_every_user_target(tmp_path, target):
     """``write_checkpoint`` (what every save calls) checks the target itself: a caller that
-    skips ``check_save_target`` can no longer replace a folder, a file or a ``NAME.tmp``."""
+    skips ``check_save_target`` can no longer replace a folder, a file or a folder under the
+    staging name ``NAME.ember-tmp`` that ember did not make."""
     folders = _user_folders(tmp_path)
     before = {k: _tree(v) for k, v in folders.items()}
-    path = folders[target] if target not in ("run", "export") else tmp_path / target
+    path = tmp_path / "x" if target == "x" else folders[target]
     with pytest.raises(CheckpointError, match="refusing to (replace|delete)"):
         cio.write_checkpoint(path, {"w": torch.ones(2)}, {"step": 1}, {})
     assert {k: _tree(v) for k, v in folders.items()} == before
+
+
+def test_the_staging_name_is_embers_own(tmp_path):
+    """Every rank of a sharded save finds the staging folder by name alone: next to ``NAME``
+    (one rename commits it), the same for every call, and not a name users give files."""
+    path = tmp_path / "run"
+    assert cio.tmp_path(path) == cio.tmp_path(str(path) + "/") == str(tmp_path / "run.ember-tmp")
+    assert Path(cio.make_staging(path)) == tmp_path / "run.ember-tmp"
+    assert os.listdir(tmp_path / "run.ember-tmp") == [cio.STAGING_MARKER]
 
 
 def test_a_staging_folder_ember_made_is_still_replaced_and_carries_no_marker(tmp_path):
@@ -77,14 +97,67 @@ def test_a_staging_folder_ember_made_is_still_replaced_and_carries_no_marker(tmp
     assert cio.read_checkpoint(path)[1] == {"step": 2}
 
 
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_a_users_run_tmp_plays_no_part_in_a_save_to_run(tmp_path, kind):
+    """``run.tmp`` is the user's (or an earlier version's staging folder): a save to ``run``
+    by the low-level writer, ``Trainer.save_checkpoint``, ``ModelCheckpoint``, ``Fabric.save``
+    and ``Accelerator.save_state`` succeeds and leaves it byte-identical; checkpoint
+    discovery ignores it."""
+    from ember.callbacks import ModelCheckpoint
+    run_tmp = _users_tmp(tmp_path, kind)
+    before = _tree(run_tmp)
+    path = tmp_path / "run"
+    t = ember.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path / "root"), devices="cpu",
+                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path), filename="run", save_top_k=1)])
+    t.fit(LinearModule(), torch.utils.data.DataLoader(regression_data(16), batch_size=4))
+    assert t.checkpoint_callback.best_model_path == str(path)
+    assert cio.read_checkpoint(path)[2]["global_step"] == 4 and _tree(run_tmp) == before
+    t.save_checkpoint(str(path))
+    assert cio.list_checkpoints(tmp_path) == [str(path)] and _tree(run_tmp) == before
+    cio.write_checkpoint(path, {"w": torch.ones(2)}, {"step": 1}, {})
+    cio.write_checkpoint(path, {"w": torch.zeros(2)}, {"step": 2}, {})      # and replaces its own
+    assert cio.read_checkpoint(path)[1] == {"step": 2} and _tree(run_tmp) == before
+
+    fabric = ember.Fabric(devices=1)
+    model = fabric.setup(nn.Linear(2, 1))
+    fabric.save(path, {"model": model, "step": 3})
+    assert fabric.load(path)["step"] == 3 and _tree(run_tmp) == before
+
+    acc = ember.Accelerator()
+    net = acc.prepare(nn.Linear(2, 1))
+    with torch.no_grad():
+        net.weight.fill_(5.0)
+    acc.save_state(path)
+    with torch.no_grad():
+        net.weight.fill_(0.0)
+    acc.load_state(path)
+    assert torch.all(net.weight == 5.0) and _tree(run_tmp) == before
+    assert sorted(os.listdir(tmp_path)) == ["run", "run.tmp"]          # no staging folder left either
+
+
+def test_an_earlier_versions_staging_folder_is_never_touched(tmp_path):
+    """A ``NAME.tmp`` left by an earlier version's killed save (its marker and half its files,
+    or even a complete ``meta.json``): saves to ``NAME`` leave it alone, discovery skips it."""
+    old = tmp_path / "step=3.tmp"
+    cio.write_checkpoint(tmp_path / "made-by-old", {"w": torch.ones(2)}, {"step": 3}, {})
+    os.rename(tmp_path / "made-by-old", old)
+    (old / cio.STAGING_MARKER).write_text("")
+    before = _tree(old)
+    cio.write_checkpoint(tmp_path / "step=3", {"w": torch.zeros(2)}, {"step": 3}, {})
+    cio.remove_staging(tmp_path / "step=3")
+    assert _tree(old) == before
+    assert cio.list_checkpoints(tmp_path) == [str(tmp_path / "step=3")]
+
+
 # -- item 1: Fabric.save --------------------------------------------------------------------------
-@pytest.mark.parametrize("target", ["results", "data", "notes.txt", "run", "export"])
+@pytest.mark.parametrize("target", ["results", "data", "notes.txt", "x"])
 def test_fabric_save_never_replaces_or_deletes_a_users_files(tmp_path, target):
     folders = _user_folders(tmp_path)
     before = {k: _tree(v) for k, v in folders.items()}
     fabric = ember.Fabric(devices=1)
     model = fabric.setup(nn.Linear(2, 1))
-    path = folders[target] if target not in ("run", "export") else tmp_path / target
+    path = tmp_path / "x" if target == "x" else folders[target]
     with pytest.raises(CheckpointError, match=r"Fabric.save\(.*refusing to (replace|delete)"):
         fabric.save(path, {"model": model, "step": 3})
     assert {k: _tree(v) for k, v in folders.items()} == before

@@ -112,7 +112,7 @@ def test_save_and_load_use_embers_checkpoint_format(tmp_path):
     path = tmp_path / "run" / "step-10.ckpt"
     fabric.save(path, {"model": model, "optimizer": opt, "step": 10, "note": "x", "t": torch.arange(3)})
     assert sorted(os.listdir(path)) == ["meta.json", "model.safetensors", "trainer_state.pt"]
-    assert not os.path.exists(str(path) + ".tmp")
+    assert not os.path.exists(str(path) + ".ember-tmp")
 
     model2 = fabric.setup_module(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
     opt2 = fabric.setup_optimizers(torch.optim.Adam(model2.parameters(), lr=5e-1))

@@ -15,7 +15,7 @@ process-group timeout), run by tests/strategies/test_deepspeed.py. Started as a 
 4. Rank 1's file missing at the commit: nothing committed, a CheckpointError naming rank 1
    on both ranks.
 5. An exception in training (both ranks) while step=3 is pending: it is dropped without a
-   collective (not committed, its NAME.tmp removed) and the exception reaches the caller.
+   collective (not committed, its NAME.ember-tmp removed) and the exception reaches the caller.
 6. A write that fails on one rank only (ENOSPC at its torch.save) inside DeepSpeed's
    ``save_checkpoint``, synchronous (rank 1's ZeRO partition; rank 0's model states) and in
    the background (rank 1): every rank raises a CheckpointError naming the failing rank and

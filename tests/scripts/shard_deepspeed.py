@@ -69,7 +69,7 @@ def run_stage(OUT: str, STAGE: int) -> None:
     sc.write_result(OUT, "resume", {
         "bit_identical": sc.equal(straight, resumed), "global_step": t2.global_step,
         "gradient_clipping": clip_cfg, "files": sorted(os.listdir(mid)),
-        "leftover_tmp": [n for n in os.listdir(ck_dir) if n.endswith(".tmp")]}, rank)
+        "leftover_tmp": [n for n in os.listdir(ck_dir) if n.endswith((".tmp", ".ember-tmp"))]}, rank)
 
     # 2b. without gradient_clip_val nothing is clipped (SGD, large gradients: DeepSpeed's default 1.0 would show)
     net = sc.make_net(opt="sgd", lr=0.05, loss_mult=20.0)

@@ -168,7 +168,7 @@ elif MODE == "w2":
         "bit_identical": sc.equal(straight, resumed) if rank == 0 else None,
         "optim_identical": sc.optim_states_equal(straight_opt, resumed_opt) if rank == 0 else None,
         "files": sorted(os.listdir(mid)), "dcp_files": sorted(os.listdir(os.path.join(mid, "model"))),
-        "leftover_tmp": [n for n in os.listdir(ck_dir) if n.endswith(".tmp")],
+        "leftover_tmp": [n for n in os.listdir(ck_dir) if n.endswith((".tmp", ".ember-tmp"))],
         "meta": {k: meta.get(k) for k in ("strategy", "world_size", "module_class", "sharded", "state_dict_type")},
         "global_step": t2.global_step}, rank)
 

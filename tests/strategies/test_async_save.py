@@ -169,7 +169,7 @@ def test_exception_in_training_drops_the_pending_save(tmp_path):
     assert any("asynchronous save" in str(x.message) and "not committed" in str(x.message) for x in w)
     # the writer has ended (and cleaned up) by the time fit raises
     assert not any(th.name.startswith("ember-save:") for th in threading.enumerate())
-    assert not os.path.exists(tmp_path / "pending") and not os.path.exists(tmp_path / "pending.tmp")
+    assert not os.path.exists(tmp_path / "pending") and not os.path.exists(tmp_path / "pending.ember-tmp")
 
 
 class Gate:

@@ -280,7 +280,7 @@ class TestAsyncSave:
         for rank in (0, 1):
             r = async_results("async_failed_run", rank)
             assert r["error"] == "failed at step 4"
-            assert r["left"] == [], r               # step=3 neither committed nor left as step=3.tmp
+            assert r["left"] == [], r               # step=3 neither committed nor left as step=3.ember-tmp
             assert len(r["warned"]) == 1 and "step=3" in r["warned"][0], r
 
 

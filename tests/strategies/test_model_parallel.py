@@ -91,7 +91,7 @@ def test_model_parallel_async_save_commits_the_state_of_the_save(runs):
         pending = json.load(f)
     assert pending["tp"] == [False, True]        # epoch 1 began while epoch 0's save was in flight
     found = sorted(glob.glob(os.path.join(runs.out, "ckpt_async", "*")))
-    assert len(found) == 2 and not any(p.endswith(".tmp") for p in found), found
+    assert len(found) == 2 and not any(p.endswith((".tmp", ".ember-tmp")) for p in found), found
     for path in found:
         with open(os.path.join(path, "meta.json")) as f:
             files = json.load(f)["files"]
@@ -112,7 +112,7 @@ def test_fsdp_full_state_async_save_writes_on_rank0_in_the_background(runs):
     with open(os.path.join(runs.out, "tp_async_pending.json")) as f:
         assert json.load(f)["full"] == [False, True]   # rank 0 held the background write into epoch 1
     found = sorted(glob.glob(os.path.join(runs.out, "ckpt_full_async", "*")))
-    assert len(found) == 2 and not any(p.endswith(".tmp") for p in found), found
+    assert len(found) == 2 and not any(p.endswith((".tmp", ".ember-tmp")) for p in found), found
     assert all(os.path.isfile(os.path.join(p, "model.safetensors")) for p in found)
     sync0 = load_full_weights(sorted(glob.glob(os.path.join(runs.out, "ckpt", "epoch=0-*")))[0])
     assert _max_diff(load_full_weights(found[0]), sync0) < TOL
