@@ -42,9 +42,10 @@ def data_state(t) -> dict:
     # depend on the number of processes): what a resume on another number of processes keeps (reshard)
     bs, done = out["batch_size"], t.state.state_dict()["batches_done"]
     out["world_size"] = t.world_size
+    out["data_replicas"] = replicas = data_replicas(t)
     if bs:
-        out["global_batch"] = bs * t.world_size * t.accumulate_grad_batches
-        out["samples_done"] = done * bs * t.world_size if _global_order(dl) else None
+        out["global_batch"] = bs * replicas * t.accumulate_grad_batches
+        out["samples_done"] = done * bs * replicas if _global_order(dl) else None
     sampler = edata.index_sampler(dl)
     if isinstance(sampler, edata.LengthGroupedSampler):
         out["group_size"] = sampler.group
@@ -52,6 +53,13 @@ def data_state(t) -> dict:
         out["inner_generators"] = [edata.generator_checkpoint_state(x) for x in dl.flattened]
         out["members"] = [dict(resume.shape(x), name=n) for x, n in zip(dl.flattened, dl.ember_names())]
     return out
+
+
+def data_replicas(t) -> int:
+    """How many processes read different data: the sampler's ``num_replicas`` (the
+    data-parallel size; the ranks of one tensor-parallel group read the same batches)."""
+    kw = t.strategy.distributed_sampler_kwargs() or {}
+    return int(kw.get("num_replicas", 1))
 
 
 def restore_data(t, saved: dict | None, path: str, allow_change: bool = False, resharded: bool = False) -> None:
@@ -189,8 +197,10 @@ def reshard(t, state: dict, path: str) -> str | None:
     engine fixed its accumulation at setup): the world-size warning then says so."""
     from ember.data import resume
     saved, loop = state.get("data") or {}, state.get("loop") or {}
-    old_w = int(saved.get("world_size") or len(state.get("rng") or []) or t.world_size)
-    new_w = t.world_size
+    # processes that read different data (the data-parallel size; the world size in checkpoints
+    # written before it was recorded, which had no tensor-parallel resumes of this kind)
+    old_w = int(saved.get("data_replicas") or saved.get("world_size") or len(state.get("rng") or []) or t.world_size)
+    new_w = data_replicas(t)
     dl = t.state.train_dataloader
     old_b, new_b = saved.get("batch_size"), resume.batch_size_of(dl)
     if old_w == new_w or not old_b or not new_b or getattr(dl, "ember_combined", False) \
