@@ -14,7 +14,12 @@ There is no model hub here, so the script makes its own small base model first:
    assistant's answer carries loss, and whole chats are packed into rows without
    attending to each other;
 3. the adapters are exported (PEFT's folder, and a merged transformers folder), and the
-   fine-tuned model answers held-out reviews through ``trainer.predict``.
+   fine-tuned model answers 200 held-out reviews through ``trainer.predict``.
+
+With the defaults the small model learns the answer format (it says "fresh" or
+"rotten" and stops: the answer's loss falls from about 8 to about 1.4) but not yet the
+sentiment: its answers score about the majority answer's 59%. Telling the reviews
+apart takes a real pretrained base, or much more training than a few CPU minutes.
 """
 import argparse
 import os
@@ -53,7 +58,8 @@ def base_model():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=30522, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=101, eos_token_id=102)
+                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=101, eos_token_id=102,
+                      initializer_range=0.1)   # embeddings (the tied head) large enough for confident answers
     return LlamaForCausalLM(cfg)
 
 
@@ -68,8 +74,9 @@ p.add_argument("--root", default="runs/sft_chat")
 args = p.parse_args()
 quick = args.steps < 50
 train, test = load_rotten_tomatoes()
+test = test[:32] if quick else test[:200]
 if quick:
-    train, test = train[:400], test[:32]
+    train = train[:400]
 tok = tokenizer()
 
 # 1. the base: a small causal LM trained on the review texts, saved as a transformers folder
@@ -84,7 +91,7 @@ lm.save_pretrained(base_dir)
 chats = CausalLMData(tok, train=[{"messages": chat(r, y)} for r, y in train],
                      val=[{"messages": chat(r, y)} for r, y in test],
                      predict=[{"messages": chat(r)} for r, _ in test],
-                     messages_column="messages", max_length=256, batch_size=4, packing=True)
+                     messages_column="messages", max_length=256, batch_size=4, eval_batch_size=32, packing=True)
 lora = LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
 sft = TransformersModule(base_dir, task="causal-lm", lr=2e-3, warmup_ratio=0.05, peft_config=lora,
                          generate_kwargs={"max_new_tokens": 2, "do_sample": False})
