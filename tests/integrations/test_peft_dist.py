@@ -36,15 +36,18 @@ def base_dir(tmp_path_factory):
     return str(folder)
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def dist_run(request, tmp_path_factory, base_dir):
-    kind = request.param
+def launch(kind, tmp_path_factory, base_dir):
     out = tmp_path_factory.mktemp(f"peft_{kind}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(find_free_port()), str(SCRIPTS / "peft_dist.py"), kind, str(out), base_dir]
     proc = subprocess.run(cmd, cwd=out, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return kind, out
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def dist_run(request, tmp_path_factory, base_dir):
+    return launch(request.param, tmp_path_factory, base_dir)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +133,28 @@ def test_resuming_an_adapter_checkpoint_is_bit_exact(dist_run):
     a, b = runs["resumed"], runs["straight"]
     assert a.keys() == b.keys() and all(".lora_" in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_lora_under_deepspeed_equals_one_process(tmp_path_factory, reference, base_dir):
+    """ZeRO-2 (DeepSpeed steps the optimizer and clips): the LoRA classifier on 2 processes
+    equals one process on the combined batch; the frozen base is untouched. (DeepSpeed's
+    checkpoint is its engine's: it holds the whole model, docs/transformers.md.)"""
+    pytest.importorskip("deepspeed")
+    kind, out = launch("deepspeed", tmp_path_factory, base_dir)
+    full = torch.load(out / "deepspeed.bert.pt", weights_only=True)
+    ref = reference["bert"].state_dict()
+    start_module = peft_dist.fits(base_dir)[NAMES.index("bert")][1]()
+    start = start_module.state_dict()
+    assert set(ref) <= set(full)
+    for k in ref:
+        torch.testing.assert_close(full[k], ref[k], rtol=0, atol=1e-5)
+        torch.testing.assert_close(full[k] - start[k], ref[k] - start[k], rtol=1e-2, atol=1e-6)
+    assert set(full) == set(ref)      # module_state_dict: the trainable entries
+    # the checkpoint is DeepSpeed's engine's: every weight, the frozen base unchanged in it
+    from ember.strategies.deepspeed import load_full_weights
+    saved = load_full_weights(str(out / "deepspeed.bert.ckpt"))
+    base = {f"model.{k}": v for k, v in start_module.model.state_dict().items()}
+    frozen = [k for k in saved if k not in ref]
+    assert frozen and all(torch.equal(saved[k].float(), base[k].float()) for k in frozen)
+    for k in ref:
+        torch.testing.assert_close(saved[k].float(), ref[k], rtol=0, atol=1e-5)

@@ -1,7 +1,7 @@
 """LoRA adapters under DDP or FSDP2 (2 processes, gloo, CPU), run by
 tests/integrations/test_peft_dist.py:
 
-    python -m torch.distributed.run --nproc_per_node 2 peft_dist.py ddp|fsdp OUT_DIR BASE_DIR
+    python -m torch.distributed.run --nproc_per_node 2 peft_dist.py ddp|fsdp|deepspeed OUT_DIR BASE_DIR
 
 Three fits, each 2 optimizer steps of 2 samples per rank with gradient clipping engaged:
 1. a tiny Llama causal LM, LoRA on ``target_modules="all-linear"`` (token-exact loss
@@ -28,7 +28,7 @@ import peft_common as pc  # noqa: E402
 from ember import Trainer  # noqa: E402
 from ember.errors import MisconfigurationError  # noqa: E402
 from ember.integrations.transformers import ExportBestPretrained, PadCollator, TransformersModule  # noqa: E402
-from ember.strategies import DDPStrategy, FSDPStrategy  # noqa: E402
+from ember.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy  # noqa: E402
 
 CLIP = 0.002
 #: AdamW with eps=1 (and no weight decay) makes a step proportional to the clipped
@@ -58,10 +58,18 @@ def cls_items():
             for text, label in rows]
 
 
+def make_strategy(kind):
+    if kind == "deepspeed":
+        return DeepSpeedStrategy(stage=2, timeout=60)
+    return DDPStrategy(timeout=60) if kind == "ddp" else FSDPStrategy(timeout=60)
+
+
 def main(kind, out, base_dir):
     torch.set_num_threads(1)
     for name, make_module, make_loader in fits(base_dir):
-        strategy = DDPStrategy(timeout=60) if kind == "ddp" else FSDPStrategy(timeout=60)
+        if kind == "deepspeed" and name != "bert":
+            continue
+        strategy = make_strategy(kind)
         module = make_module()
         # no checkpoint callback: the export is of the current weights (gathered under FSDP)
         export = [ExportBestPretrained(os.path.join(out, f"{kind}.{name}.export"))] if name == "named" else []
@@ -82,7 +90,7 @@ def main(kind, out, base_dir):
         if name == "llama":   # resumed from that checkpoint for one more step, and 3 steps in one go
             runs = {}
             for run, ckpt in (("resumed", os.path.join(out, f"{kind}.{name}.ckpt")), ("straight", None)):
-                strategy = DDPStrategy(timeout=60) if kind == "ddp" else FSDPStrategy(timeout=60)
+                strategy = make_strategy(kind)
                 module = make_module()
                 trainer = Trainer(strategy=strategy, devices=2, max_steps=3, precision="32-true", logger=False,
                                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
