@@ -162,6 +162,16 @@ def _global_order(dl) -> bool:
         and not int(getattr(dl, "num_workers", 0) or 0) and not is_hf_iterable(resume._dataset(dl))
 
 
+def _carried_stream(dl) -> bool:
+    """Whether a mid-epoch position in ``dl`` is carried to another number of processes
+    shard by shard: a Hugging Face IterableDataset read without DataLoader workers, whose
+    state is the dataset's own (:func:`ember.data.stateful.hf_reshard`)."""
+    from ember.data import resume
+    from ember.data.stateful import is_hf_iterable
+    return resume.kind_of(dl) == resume.STATE and is_hf_iterable(resume._dataset(dl)) \
+        and resume.state_holder(dl) is resume._dataset(dl)
+
+
 def reshard(t, state: dict, path: str) -> str | None:
     """Carry a checkpoint saved by another number of processes over to this one (issue:
     "Change the number of processes and keep going exactly").
@@ -178,8 +188,10 @@ def reshard(t, state: dict, path: str) -> str | None:
       processes; every process's sampler slices the same global order, so the rest of the
       epoch is trained once, its padding recomputed for the new number of processes.
       Index-based loaders, and streams without state read without workers (replayed to the
-      new batch count, with the replay warning); a loader with its own per-process state is
-      refused (:func:`restore_position`).
+      new batch count, with the replay warning). A Hugging Face IterableDataset read without
+      workers counts the same way, and its shards' positions are carried to the processes
+      that now read them (:func:`restore_position`); another loader with its own
+      per-process state is refused there.
     * A :class:`~ember.data.LengthGroupedSampler` keeps the checkpoint's group size (the
       order of the run it continues).
 
@@ -224,7 +236,9 @@ def reshard(t, state: dict, path: str) -> str | None:
         sampler.group_size = int(saved["group_size"])
     st = t.state
     done = st.batches_done
-    if done and _global_order(dl):
+    st.reshard_stream = None
+    carried = done and _carried_stream(dl)
+    if done and (_global_order(dl) or carried):
         window_start = done - done % old_a
         position = window_start * old_b * old_w   # samples of the epoch's global order trained
         if position % per:
@@ -235,6 +249,8 @@ def reshard(t, state: dict, path: str) -> str | None:
                 f"Resume with {_divisor_hint(position, new_b, new_w)}, or from a checkpoint saved at an epoch end")
         st.batches_done = position // per
         st.batch_idx = max(st.batches_done - 1, 0)
+        if carried:   # each old process had read window_start batches of its shards (restore_position)
+            st.reshard_stream = (old_w, window_start * old_b)
     return (f"Saved by {old_w} process(es), resumed by {new_w}: accumulate_grad_batches={acc} "
             f"{'keeps' if per * acc == glob else 'changes'} the global batch of {glob} samples per optimizer step"
             f"{'' if per * acc == glob else f' to {per * acc}'} ({new_b} per process x {new_w} x {acc}).")
@@ -280,12 +296,18 @@ def restore_position(t, saved: list | None, path: str) -> None:
     if len(saved) != t.world_size:
         if st.batches_done and any(_holds_state(p) for p in saved):
             from ember.data import resume
+            why = ("those states cannot be split or merged over "
+                   f"{t.world_size} process(es) without training samples twice or leaving some out")
+            if st.reshard_stream is not None:
+                try:
+                    return _carry_stream(t, saved, path)
+                except ValueError as err:
+                    why = f"its shards' positions cannot be carried to {t.world_size} process(es): {err}"
             raise CheckpointError(
                 f"{path} was saved mid-epoch (epoch {st.epoch}, {st.batches_done} batches done) by {len(saved)} "
                 f"process(es) and is resumed by {t.world_size}: the train dataloader "
                 f"({resume.describe(st.train_dataloader)}) records its position per process (its state_dict(): a "
-                f"place in the old processes' shards), and those states cannot be split or merged over "
-                f"{t.world_size} process(es) without training samples twice or leaving some out. Resume on "
+                f"place in the old processes' shards), and {why}. Resume on "
                 f"{len(saved)} process(es), or from a checkpoint saved at an epoch end (which any number of "
                 "processes continues)")
         if st.batches_done and any(p for p in saved) and t.is_global_zero:
@@ -297,4 +319,40 @@ def restore_position(t, saved: list | None, path: str) -> None:
     from ember.data import resume
     # loaded now: a state the loader refuses raises where the ranks agree on the restore
     st.data_position = resume.apply_position(st.train_dataloader, saved[t.global_rank], st.batches_done,
+                                             f"{path} (trainer_state.pt)")
+
+
+def _carry_stream(t, saved: list, path: str) -> None:
+    """A Hugging Face IterableDataset saved mid-epoch by another number of processes
+    (:func:`reshard` counted the examples each old process had read): this process's state
+    is rebuilt from the shards' positions (:func:`ember.data.stateful.hf_reshard`) and
+    loaded, so every example of the epoch not read yet is read by the process that now
+    reads its shard. Those processes are left different numbers of examples; their steps
+    must pair up, so every process ends the epoch after the smallest number of batches
+    (``TrainerState.epoch_batches``, computed alike on every rank from the checkpoint and
+    the shards: no collective), as ranks with loaders of different lengths do
+    (``checks.agree_train_batches``); a warning on rank 0 names the examples left out.
+    Raises ValueError with the reason when the position cannot be carried."""
+    from ember.data import resume
+    from ember.data.stateful import hf_reshard
+    st, dl = t.state, t.state.train_dataloader
+    old_w, consumed = st.reshard_stream
+    first = next((p for p in saved if isinstance(p, dict) and p.get("kind") == resume.STATE), None) or {}
+    state, left = hf_reshard(resume._dataset(dl), old_w, consumed, first.get("state") or {}, t.global_rank,
+                             t.world_size)
+    bs = resume.batch_size_of(dl) or 1
+    batches = [n // bs if getattr(dl, "drop_last", False) else -(-n // bs) for n in left]
+    ends = min(batches)
+    st.epoch_batches = st.batches_done + ends
+    if ends != max(batches) and t.is_global_zero:
+        trained = sum(min(n, ends * bs) for n in left)
+        shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(left))
+        warnings.warn(
+            f"resuming {path} mid-epoch (epoch {st.epoch}) on {t.world_size} process(es), saved by {old_w}: each shard "
+            "of the Hugging Face IterableDataset continues where it was, on the process that now reads it, which "
+            f"leaves the processes different numbers of examples of this epoch ({shown}). Their steps must pair up, "
+            f"so every process trains {ends} more batch(es) of it, the smallest, and {sum(left) - trained} "
+            "example(s) of this epoch are left out (the next epochs read every example). Save at an epoch end, or "
+            f"resume on {old_w} process(es), to train them", UserWarning, stacklevel=6)
+    st.data_position = resume.apply_position(dl, {"kind": resume.STATE, "state": state}, st.batches_done,
                                              f"{path} (trainer_state.pt)")
