@@ -165,11 +165,15 @@ def _global_order(dl) -> bool:
 def _carried_stream(dl) -> bool:
     """Whether a mid-epoch position in ``dl`` is carried to another number of processes
     shard by shard: a Hugging Face IterableDataset read without DataLoader workers, whose
-    state is the dataset's own (:func:`ember.data.stateful.hf_reshard`)."""
+    state is the dataset's own or, in torchdata's StatefulDataLoader, the loader's with the
+    dataset's inside (:func:`ember.data.stateful.hf_reshard`)."""
     from ember.data import resume
-    from ember.data.stateful import is_hf_iterable
-    return resume.kind_of(dl) == resume.STATE and is_hf_iterable(resume._dataset(dl)) \
-        and resume.state_holder(dl) is resume._dataset(dl)
+    from ember.data.stateful import is_hf_iterable, is_stateful_loader_class
+    if resume.kind_of(dl) != resume.STATE or not is_hf_iterable(resume._dataset(dl)):
+        return False
+    holder = resume.state_holder(dl)
+    return holder is resume._dataset(dl) or (holder is dl and is_stateful_loader_class(dl)
+                                             and not int(getattr(dl, "num_workers", 0) or 0))
 
 
 def reshard(t, state: dict, path: str) -> str | None:
@@ -338,9 +342,14 @@ def _carry_stream(t, saved: list, path: str) -> None:
     st, dl = t.state, t.state.train_dataloader
     old_w, consumed = st.reshard_stream
     first = next((p for p in saved if isinstance(p, dict) and p.get("kind") == resume.STATE), None) or {}
-    state, left = hf_reshard(resume._dataset(dl), old_w, consumed, first.get("state") or {}, t.global_rank,
-                             t.world_size)
+    old = first.get("state") or {}
+    old = old.get("dataset_state") or old if isinstance(old, dict) else {}   # inside a StatefulDataLoader's
+    state, left = hf_reshard(resume._dataset(dl), old_w, consumed, old, t.global_rank, t.world_size)
     bs = resume.batch_size_of(dl) or 1
+    if resume.state_holder(dl) is dl:   # torchdata's StatefulDataLoader without workers: its state around it
+        done = st.batches_done
+        state = dict(dl.state_dict(), dataset_state=state, _num_yielded=done, _sampler_iter_yielded=done,
+                     _sampler_iter_state={"samples_yielded": done * bs})
     batches = [n // bs if getattr(dl, "drop_last", False) else -(-n // bs) for n in left]
     ends = min(batches)
     st.epoch_batches = st.batches_done + ends

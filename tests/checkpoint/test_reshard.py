@@ -13,8 +13,9 @@ an explicit accumulate_grad_batches wins, with a warning, and the epoch still tr
 sample once. A Hugging Face IterableDataset of 8 shards saved on 2 processes resumes on 4
 (and one of 4 shards on 1 resumes on 2): each shard continues where it was, on the process
 that now reads it; left different numbers of samples, the processes end the epoch together
-after the smallest number of batches, with a warning naming what is left out. A loader that
-records another per-process state (a stateful dataset, torchdata's StatefulDataLoader) is
+after the smallest number of batches, with a warning naming what is left out. The same stream in
+torchdata's StatefulDataLoader without workers resumes alike. A loader that records
+another per-process state (a stateful dataset, a StatefulDataLoader over one) is
 refused on another number of processes mid-epoch, naming the loader and both numbers. The
 process groups are real (gloo; tests/scripts/reshard_ddp.py, three starts: 2, 4 and 3
 processes)."""
@@ -61,9 +62,9 @@ def runs(tmp_path_factory):
     rd.run("ref1_map", str(root), 1)
     for case in STATEFUL:
         rd.run(f"state1_{case}", str(root), 1)
-    out["stderr2"] = _launch(root, 2, ",".join(["ref2_map", "ref2_grouped", "ref2_stream", "from1", "hf2"] +
+    out["stderr2"] = _launch(root, 2, ",".join(["ref2_map", "ref2_grouped", "ref2_stream", "from1", "hf2", "hfsdl2"] +
                                               [f"state2_{case}" for case in STATEFUL]))
-    out["stderr4"] = _launch(root, 4, "grow4,hf4_even,hf4_uneven,hf4_again")
+    out["stderr4"] = _launch(root, 4, "grow4,hf4_even,hf4_uneven,hf4_again,hfsdl4")
     ck = Path(rd.step6(str(root / "ref2_map")))
     before = _folder_digest(ck)
     out["stderr3"] = _launch(root, 3, "explicit,refused")   # explicit first: the refusal's group is up
@@ -270,11 +271,16 @@ def test_a_stream_left_uneven_by_the_carried_shards_ends_the_epoch_together_with
     again = [_rec(root, "hf4_again", r) for r in range(4)]
     assert all(r["error"] is None and r["global_step"] == 7 for r in again)
     assert [r["seen"] for r in again] == [r["seen"][2:] for r in recs]
+    # the same stream in torchdata's StatefulDataLoader (no workers): its state is rebuilt around
+    # the stream's, and the resumed run reads the same samples (not replayed)
+    sdl = [_rec(root, "hfsdl4", r) for r in range(4)]
+    assert [r["seen"] for r in sdl] == [r["seen"] for r in recs] and all(r["error"] is None for r in sdl)
     warn = runs["stderr4"]
-    assert warn.count(HF_LEFT_OUT) == 1, warn[-3000:]   # once, on rank 0, for the uneven case only
+    assert warn.count(HF_LEFT_OUT) == 2, warn[-3000:]   # once per run, on rank 0, for the uneven cases only
+    assert "replayed" not in warn
     assert ("leaves the processes different numbers of examples of this epoch (rank 0: 8, rank 1: 8, rank 2: 12, "
-            "rank 3: 12)") in warn and f"every process trains 4 more batch(es) of it, the smallest, and 8 {HF_LEFT_OUT}" \
-        in warn
+            "rank 3: 12)") in warn
+    assert f"every process trains 4 more batch(es) of it, the smallest, and 8 {HF_LEFT_OUT}" in warn
 
 
 @pytest.mark.multiproc

@@ -26,6 +26,8 @@ sampler (``map``), grouped by length (``grouped``) or read as a stream without s
 ``hf4_even``, ``hf4_uneven``          its step 4 / step 3 resumed on 4 processes x batch 2, to the epoch's end
                                       (``hf4_uneven`` saves at every step)
 ``hf4_again``                         ``hf4_uneven``'s step 5 resumed on 4 processes (the same number)
+``hfsdl2``, ``hfsdl4``                the same stream in torchdata's StatefulDataLoader: ``hf2``, then its
+                                      step 3 resumed on 4 processes as ``hf4_uneven``
 
 Each rank writes ROOT/<mode>/rank<R>.json (the error, seconds to it, the global step, the
 sample indices of every batch it trained, accumulate_grad_batches) and rank 0 the weights
@@ -157,13 +159,18 @@ def run(mode: str, root: str, world: int, **trainer_kw) -> dict:
             kw.update(accumulate_grad_batches=1, max_steps=-1, max_epochs=1)
     if mode.startswith("hf"):   # one epoch of the 8-shard stream
         kw.update(max_steps=-1, max_epochs=1, every=1)
-        bs = HF_BATCH if mode == "hf2" else HF_BATCH // 2
+        bs = HF_BATCH if mode in ("hf2", "hfsdl2") else HF_BATCH // 2
         if mode == "hf4_again":
             ckpt = os.path.join(root, "hf4_uneven", "ck", "epoch=0-step=5")
-        elif mode != "hf2":
+        elif mode == "hfsdl4":
+            ckpt = os.path.join(root, "hfsdl2", "ck", "epoch=0-step=3")
+        elif mode not in ("hf2", "hfsdl2"):
             ckpt = os.path.join(root, "hf2", "ck", f"epoch=0-step={4 if mode == 'hf4_even' else 3}")
     data = loader(kind, bs) if not mode.startswith(("state", "hf")) else None
-    if mode.startswith("hf"):
+    if mode.startswith("hfsdl"):
+        import stateful_cases
+        data = stateful_cases.stateful_dataloader(hf_stream(), batch_size=bs)
+    elif mode.startswith("hf"):
         data = DataLoader(hf_stream(), batch_size=bs)
     if mode.startswith("state"):
         import stateful_cases
@@ -172,7 +179,8 @@ def run(mode: str, root: str, world: int, **trainer_kw) -> dict:
             kw.update(max_steps=3, every=3, accumulate_grad_batches=2)   # the global batch of 2 x 4
         else:
             ckpt = os.path.join(root, "state1_" + mode.split("_", 1)[1], "ck", "epoch=0-step=3")
-    t = trainer(d, world, save=mode.startswith(("ref", "state1")) or mode in ("hf2", "hf4_uneven"), callbacks=cbs, **kw)
+    save = mode.startswith(("ref", "state1")) or mode in ("hf2", "hf4_uneven", "hfsdl2")
+    t = trainer(d, world, save=save, callbacks=cbs, **kw)
     start, error = time.monotonic(), None
     try:
         t.fit(module, data, ckpt_path=ckpt)
