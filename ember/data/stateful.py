@@ -146,9 +146,10 @@ def hf_reshard(part: Any, old_world: int, consumed: int, saved_state: dict, rank
     its example. ``saved_state`` (one of the old processes' ``state_dict()``) gives the
     epoch. Returns that state and the examples left in the epoch for every new process (by
     rank). Raises ValueError with the reason when the position cannot be carried: the
-    lengths are unknown, the shards do not divide over both numbers of processes, or this
-    process now reads two shards that were both partly read (merged from several old
-    processes: one ``state_dict()`` holds one place inside one shard)."""
+    lengths are unknown, the shards do not divide over both numbers of processes, or the
+    shards this process now reads (merged from several old processes) are not, in their
+    order, read to their end, then at most one read in part, then not read at all (what one
+    ``state_dict()`` holds)."""
     whole = getattr(part, "ember_whole", None) if world > 1 else part
     if whole is None:
         raise ValueError("it was not split over the processes by ember")
@@ -170,9 +171,10 @@ def hf_reshard(part: Any, old_world: int, consumed: int, saved_state: dict, rank
         done += 1
     at = read[mine[done]] if done < len(mine) else 0
     if any(read[g] for g in mine[done + 1:]):
-        raise ValueError(f"process {rank} of {world} now reads shards that {old_world} processes left partly read "
-                         f"at once ({', '.join(str(g) for g in mine if 0 < read[g] < lengths[g])}), and its "
-                         "state_dict() holds one place inside one shard")
+        where = ", ".join(f"shard {g}: {read[g]} of {lengths[g]}" for g in mine)
+        raise ValueError(f"process {rank} of {world} now reads shards that {old_world} processes left at places one "
+                         f"state_dict() cannot hold ({where} read): it holds the shards read to their end, then one "
+                         "place inside one shard, then shards not read at all")
     me_read = sum(read[g] for g in mine)
     left_all = [sum(lengths[g] - read[g] for g in range(r, n, world)) for r in range(world)]
 

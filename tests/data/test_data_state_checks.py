@@ -172,11 +172,13 @@ def test_a_hugging_face_streams_shard_positions_are_carried_to_another_number_of
 
 def test_a_position_that_cannot_be_carried_says_why():
     """Two shards left partly read now on one process (one state_dict() holds one place),
-    and steps that may change the samples per shard (a filter, a batched map)."""
+    steps that may change the samples per shard (a filter, a batched map), and shards that
+    do not divide over both numbers of processes."""
     pytest.importorskip("datasets")
     base = sc.hf_dataset().to_iterable_dataset(num_shards=8)
-    with pytest.raises(ValueError, match=r"process 0 of 2 now reads shards that 4 processes left partly read at "
-                                         r"once \(0, 2\)"):
+    with pytest.raises(ValueError, match=r"process 0 of 2 now reads shards that 4 processes left at places one "
+                                         r"state_dict\(\) cannot hold \(shard 0: 4 of 8, shard 2: 4 of 8, shard 4: 0 "
+                                         r"of 8, shard 6: 0 of 8 read\)"):
         _read_parts(base, 4, 2, 4)
     with pytest.raises(ValueError, match="FilteredExamplesIterable may change the number of examples per shard"):
         _read_parts(base.filter(lambda e: True), 2, 4, 4)
