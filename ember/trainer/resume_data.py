@@ -341,6 +341,10 @@ def _carry_stream(t, saved: list, path: str) -> None:
     from ember.data.stateful import hf_reshard
     st, dl = t.state, t.state.train_dataloader
     old_w, consumed = st.reshard_stream
+    if st.epoch_batches is not None:   # restored from the checkpoint's loop position
+        raise ValueError("the epoch it was saved in was itself resumed on another number of processes, so its "
+                         "processes did not read their shards from the epoch's start and the samples read of each "
+                         "shard do not follow from the samples trained")
     first = next((p for p in saved if isinstance(p, dict) and p.get("kind") == resume.STATE), None) or {}
     old = first.get("state") or {}
     old = old.get("dataset_state") or old if isinstance(old, dict) else {}   # inside a StatefulDataLoader's

@@ -271,6 +271,11 @@ def test_a_stream_left_uneven_by_the_carried_shards_ends_the_epoch_together_with
     again = [_rec(root, "hf4_again", r) for r in range(4)]
     assert all(r["error"] is None and r["global_step"] == 7 for r in again)
     assert [r["seen"] for r in again] == [r["seen"][2:] for r in recs]
+    # a checkpoint of that epoch on yet another number of processes: its positions do not follow
+    # from the samples trained (its processes did not read their shards from the start): refused
+    twice = rd.run("hf1_twice", str(root), 1)
+    assert twice["seen"] == [] and "was itself resumed on another number of processes" in twice["error"], twice
+    assert "saved mid-epoch (epoch 0, 5 batches done) by 4 process(es) and is resumed by 1" in twice["error"]
     # the same stream in torchdata's StatefulDataLoader (no workers): its state is rebuilt around
     # the stream's, and the resumed run reads the same samples (not replayed)
     sdl = [_rec(root, "hfsdl4", r) for r in range(4)]

@@ -28,6 +28,7 @@ sampler (``map``), grouped by length (``grouped``) or read as a stream without s
 ``hf4_again``                         ``hf4_uneven``'s step 5 resumed on 4 processes (the same number)
 ``hfsdl2``, ``hfsdl4``                the same stream in torchdata's StatefulDataLoader: ``hf2``, then its
                                       step 3 resumed on 4 processes as ``hf4_uneven``
+``hf1_twice``                         ``hf4_uneven``'s step 5 resumed on 1 process (refused)
 
 Each rank writes ROOT/<mode>/rank<R>.json (the error, seconds to it, the global step, the
 sample indices of every batch it trained, accumulate_grad_batches) and rank 0 the weights
@@ -159,8 +160,8 @@ def run(mode: str, root: str, world: int, **trainer_kw) -> dict:
             kw.update(accumulate_grad_batches=1, max_steps=-1, max_epochs=1)
     if mode.startswith("hf"):   # one epoch of the 8-shard stream
         kw.update(max_steps=-1, max_epochs=1, every=1)
-        bs = HF_BATCH if mode in ("hf2", "hfsdl2") else HF_BATCH // 2
-        if mode == "hf4_again":
+        bs = {"hf2": HF_BATCH, "hfsdl2": HF_BATCH, "hf1_twice": 4 * HF_BATCH // 2}.get(mode, HF_BATCH // 2)
+        if mode in ("hf4_again", "hf1_twice"):
             ckpt = os.path.join(root, "hf4_uneven", "ck", "epoch=0-step=5")
         elif mode == "hfsdl4":
             ckpt = os.path.join(root, "hfsdl2", "ck", "epoch=0-step=3")
