@@ -204,6 +204,7 @@ def reshard(t, state: dict, path: str) -> str | None:
     nothing is carried over (no automatic batching, a CombinedLoader, DeepSpeed, whose
     engine fixed its accumulation at setup): the world-size warning then says so."""
     from ember.data import resume
+    t.state.reshard_stream = None   # set below when a stream's shard positions are carried
     saved, loop = state.get("data") or {}, state.get("loop") or {}
     old_w = int(saved.get("world_size") or len(state.get("rng") or []) or t.world_size)
     new_w = t.world_size
@@ -240,7 +241,6 @@ def reshard(t, state: dict, path: str) -> str | None:
         sampler.group_size = int(saved["group_size"])
     st = t.state
     done = st.batches_done
-    st.reshard_stream = None
     carried = done and _carried_stream(dl)
     if done and (_global_order(dl) or carried):
         window_start = done - done % old_a
