@@ -10,6 +10,7 @@ torchdata). How a pass resumes from these states is :mod:`ember.data.resume`.
 """
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from typing import Any
@@ -99,7 +100,112 @@ def hf_shard(ds: Any, num_replicas: int, rank: int, num_workers: int, warn: bool
             "epoch end", UserWarning, stacklevel=4)
     out = split_dataset_by_node(ds, rank=rank, world_size=num_replicas)
     out.ember_num_shards = n   # the shards of the whole stream, before the split (hf_identity)
+    out.ember_whole = ds       # the whole stream: its shards' lengths carry positions to other ranks (hf_reshard)
     return out
+
+
+#: the nodes of a Hugging Face stream that yield one example per example read (their state
+#: is rebuilt by :func:`hf_reshard`); any other node (a filter, a batched map, a shuffle, an
+#: interleave...) makes the examples per shard unknown without reading them
+_HF_ONE_TO_ONE = ("RebatchedArrowExamplesIterable", "MappedExamplesIterable", "FormattedExamplesIterable")
+
+
+def hf_shard_lengths(ds: Any) -> list[int]:
+    """The number of examples in each shard of a Hugging Face IterableDataset, known without
+    reading: a stream of a ``Dataset`` (``to_iterable_dataset(num_shards=N)``) through
+    one-to-one steps only (an unbatched ``map``, formatting). Raises ValueError naming what
+    makes them unknown otherwise (a stream from files or a generator, a filter, a batched map,
+    a shuffle)."""
+    node = getattr(ds, "_ex_iterable", None)
+    while node is not None and getattr(node, "ex_iterable", None) is not None:
+        name = type(node).__name__
+        if name not in _HF_ONE_TO_ONE or getattr(node, "batched", False):
+            raise ValueError(f"its {name}{' (batched)' if getattr(node, 'batched', False) else ''} may change the "
+                             "number of examples per shard")
+        if name == "RebatchedArrowExamplesIterable" and getattr(node, "batch_size", 1) != 1:
+            raise ValueError(f"its RebatchedArrowExamplesIterable reads batches of {node.batch_size} examples")
+        node = node.ex_iterable
+    shards = (getattr(node, "kwargs", None) or {}).get("shards")
+    if type(node).__name__ != "ArrowExamplesIterable" or not isinstance(shards, list) \
+            or not all(hasattr(x, "__len__") for x in shards) or len(shards) != int(node.num_shards):
+        raise ValueError(f"its source ({type(node).__name__}) does not say how many examples each shard holds "
+                         "(only a stream of a Dataset, to_iterable_dataset(num_shards=N), does)")
+    return [len(x) for x in shards]
+
+
+def hf_reshard(part: Any, old_world: int, consumed: int, saved_state: dict, rank: int,
+               world: int) -> tuple[dict, list[int]]:
+    """Carry the position in a Hugging Face IterableDataset's shards, saved by ``old_world``
+    processes that had each read ``consumed`` examples of their part of the epoch, to
+    ``part``: the part of process ``rank`` of ``world`` now (:func:`hf_shard`).
+
+    Process ``r`` of ``n`` reads the shards ``r, r + n, r + 2n, ...`` one after the other
+    (``split_dataset_by_node``), so the examples read of every shard follow from
+    ``consumed`` and the shards' lengths (:func:`hf_shard_lengths`). This process's state is
+    built from them: the shards it now reads that are done, then the one it is inside, at
+    its example. ``saved_state`` (one of the old processes' ``state_dict()``) gives the
+    epoch. Returns that state and the examples left in the epoch for every new process (by
+    rank). Raises ValueError with the reason when the position cannot be carried: the
+    lengths are unknown, the shards do not divide over both numbers of processes, or the
+    shards this process now reads (merged from several old processes) are not, in their
+    order, read to their end, then at most one read in part, then not read at all (what one
+    ``state_dict()`` holds)."""
+    whole = getattr(part, "ember_whole", None) if world > 1 else part
+    if whole is None:
+        raise ValueError("it was not split over the processes by ember")
+    lengths = hf_shard_lengths(whole)
+    n = len(lengths)
+    if n % old_world or n % world:
+        raise ValueError(f"its {n} shards are not a multiple of both numbers of processes")
+    read = [0] * n
+    for r in range(old_world):   # each old process read its shards in order, `consumed` examples in all
+        left = int(consumed)
+        for g in range(r, n, old_world):
+            read[g] = min(lengths[g], left)
+            left -= read[g]
+        if left:
+            raise ValueError(f"process {r} of {old_world} read {consumed} examples, more than its shards hold")
+    mine = list(range(rank, n, world))
+    done = 0
+    while done < len(mine) and read[mine[done]] == lengths[mine[done]]:
+        done += 1
+    at = read[mine[done]] if done < len(mine) else 0
+    if any(read[g] for g in mine[done + 1:]):
+        where = ", ".join(f"shard {g}: {read[g]} of {lengths[g]}" for g in mine)
+        raise ValueError(f"process {rank} of {world} now reads shards that {old_world} processes left at places one "
+                         f"state_dict() cannot hold ({where} read): it holds the shards read to their end, then one "
+                         "place inside one shard, then shards not read at all")
+    me_read = sum(read[g] for g in mine)
+    left_all = [sum(lengths[g] - read[g] for g in range(r, n, world)) for r in range(world)]
+
+    def fill(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        kind = out.get("type")
+        if "shard_idx" in out:
+            out.update(shard_idx=done, shard_example_idx=at)
+        elif kind == "RebatchedArrowExamplesIterable":
+            # its Arrow path resumes from previous_state (a place between the source's tables: the
+            # shard's start) and skips num_chunks_since_previous_state chunks of one example
+            inner = fill(out.get("examples_iterable"))
+            if not isinstance(inner, dict) or "shard_idx" not in inner:
+                raise ValueError("its state holds a RebatchedArrowExamplesIterable over another step")
+            out.update(examples_iterable=inner, previous_state=dict(inner, shard_example_idx=0) if me_read else None,
+                       batch_idx=me_read, num_chunks_since_previous_state=at if me_read else 0, cropped_chunk_length=0)
+        elif kind == "MappedExamplesIterable":
+            out.update(examples_iterable=fill(out.get("examples_iterable")), previous_state=None,
+                       num_examples_since_previous_state=0, previous_state_example_idx=me_read)
+        elif kind is not None:
+            raise ValueError(f"its state holds a {kind}, whose position ember cannot carry")
+        elif "examples_iterable" in out:
+            out["examples_iterable"] = fill(out["examples_iterable"])
+        return out
+
+    state = fill(copy.deepcopy(part.state_dict()))
+    if isinstance(saved_state, dict) and "epoch" in saved_state:
+        state["epoch"] = saved_state["epoch"]
+    return state, left_all
 
 
 def hf_identity(ds: Any) -> dict:

@@ -186,6 +186,10 @@ def validate_launch_config(cfg: dict) -> dict:
     _check_choice("deepspeed_config.offload_param_device", ds["offload_param_device"], OFFLOAD)
     if cfg["num_machines"] > 1 and cfg["main_process_ip"] is None:
         raise UsageError("--main-process-ip is required when --num-machines > 1")
+    least = cfg.get("min_machines")
+    if least is not None and least < cfg["num_machines"] and cfg["rdzv_backend"] != "c10d":
+        raise UsageError(f"--num_machines {least}:{cfg['num_machines']}: a group of MIN to MAX machines needs "
+                         "--rdzv_backend c10d (the static rendezvous waits for every machine rank)")
     return cfg
 
 
@@ -212,6 +216,21 @@ def worker_env(cfg: dict) -> dict[str, "str | None"]:
 
 
 # --------------------------------------------------------------------------- launch
+class _Machines(argparse.Action):
+    """``--num_machines M`` or ``MIN:MAX`` (torchrun's elastic ``--nnodes``): ``num_machines``
+    is the most machines, ``min_machines`` the fewest the group goes on with (None: fixed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        low, sep, high = str(values).partition(":")
+        try:
+            most, least = int(high if sep else low), (int(low) if sep else None)
+        except ValueError:
+            raise argparse.ArgumentError(self, f"expected a number of machines or MIN:MAX, got {values!r}") from None
+        if least is not None and not 1 <= least <= most:
+            raise argparse.ArgumentError(self, f"MIN:MAX needs 1 <= MIN <= MAX, got {values!r}")
+        namespace.num_machines, namespace.min_machines = most, least
+
+
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config_file", "--config-file", default=None, metavar="PATH",
                    help="launch defaults written by `ember config` (default: the file at "
@@ -222,8 +241,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         "N / M of them")
     g.add_argument("--nproc_per_node", "--nproc-per-node", dest="nproc_per_node", type=int, metavar="K",
                    help="processes per machine (torchrun's option); the same as --num-processes K*M")
-    g.add_argument("--num-machines", "--num_machines", "--nnodes", dest="num_machines",
-                   type=int, metavar="M", help="number of machines")
+    g.add_argument("--num-machines", "--num_machines", "--nnodes", dest="num_machines", action=_Machines,
+                   metavar="M", help="number of machines, or MIN:MAX for an elastic group that goes on with "
+                                     "MIN to MAX machines (with --rdzv_backend c10d)")
+    p.set_defaults(min_machines=None)
     g.add_argument("--machine-rank", "--machine_rank", "--node_rank", "--node-rank",
                    dest="machine_rank", type=int, metavar="R", help="rank of this machine (0 .. M-1)")
     g.add_argument("--main-process-ip", "--main_process_ip", "--master_addr", "--master-addr",
@@ -326,6 +347,8 @@ def resolve_launch_config(args: argparse.Namespace) -> dict:
         cfg["_given"].add("num_processes")
     if "num_processes" not in cfg["_given"]:
         cfg["num_processes"] = cfg["num_machines"]   # one per machine
+    if getattr(args, "min_machines", None) is not None:
+        cfg["min_machines"] = args.min_machines   # --num_machines MIN:MAX (flag only)
     apply_accelerate_flags(cfg, args)
     if cfg["num_machines"] > 1:
         cfg["compute_environment"] = "multi_machine"
@@ -352,7 +375,10 @@ def check_agent_args(args: argparse.Namespace) -> None:
 def torchrun_argv(cfg: dict, args: argparse.Namespace) -> list[str]:
     """The torchrun options (and script) of an ``ember launch`` call; the script's
     own arguments are added after parsing."""
-    argv = [f"--nnodes={cfg['num_machines']}", f"--nproc-per-node={processes_per_machine(cfg)}",
+    least = cfg.get("min_machines")
+    nnodes = f"{least}:{cfg['num_machines']}" if least is not None and least < cfg["num_machines"] \
+        else cfg["num_machines"]
+    argv = [f"--nnodes={nnodes}", f"--nproc-per-node={processes_per_machine(cfg)}",
             f"--max-restarts={args.max_restarts}", f"--monitor-interval={args.monitor_interval}"]
     port = cfg["main_process_port"]
     timeout = max(1, math.ceil(getattr(args, "rdzv_timeout", None) or RDZV_TIMEOUT_S))

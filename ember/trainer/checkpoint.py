@@ -244,6 +244,29 @@ def elastic_restart() -> bool:
     return agreed_attempt() > 0
 
 
+def elastic_not_resumed(t) -> str | None:
+    """The warning for a first attempt under ``EMBER_ELASTIC_RESUME=1`` that leaves this
+    run's newest complete checkpoint alone, when ember cannot tell it from a restart:
+    torchrun counts no restart when a machine joins or leaves a group (it restarts the
+    workers of a new rendezvous round), and without the agents' shared store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) ember cannot agree on one either
+    (:mod:`ember.distributed.elastic`), so such a group would start afresh silently. None
+    otherwise (under the shared store every new worker group counts: it resumes)."""
+    if os.environ.get("EMBER_ELASTIC_RESUME", "") not in ("1", "true") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    from ember.distributed.elastic import agreed_attempt, under_agent_store
+    if under_agent_store() or agreed_attempt() > 0:
+        return None
+    last = find_last(t)
+    if last is None:
+        return None
+    return (f"EMBER_ELASTIC_RESUME=1: this worker group counts as a first attempt (TORCHELASTIC_RESTART_COUNT=0), "
+            f"so it starts afresh and leaves this run's newest checkpoint {last} alone. Without the agents' shared "
+            "store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) ember cannot tell a first attempt from a group that "
+            "torchrun restarted because a machine joined or left (it counts no restart for that). Pass "
+            "fit(ckpt_path='last') to resume it, or leave TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset")
+
+
 def elastic_resume_path(t) -> str | None:
     """``"last"`` after an elastic restart (:func:`elastic_restart`) when this run has a
     complete checkpoint; else None (a group that failed before its first checkpoint

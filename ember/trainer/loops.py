@@ -283,6 +283,7 @@ class FitLoop:
         st.val_ran_at_batch_end = False
         results = metrics.results["train"]
         if not st.batches_done:   # a resumed epoch keeps the accumulators restored from the checkpoint
+            st.epoch_batches = None
             results.reset()
             start_pass(t, loader)   # the global RNG draws of the user's DataLoader
         module._results = results
@@ -290,6 +291,8 @@ class FitLoop:
         ev(Event.ON_TRAIN_EPOCH_START)
 
         start, limit = st.batches_done, st.num_training_batches
+        if st.epoch_batches is not None:   # agreed at a resume (a stream's shards carried to other ranks)
+            limit = min(limit, st.epoch_batches)
         if start >= limit:
             return
         # -- resolved once per epoch: what each step calls (a hook nobody overrides costs nothing)

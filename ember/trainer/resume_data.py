@@ -170,6 +170,20 @@ def _global_order(dl) -> bool:
         and not int(getattr(dl, "num_workers", 0) or 0) and not is_hf_iterable(resume._dataset(dl))
 
 
+def _carried_stream(dl) -> bool:
+    """Whether a mid-epoch position in ``dl`` is carried to another number of processes
+    shard by shard: a Hugging Face IterableDataset read without DataLoader workers, whose
+    state is the dataset's own or, in torchdata's StatefulDataLoader, the loader's with the
+    dataset's inside (:func:`ember.data.stateful.hf_reshard`)."""
+    from ember.data import resume
+    from ember.data.stateful import is_hf_iterable, is_stateful_loader_class
+    if resume.kind_of(dl) != resume.STATE or not is_hf_iterable(resume._dataset(dl)):
+        return False
+    holder = resume.state_holder(dl)
+    return holder is resume._dataset(dl) or (holder is dl and is_stateful_loader_class(dl)
+                                             and not int(getattr(dl, "num_workers", 0) or 0))
+
+
 def reshard(t, state: dict, path: str) -> str | None:
     """Carry a checkpoint saved by another number of processes over to this one (issue:
     "Change the number of processes and keep going exactly").
@@ -186,8 +200,10 @@ def reshard(t, state: dict, path: str) -> str | None:
       processes; every process's sampler slices the same global order, so the rest of the
       epoch is trained once, its padding recomputed for the new number of processes.
       Index-based loaders, and streams without state read without workers (replayed to the
-      new batch count, with the replay warning); a loader with its own per-process state is
-      refused (:func:`restore_position`).
+      new batch count, with the replay warning). A Hugging Face IterableDataset read without
+      workers counts the same way, and its shards' positions are carried to the processes
+      that now read them (:func:`restore_position`); another loader with its own
+      per-process state is refused there.
     * A :class:`~ember.data.LengthGroupedSampler` keeps the checkpoint's group size (the
       order of the run it continues).
 
@@ -196,6 +212,7 @@ def reshard(t, state: dict, path: str) -> str | None:
     nothing is carried over (no automatic batching, a CombinedLoader, DeepSpeed, whose
     engine fixed its accumulation at setup): the world-size warning then says so."""
     from ember.data import resume
+    t.state.reshard_stream = None   # set below when a stream's shard positions are carried
     saved, loop = state.get("data") or {}, state.get("loop") or {}
     # processes that read different data (the data-parallel size; the world size in checkpoints
     # written before it was recorded, which had no tensor-parallel resumes of this kind)
@@ -234,7 +251,8 @@ def reshard(t, state: dict, path: str) -> str | None:
         sampler.group_size = int(saved["group_size"])
     st = t.state
     done = st.batches_done
-    if done and _global_order(dl):
+    carried = done and _carried_stream(dl)
+    if done and (_global_order(dl) or carried):
         window_start = done - done % old_a
         position = window_start * old_b * old_w   # samples of the epoch's global order trained
         if position % per:
@@ -245,6 +263,8 @@ def reshard(t, state: dict, path: str) -> str | None:
                 f"Resume with {_divisor_hint(position, new_b, new_w)}, or from a checkpoint saved at an epoch end")
         st.batches_done = position // per
         st.batch_idx = max(st.batches_done - 1, 0)
+        if carried:   # each old process had read window_start batches of its shards (restore_position)
+            st.reshard_stream = (old_w, window_start * old_b)
     return (f"Saved by {old_w} process(es), resumed by {new_w}: accumulate_grad_batches={acc} "
             f"{'keeps' if per * acc == glob else 'changes'} the global batch of {glob} samples per optimizer step"
             f"{'' if per * acc == glob else f' to {per * acc}'} ({new_b} per process x {new_w} x {acc}).")
@@ -290,12 +310,18 @@ def restore_position(t, saved: list | None, path: str) -> None:
     if len(saved) != t.world_size:
         if st.batches_done and any(_holds_state(p) for p in saved):
             from ember.data import resume
+            why = ("those states cannot be split or merged over "
+                   f"{t.world_size} process(es) without training samples twice or leaving some out")
+            if st.reshard_stream is not None:
+                try:
+                    return _carry_stream(t, saved, path)
+                except ValueError as err:
+                    why = f"its shards' positions cannot be carried to {t.world_size} process(es): {err}"
             raise CheckpointError(
                 f"{path} was saved mid-epoch (epoch {st.epoch}, {st.batches_done} batches done) by {len(saved)} "
                 f"process(es) and is resumed by {t.world_size}: the train dataloader "
                 f"({resume.describe(st.train_dataloader)}) records its position per process (its state_dict(): a "
-                f"place in the old processes' shards), and those states cannot be split or merged over "
-                f"{t.world_size} process(es) without training samples twice or leaving some out. Resume on "
+                f"place in the old processes' shards), and {why}. Resume on "
                 f"{len(saved)} process(es), or from a checkpoint saved at an epoch end (which any number of "
                 "processes continues)")
         if st.batches_done and any(p for p in saved) and t.is_global_zero:
@@ -307,4 +333,49 @@ def restore_position(t, saved: list | None, path: str) -> None:
     from ember.data import resume
     # loaded now: a state the loader refuses raises where the ranks agree on the restore
     st.data_position = resume.apply_position(st.train_dataloader, saved[t.global_rank], st.batches_done,
+                                             f"{path} (trainer_state.pt)")
+
+
+def _carry_stream(t, saved: list, path: str) -> None:
+    """A Hugging Face IterableDataset saved mid-epoch by another number of processes
+    (:func:`reshard` counted the examples each old process had read): this process's state
+    is rebuilt from the shards' positions (:func:`ember.data.stateful.hf_reshard`) and
+    loaded, so every example of the epoch not read yet is read by the process that now
+    reads its shard. Those processes are left different numbers of examples; their steps
+    must pair up, so every process ends the epoch after the smallest number of batches
+    (``TrainerState.epoch_batches``, computed alike on every rank from the checkpoint and
+    the shards: no collective), as ranks with loaders of different lengths do
+    (``checks.agree_train_batches``); a warning on rank 0 names the examples left out.
+    Raises ValueError with the reason when the position cannot be carried."""
+    from ember.data import resume
+    from ember.data.stateful import hf_reshard
+    st, dl = t.state, t.state.train_dataloader
+    old_w, consumed = st.reshard_stream
+    if st.epoch_batches is not None:   # restored from the checkpoint's loop position
+        raise ValueError("the epoch it was saved in was itself resumed on another number of processes, so its "
+                         "processes did not read their shards from the epoch's start and the samples read of each "
+                         "shard do not follow from the samples trained")
+    first = next((p for p in saved if isinstance(p, dict) and p.get("kind") == resume.STATE), None) or {}
+    old = first.get("state") or {}
+    old = old.get("dataset_state") or old if isinstance(old, dict) else {}   # inside a StatefulDataLoader's
+    state, left = hf_reshard(resume._dataset(dl), old_w, consumed, old, t.global_rank, t.world_size)
+    bs = resume.batch_size_of(dl) or 1
+    if resume.state_holder(dl) is dl:   # torchdata's StatefulDataLoader without workers: its state around it
+        done = st.batches_done
+        state = dict(dl.state_dict(), dataset_state=state, _num_yielded=done, _sampler_iter_yielded=done,
+                     _sampler_iter_state={"samples_yielded": done * bs})
+    batches = [n // bs if getattr(dl, "drop_last", False) else -(-n // bs) for n in left]
+    ends = min(batches)
+    st.epoch_batches = st.batches_done + ends
+    if ends != max(batches) and t.is_global_zero:
+        trained = sum(min(n, ends * bs) for n in left)
+        shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(left))
+        warnings.warn(
+            f"resuming {path} mid-epoch (epoch {st.epoch}) on {t.world_size} process(es), saved by {old_w}: each shard "
+            "of the Hugging Face IterableDataset continues where it was, on the process that now reads it, which "
+            f"leaves the processes different numbers of examples of this epoch ({shown}). Their steps must pair up, "
+            f"so every process trains {ends} more batch(es) of it, the smallest, and {sum(left) - trained} "
+            "example(s) of this epoch are left out (the next epochs read every example). Save at an epoch end, or "
+            f"resume on {old_w} process(es), to train them", UserWarning, stacklevel=6)
+    st.data_position = resume.apply_position(dl, {"kind": resume.STATE, "state": state}, st.batches_done,
                                              f"{path} (trainer_state.pt)")

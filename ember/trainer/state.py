@@ -151,6 +151,12 @@ class TrainerState:
             loader's positions), applied when the resumed pass starts, then None.
         reshard_note: what a resume on another number of processes kept or chose (the
             sentence the restore line adds; ``ember.trainer.resume_data.reshard``), else None.
+        reshard_stream: ``(old processes, examples each had read)`` when that resume carries a
+            Hugging Face stream's shard positions (``resume_data.restore_position``), else None.
+        epoch_batches: the batch the current epoch ends at when it ends before its loader
+            does, agreed by every rank (a Hugging Face stream resumed on another number of
+            processes leaves the ranks different numbers of examples: the smallest count of
+            batches); saved with the loop position while the epoch runs; None otherwise.
 
     Named objects:
         step_rules: the optimizer-step rules (:class:`ember.step.StepRules`), whose
@@ -203,6 +209,8 @@ class TrainerState:
         self.train_pass: Any = None
         self.data_position: dict | None = None
         self.reshard_note: str | None = None
+        self.reshard_stream: tuple[int, int] | None = None
+        self.epoch_batches: int | None = None
         self.active = False
 
     # -- Lightning's trainer.state ---------------------------------------------------------
@@ -226,6 +234,8 @@ class TrainerState:
             out.update(epoch=self.epoch + 1, batch_idx=0, batches_done=0, epoch_finished=False,
                        grads_pending=False)
         out["stop_request"], out["stop_agreed"] = None, False
+        if self.epoch_batches is not None and not self.epoch_finished:
+            out["epoch_batches"] = int(self.epoch_batches)   # only then: other checkpoints are as before
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -237,6 +247,8 @@ class TrainerState:
         self.batches_done = int(state.get("batches_done", 0))
         self.batch_idx = int(state.get("batch_idx", max(self.batches_done - 1, 0)))
         self.grads_pending = False   # set again when the saved gradients are restored
+        eb = state.get("epoch_batches")
+        self.epoch_batches = int(eb) if eb is not None and self.batches_done else None
         self.epoch_finished = False
         self.stop_request, self.stop_agreed, self.stop_reason = None, False, None
 

@@ -12,6 +12,7 @@ import datetime as _dt
 import functools
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -656,6 +657,10 @@ class Trainer:
         elastic = ckpt_path is None and stage == "fit" and _ckpt.elastic_restart()
         if elastic and (self.world_size == 1 or self.global_rank == 0):
             ckpt_path = _ckpt.elastic_resume_path(self)   # "last" when rank 0 sees a checkpoint
+        elif ckpt_path is None and stage == "fit" and self.global_rank == 0:
+            note = _ckpt.elastic_not_resumed(self)   # a first attempt ember cannot tell from a membership change
+            if note is not None:
+                warnings.warn(note, UserWarning, stacklevel=3)
         by_name = ckpt_path in ("last", "best") or elastic   # rank 0's answer, broadcast after setup
         early = None   # under several processes a refusal waits for the agreement in restore
         if ckpt_path is not None and not (by_name and self.world_size > 1 and self.global_rank != 0):

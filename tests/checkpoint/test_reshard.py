@@ -10,10 +10,15 @@ uninterrupted run up to float summation order, for 2->1 (shuffled and length-gro
 1->2 (from a checkpoint saved inside an accumulation window: the window is replayed) and
 2->4 processes. 16 recorded vs 3 processes x 8 is refused on every rank before training;
 an explicit accumulate_grad_batches wins, with a warning, and the epoch still trains every
-sample once. A loader that records its own per-process state (a stateful dataset, a
-Hugging Face IterableDataset) is refused on another number of processes mid-epoch, naming
-the loader and both numbers. The process groups are real (gloo;
-tests/scripts/reshard_ddp.py, three starts: 2, 4 and 3 processes)."""
+sample once. A Hugging Face IterableDataset of 8 shards saved on 2 processes resumes on 4
+(and one of 4 shards on 1 resumes on 2): each shard continues where it was, on the process
+that now reads it; left different numbers of samples, the processes end the epoch together
+after the smallest number of batches, with a warning naming what is left out. The same stream in
+torchdata's StatefulDataLoader without workers resumes alike. A loader that records
+another per-process state (a stateful dataset, a StatefulDataLoader over one) is
+refused on another number of processes mid-epoch, naming the loader and both numbers. The
+process groups are real (gloo; tests/scripts/reshard_ddp.py, three starts: 2, 4 and 3
+processes)."""
 import hashlib
 import json
 import os
@@ -57,9 +62,9 @@ def runs(tmp_path_factory):
     rd.run("ref1_map", str(root), 1)
     for case in STATEFUL:
         rd.run(f"state1_{case}", str(root), 1)
-    out["stderr2"] = _launch(root, 2, ",".join(["ref2_map", "ref2_grouped", "ref2_stream", "from1"] +
+    out["stderr2"] = _launch(root, 2, ",".join(["ref2_map", "ref2_grouped", "ref2_stream", "from1", "hf2", "hfsdl2"] +
                                               [f"state2_{case}" for case in STATEFUL]))
-    out["stderr4"] = _launch(root, 4, "grow4")
+    out["stderr4"] = _launch(root, 4, "grow4,hf4_even,hf4_uneven,hf4_again,hfsdl4")
     ck = Path(rd.step6(str(root / "ref2_map")))
     before = _folder_digest(ck)
     out["stderr3"] = _launch(root, 3, "explicit,refused")   # explicit first: the refusal's group is up
@@ -205,8 +210,7 @@ def test_an_explicit_accumulation_wins_with_a_warning_and_trains_each_sample_onc
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case, loader", [("stateful", "DataLoader over StatefulStream"),
-                                          ("sdl_stateful", "StatefulDataLoader over StatefulStream"),
-                                          ("hf_iter", "DataLoader over datasets.IterableDataset")])
+                                          ("sdl_stateful", "StatefulDataLoader over StatefulStream")])
 def test_a_loader_state_saved_per_process_is_refused_on_another_number_naming_both(runs, case, loader):
     """Its per-process states cannot be split or merged: refused on every rank (before,
     a warning, and the resumed epoch replayed batches of other shards)."""
@@ -217,3 +221,81 @@ def test_a_loader_state_saved_per_process_is_refused_on_another_number_naming_bo
                    f"the train dataloader ({loader}) records its position per process",
                    "Resume on 1 process(es), or from a checkpoint saved at an epoch end"):
         assert needle in err, err
+
+
+HF_LEFT_OUT = "example(s) of this epoch are left out"
+
+
+def _hf_before(root: Path, steps: int) -> list:
+    """The samples hf2 (2 processes x batch 4) trained in its first ``steps`` steps."""
+    return [x for r in (0, 1) for b in _rec(root, "hf2", r)["seen"][:steps] for x in b]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_hugging_face_stream_of_8_shards_saved_on_2_processes_resumes_on_4(runs):
+    """Process r of 2 read the shards r, r+2, r+4, r+6 of 8 samples each (batch 4); saved
+    after 4 steps (shards 0-3 read), 4 processes with batch 2 (the same global batch of 8)
+    each continue the shards they now read (r, r+4): the other 32 samples, each once, on
+    the process that reads its shard, and the epoch ends after 4 more steps on every process."""
+    root = runs["root"]
+    ref = [_rec(root, "hf2", r) for r in (0, 1)]
+    assert all(r["error"] is None and r["global_step"] == 8 for r in ref)
+    assert sorted(_hf_before(root, 8)) == list(range(rd.HF_N))   # the uninterrupted epoch: each sample once
+    recs = [_rec(root, "hf4_even", r) for r in range(4)]
+    assert all(r["error"] is None and r["accumulate_grad_batches"] == 1 and r["global_step"] == 8 for r in recs)
+    for r, rec in enumerate(recs):   # shard r + 4 of 8 samples: idx 8 * (r + 4) ...
+        assert [x for b in rec["seen"] for x in b] == list(range(8 * (r + 4), 8 * (r + 5))), (r, rec["seen"])
+    after = [x for rec in recs for b in rec["seen"] for x in b]
+    assert sorted(_hf_before(root, 4) + after) == list(range(rd.HF_N))
+    data = cio.load_torch(str(root / "hf2" / "ck" / "epoch=0-step=4" / cio.STATE_NAME))["data"]
+    assert (data["world_size"], data["global_batch"], data["num_shards"]) == (2, 8, 8), data
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_stream_left_uneven_by_the_carried_shards_ends_the_epoch_together_with_a_warning(runs):
+    """Saved after 3 steps (12 samples per process: shard 0 and half of shard 2 on process
+    0), the 4 processes are left 8, 8, 12 and 12 samples: every process trains 4 batches of
+    2 (the smallest: their steps must pair up, as for loaders of different lengths), no
+    sample twice, and the warning names the 8 samples left out (the last 4 of shards 6 and 7)."""
+    root = runs["root"]
+    recs = [_rec(root, "hf4_uneven", r) for r in range(4)]
+    assert all(r["error"] is None and r["global_step"] == 7 and len(r["seen"]) == 4 for r in recs)
+    assert [x for b in recs[2]["seen"] for x in b] == [20, 21, 22, 23, 48, 49, 50, 51]   # shard 2 from 4, then 6
+    after = [x for rec in recs for b in rec["seen"] for x in b]
+    before = _hf_before(root, 3)
+    assert len(set(before + after)) == len(before + after)   # no sample twice
+    assert sorted(set(range(rd.HF_N)) - set(before + after)) == [52, 53, 54, 55, 60, 61, 62, 63]
+    # saved inside that epoch and resumed on 4 processes: the agreed end is in the checkpoint
+    again = [_rec(root, "hf4_again", r) for r in range(4)]
+    assert all(r["error"] is None and r["global_step"] == 7 for r in again)
+    assert [r["seen"] for r in again] == [r["seen"][2:] for r in recs]
+    # a checkpoint of that epoch on yet another number of processes: its positions do not follow
+    # from the samples trained (its processes did not read their shards from the start): refused
+    twice = rd.run("hf1_twice", str(root), 1)
+    assert twice["seen"] == [] and "was itself resumed on another number of processes" in twice["error"], twice
+    assert "saved mid-epoch (epoch 0, 5 batches done) by 4 process(es) and is resumed by 1" in twice["error"]
+    # the same stream in torchdata's StatefulDataLoader (no workers): its state is rebuilt around
+    # the stream's, and the resumed run reads the same samples (not replayed)
+    sdl = [_rec(root, "hfsdl4", r) for r in range(4)]
+    assert [r["seen"] for r in sdl] == [r["seen"] for r in recs] and all(r["error"] is None for r in sdl)
+    warn = runs["stderr4"]
+    assert warn.count(HF_LEFT_OUT) == 2, warn[-3000:]   # once per run, on rank 0, for the uneven cases only
+    assert "replayed" not in warn
+    assert ("leaves the processes different numbers of examples of this epoch (rank 0: 8, rank 1: 8, rank 2: 12, "
+            "rank 3: 12)") in warn
+    assert f"every process trains 4 more batch(es) of it, the smallest, and 8 {HF_LEFT_OUT}" in warn
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_hugging_face_stream_of_4_shards_saved_on_one_process_resumes_on_two(runs):
+    """4 shards of 16, saved after 3 steps of 2 x batch 4 on one process (24 samples: shard 0
+    and half of shard 1); on 2 processes (batch 4, accumulate_grad_batches 1) process 0 reads
+    shard 2, process 1 the rest of shard 1, then shard 3: 4 batches each, the smallest."""
+    recs = [_rec(runs["root"], "state2_hf_iter", r) for r in (0, 1)]
+    assert all(r["error"] is None and r["accumulate_grad_batches"] == 1 for r in recs), recs[0]["error"]
+    first = [[x for b in r["seen"][:4] for x in b] for r in recs]
+    assert first == [list(range(32, 48)), list(range(24, 32)) + list(range(48, 56))], first
+    assert "rank 0: 16, rank 1: 24" in runs["stderr2"]

@@ -127,3 +127,62 @@ def test_the_shard_warning_says_changing_num_shards_invalidates_checkpoints():
         part = hf_shard(ds, 3, 0, 0)
     assert hf_identity(part) == hf_identity(ds) and hf_identity(ds)["num_shards"] == 4
     assert hf_identity(hf_shard(ds, 2, 1, 0, warn=False)) == hf_identity(ds)   # each rank's part: the whole stream's
+
+
+def _read_parts(ds, old: int, new: int, consumed: int):
+    """``old`` processes each read ``consumed`` samples of their parts of ``ds``; their
+    position is carried to ``new`` processes (hf_reshard), which read on from the loaded
+    states. Returns (what the old ones read, what each new one reads, the counts hf_reshard gave)."""
+    from ember.data.stateful import hf_reshard, hf_shard
+    before, saved = [], None
+    for r in range(old):
+        part = hf_shard(ds, old, r, 0, warn=False)
+        it = iter(part)
+        before += [int(next(it)["idx"]) for _ in range(consumed)]
+        saved = part.state_dict()
+    after, counts = [], None
+    for r in range(new):
+        part = hf_shard(ds, new, r, 0, warn=False)
+        state, counts = hf_reshard(part, old, consumed, saved, r, new)
+        part.load_state_dict(state)
+        after.append([int(x["idx"]) for x in part])
+    return before, after, counts
+
+
+@pytest.mark.parametrize("old, new, consumed, left", [(2, 4, 12, [8, 8, 12, 12]), (2, 4, 16, [8, 8, 8, 8]),
+                                                      (1, 2, 20, [20, 24]), (1, 4, 33, [7, 8, 8, 8]),
+                                                      (4, 2, 8, [16, 16]), (2, 1, 8, [48]), (2, 4, 0, [16] * 4)])
+@pytest.mark.parametrize("steps", ["plain", "map"])
+def test_a_hugging_face_streams_shard_positions_are_carried_to_another_number_of_processes(old, new, consumed, left,
+                                                                                          steps):
+    """64 samples in 8 shards of 8: the states hf_reshard builds for the new processes read
+    every sample the old ones had not, each once, on the process that now reads its shard
+    (process r of n: shards r, r + n, ...), in shard order; counts match. Through an
+    unbatched map too (its state and the Arrow reader's are rebuilt)."""
+    pytest.importorskip("datasets")
+    ds = sc.hf_dataset().to_iterable_dataset(num_shards=8)
+    if steps == "map":
+        ds = ds.map(lambda e: {"one": 1})
+    before, after, counts = _read_parts(ds, old, new, consumed)
+    assert counts == left and [len(a) for a in after] == left
+    assert sorted(before + [x for a in after for x in a]) == list(range(64))   # each sample once
+    for r, got in enumerate(after):   # in shard order, each shard from where it was left
+        assert got == sorted(got) and all(x // 8 % new == r for x in got), (r, got)
+
+
+def test_a_position_that_cannot_be_carried_says_why():
+    """Two shards left partly read now on one process (one state_dict() holds one place),
+    steps that may change the samples per shard (a filter, a batched map), and shards that
+    do not divide over both numbers of processes."""
+    pytest.importorskip("datasets")
+    base = sc.hf_dataset().to_iterable_dataset(num_shards=8)
+    with pytest.raises(ValueError, match=r"process 0 of 2 now reads shards that 4 processes left at places one "
+                                         r"state_dict\(\) cannot hold \(shard 0: 4 of 8, shard 2: 4 of 8, shard 4: 0 "
+                                         r"of 8, shard 6: 0 of 8 read\)"):
+        _read_parts(base, 4, 2, 4)
+    with pytest.raises(ValueError, match="FilteredExamplesIterable may change the number of examples per shard"):
+        _read_parts(base.filter(lambda e: True), 2, 4, 4)
+    with pytest.raises(ValueError, match=r"MappedExamplesIterable \(batched\)"):
+        _read_parts(base.map(lambda b: b, batched=True), 2, 4, 4)
+    with pytest.raises(ValueError, match="not a multiple of both"):
+        _read_parts(sc.hf_dataset().to_iterable_dataset(num_shards=6), 2, 4, 4)

@@ -45,3 +45,23 @@ def test_config_files_count_the_total_too(tmp_path, monkeypatch):
         argv("--config_file", accelerate, "--num_processes", 5, tmp_path=tmp_path, monkeypatch=monkeypatch)
     with pytest.raises(UsageError, match=r"--num_processes 4 \(2 per machine on 2 machines\) but only 1 GPU"):
         argv(*MACHINE, "--gpu_ids", "0", "--num_processes", 4, tmp_path=tmp_path, monkeypatch=monkeypatch)
+
+
+def test_an_elastic_group_of_min_to_max_machines(tmp_path, monkeypatch):
+    """``--num_machines MIN:MAX`` (``--nnodes``, as torchrun) goes to torchrun as
+    ``--nnodes=MIN:MAX`` under the c10d rendezvous; the count per machine is taken from the
+    most machines. The static rendezvous cannot run it; MIN above MAX or not a number is a
+    usage error naming the flag."""
+    c10d = ["--main_process_ip", "10.0.0.1", "--rdzv_backend", "c10d", "--nproc_per_node", "2"]
+    cfg, run = argv("--nnodes", "1:2", *c10d, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert "--nnodes=1:2" in run and "--nproc-per-node=2" in run and "--rdzv-backend=c10d" in run
+    assert (cfg["num_machines"], cfg["min_machines"], cfg["num_processes"]) == (2, 1, 4)
+    _, run = argv("--num_machines", "2:2", *c10d, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert "--nnodes=2" in run                               # MIN = MAX: a fixed group
+    with pytest.raises(UsageError, match=r"--num_machines 1:2: a group of MIN to MAX machines needs --rdzv_backend "
+                                         r"c10d"):
+        argv("--num_machines", "1:2", "--machine_rank", "0", "--main_process_ip", "10.0.0.1", tmp_path=tmp_path,
+             monkeypatch=monkeypatch)
+    for bad in ("3:2", "0:2", "a:2"):
+        with pytest.raises(SystemExit):
+            argv("--num_machines", bad, *c10d, tmp_path=tmp_path, monkeypatch=monkeypatch)

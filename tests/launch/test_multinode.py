@@ -293,3 +293,43 @@ def test_node_loss_with_a_busy_peer_under_ember_launch(tmp_path, launched):
     assert {r["node"]: r["agent_restarts"] for r in seen.values()} == {"0": "0", "1": "1"}
     assert attempts(out, "busy") == [1, 5]
     assert bit_equal(weights(out, "busy"), weights(launched[0], "plain"))
+
+
+# ----------------------------------------------------------------------------- an elastic group that shrinks
+@pytest.mark.timeout(300)
+def test_a_lost_machine_shrinks_an_elastic_group_and_the_rest_resumes_keeping_the_global_batch(tmp_path, monkeypatch):
+    """``torchrun --nnodes 1:2`` on two machines of one process each (batch 8, global batch
+    16). Once the step-2 checkpoint is written, machine 1 is lost whole (its agent and its
+    worker SIGKILLed) while machine 0's worker computes. That worker fails at its next
+    collective; its agent restarts it in a rendezvous round of one machine (the minimum),
+    and the Trainer resumes the step-2 checkpoint on one process with no action
+    (EMBER_ELASTIC_RESUME): batch 16 there, so accumulate_grad_batches stays 1 and the
+    global batch 16; the rest of the run follows the same global order, so the weights are
+    those of one uninterrupted process up to float summation order."""
+    out, port = tmp_path / "run", free_port()
+
+    def start(node):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shrink",
+                "--rdzv-conf=last_call_timeout=3", "--max-restarts=1", "--monitor-interval=0.1",
+                SCRIPT, str(out), "shrink", "--busy-at", "2", "--busy", "4"]
+        return Node(argv, node_env(out, node, EMBER_ELASTIC_RESUME="1"), os.path.join(out, f"shrink.node{node}.log"))
+
+    nodes = two_nodes(start)
+    ckpt = out / "shrink" / "checkpoints" / "epoch=0-step=2"
+    deadline = time.monotonic() + TIMEOUT
+    while not ckpt.exists() and time.monotonic() < deadline and nodes[0].proc.poll() is None:
+        time.sleep(0.05)
+    first = ranks(out)
+    # machine 1 is the rendezvous' node 1 (machine 0, started first, hosts the stores: losing it ends the job)
+    assert ckpt.exists() and {r: d["node"] for r, d in first.items()} == {0: "0", 1: "1"}, \
+        (first, nodes[0].output()[-3000:])
+    assert {d["world"] for d in first.values()} == {2}
+    nodes[1].kill()
+    nodes[1].file.close()
+    codes = wait_all(nodes[:1])
+    assert codes == [0], nodes[0].output()[-5000:]
+    after = json.loads((out / "node0" / "rank0.json").read_text())   # machine 0's rank at its last fit start
+    assert (after["attempt"], after["world"]) == (1, 1), after
+    assert attempts(out, "shrink") == [1, 3]    # the restart resumed the step-2 checkpoint
+    assert close(weights(out, "shrink"), one_process(tmp_path / "one", monkeypatch))

@@ -19,7 +19,16 @@ sampler (``map``), grouped by length (``grouped``) or read as a stream without s
 ``refused``                           resume it on 3 processes x batch 8 (16 vs 24: refused)
 ``explicit``                          the same with accumulate_grad_batches=1 given: one epoch
 ``state1_<case>``, ``state2_<case>``  a stateful loader of tests/scripts/stateful_cases.py (``stateful``,
-                                      ``hf_iter``) saved mid-epoch on 1 process, resumed on 2: refused
+                                      ``sdl_stateful``: refused; ``hf_iter``, a Hugging Face stream of 4
+                                      shards: carried) saved mid-epoch on 1 process, resumed on 2
+``hf2``                               a Hugging Face IterableDataset of 64 samples in 8 shards, 2 processes x
+                                      batch 4, one epoch, a checkpoint at every step (WORLD 2)
+``hf4_even``, ``hf4_uneven``          its step 4 / step 3 resumed on 4 processes x batch 2, to the epoch's end
+                                      (``hf4_uneven`` saves at every step)
+``hf4_again``                         ``hf4_uneven``'s step 5 resumed on 4 processes (the same number)
+``hfsdl2``, ``hfsdl4``                the same stream in torchdata's StatefulDataLoader: ``hf2``, then its
+                                      step 3 resumed on 4 processes as ``hf4_uneven``
+``hf1_twice``                         ``hf4_uneven``'s step 5 resumed on 1 process (refused)
 
 Each rank writes ROOT/<mode>/rank<R>.json (the error, seconds to it, the global step, the
 sample indices of every batch it trained, accumulate_grad_batches) and rank 0 the weights
@@ -60,6 +69,17 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         yield from dataset()
+
+
+HF_N, HF_SHARDS, HF_BATCH = 64, 8, 4
+
+
+def hf_stream():
+    """The first 64 samples as a Hugging Face IterableDataset of 8 shards of 8."""
+    import datasets
+    x, y, idx = dataset()[:HF_N]
+    return datasets.Dataset.from_dict({"x": x.tolist(), "y": y.tolist(), "idx": idx.tolist()}) \
+        .with_format("torch").to_iterable_dataset(num_shards=HF_SHARDS)
 
 
 def loader(kind: str, batch_size: int = BATCH) -> DataLoader:
@@ -138,7 +158,21 @@ def run(mode: str, root: str, world: int, **trainer_kw) -> dict:
         ckpt = step6(os.path.join(root, "ref2_map"))
         if mode == "explicit":
             kw.update(accumulate_grad_batches=1, max_steps=-1, max_epochs=1)
-    data = loader(kind, bs) if not mode.startswith("state") else None
+    if mode.startswith("hf"):   # one epoch of the 8-shard stream
+        kw.update(max_steps=-1, max_epochs=1, every=1)
+        bs = {"hf2": HF_BATCH, "hfsdl2": HF_BATCH, "hf1_twice": 4 * HF_BATCH // 2}.get(mode, HF_BATCH // 2)
+        if mode in ("hf4_again", "hf1_twice"):
+            ckpt = os.path.join(root, "hf4_uneven", "ck", "epoch=0-step=5")
+        elif mode == "hfsdl4":
+            ckpt = os.path.join(root, "hfsdl2", "ck", "epoch=0-step=3")
+        elif mode not in ("hf2", "hfsdl2"):
+            ckpt = os.path.join(root, "hf2", "ck", f"epoch=0-step={4 if mode == 'hf4_even' else 3}")
+    data = loader(kind, bs) if not mode.startswith(("state", "hf")) else None
+    if mode.startswith("hfsdl"):
+        import stateful_cases
+        data = stateful_cases.stateful_dataloader(hf_stream(), batch_size=bs)
+    elif mode.startswith("hf"):
+        data = DataLoader(hf_stream(), batch_size=bs)
     if mode.startswith("state"):
         import stateful_cases
         data = stateful_cases.loader(mode.split("_", 1)[1])
@@ -146,7 +180,8 @@ def run(mode: str, root: str, world: int, **trainer_kw) -> dict:
             kw.update(max_steps=3, every=3, accumulate_grad_batches=2)   # the global batch of 2 x 4
         else:
             ckpt = os.path.join(root, "state1_" + mode.split("_", 1)[1], "ck", "epoch=0-step=3")
-    t = trainer(d, world, save=mode.startswith(("ref", "state1")), callbacks=cbs, **kw)
+    save = mode.startswith(("ref", "state1")) or mode in ("hf2", "hf4_uneven", "hfsdl2")
+    t = trainer(d, world, save=save, callbacks=cbs, **kw)
     start, error = time.monotonic(), None
     try:
         t.fit(module, data, ckpt_path=ckpt)
