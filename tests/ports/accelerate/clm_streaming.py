@@ -220,7 +220,6 @@ def main(args, resume_from_checkpoint=None):
     accelerator.wait_for_everyone()
     unwrapped_model = accelerator.unwrap_model(model)
     params = {k: v.detach().double().sum().item() for k, v in unwrapped_model.state_dict().items()}
-    accelerator.end_training()
     return {"train_losses": train_losses, "perplexities": perplexities, "eval_counts": eval_counts,
             "completed_steps": completed_steps, "params": params, "lr": lr_scheduler.get_last_lr()[0],
             "world": accelerator.num_processes}
