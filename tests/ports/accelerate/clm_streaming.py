@@ -25,7 +25,8 @@ of ``DataLoader(shuffle=True)`` (a stream has no index); ``max_train_steps`` is 
 stream has no ``len``, so ``num_update_steps_per_epoch`` is unknown); the "few random
 samples" logged with ``random.sample(range(len(train_dataset)), 3)`` are left out; and on
 resume the checkpoint's step (``step_N``) gives the batches to skip in its first epoch
-(``starting_epoch = 0``: the checkpoint is taken in the first epoch). Small sizes: blocks
+(``starting_epoch = 0``: the checkpoint is taken in the first epoch). The resumed run
+writes no checkpoints (the uninterrupted run's are kept as they are). Small sizes: blocks
 of 16 tokens, batches of 4, 2 accumulation steps, 2 epochs, 12 steps at most.
 
 The run trains without interruption (saving ``step_3``), then again from ``step_3``
@@ -192,7 +193,7 @@ def main(args, resume_from_checkpoint=None):
                         output_dir = f"step_{completed_steps}"
                         if args.output_dir is not None:
                             output_dir = os.path.join(args.output_dir, output_dir)
-                        if not resume_from_checkpoint:
+                        if not resume_from_checkpoint:   # (the resumed run keeps the first run's)
                             accelerator.save_state(output_dir)
             if completed_steps >= args.max_train_steps:
                 break
