@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, clean_env
 
 PORTS = ROOT / "tests" / "ports" / "fabric"
-NAMES = ["image_classifier", "language_model", "trainer_loop"]
+NAMES = ["image_classifier", "language_model", "trainer_loop", "dcgan"]
 pytestmark = pytest.mark.slow
 
 
@@ -95,3 +95,14 @@ def test_trainer_loop_on_two_processes_equals_lightning_fabric(results):
     assert ember["world"] == 2 and len(set(map(tuple, ember["first_batches"]))) == 3
     assert ember["out_dtypes"] == ["torch.float32"] and ember["unwrapped"] == ["DistributedDataParallel", "AdamW"]
     assert ember == results("trainer_loop", devices=2, fabric=True)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(500)
+def test_dcgan_on_two_processes_equals_lightning_fabric(results):
+    """Two set-up models and optimizers, three backward calls per iteration (one through both
+    models), BatchNorm buffers broadcast by DDP, a shuffled loader read once before setup."""
+    ember = results("dcgan", devices=2)
+    assert ember["world"] == 2 and ember["n_train_batches"] == 15   # 1797 samples over 2 ranks, batches of 64
+    assert len(ember["train_losses"]) == 30 and ember["params"] != results("dcgan")["params"]
+    assert ember == results("dcgan", devices=2, fabric=True)
