@@ -178,6 +178,18 @@ class YAMLLimitError(ValueError):
         super().__init__(problem + where)
 
 
+def _keep_rng_states_if_torch():
+    """``keep_rng_states()`` in a process that has torch (a training process: the user's
+    random streams are kept across a first import); a null context in one without it
+    (``ember launch`` reads YAML through this module and stays torch-free)."""
+    import contextlib
+    import sys
+    if "torch" not in sys.modules:
+        return contextlib.nullcontext()
+    from ember.checkpoint.rng import keep_rng_states
+    return keep_rng_states()
+
+
 def _bounded_loader() -> Any:
     """PyYAML's ``SafeLoader``, composing within :data:`MAX_YAML_NODES` and :data:`MAX_YAML_DEPTH`.
 
@@ -189,7 +201,8 @@ def _bounded_loader() -> Any:
     global _YAML_LOADER
     if _YAML_LOADER is not None:
         return _YAML_LOADER
-    import yaml
+    with _keep_rng_states_if_torch():
+        import yaml
 
     class BoundedSafeLoader(yaml.SafeLoader):
         def __init__(self, stream: Any) -> None:
@@ -239,7 +252,8 @@ def load_yaml(stream: Any) -> Any:
     command-line values, launch files, run folders). Raises :class:`YAMLLimitError` for a
     document past :data:`MAX_YAML_NODES` values or :data:`MAX_YAML_DEPTH` levels (aliases
     expanded), and ``yaml.YAMLError`` for one that is not YAML."""
-    import yaml
+    with _keep_rng_states_if_torch():
+        import yaml
     loader = _bounded_loader()(stream)
     try:
         return loader.get_single_data()

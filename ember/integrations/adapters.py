@@ -76,7 +76,9 @@ def config_to_dict(config: Any) -> dict:
 def config_classes() -> dict[str, type]:
     """peft's config class per ``peft_type`` (``"LORA"`` -> ``LoraConfig``, ...)."""
     peft = require_peft()
-    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
     del peft
     return {str(getattr(k, "value", k)): v for k, v in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
 
@@ -187,7 +189,9 @@ def folder_of(name: str) -> str | None:
     if os.path.isdir(name):
         return name
     try:
-        from huggingface_hub import snapshot_download
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():
+            from huggingface_hub import snapshot_download
         return snapshot_download(name, local_files_only=True)
     except Exception:   # not cached: no digest can be taken without downloading
         return None

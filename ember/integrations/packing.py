@@ -309,7 +309,9 @@ def check_example_packable(model) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model   # a peft model
     cfg = getattr(base, "config", None)
     impl = str(getattr(cfg, "_attn_implementation", None) or "")
-    from transformers import masking_utils
+    from ember.checkpoint.rng import keep_rng_states
+    with keep_rng_states():
+        from transformers import masking_utils
     uses_masks = any(getattr(sys.modules.get(type(m).__module__), "create_causal_mask", None)
                      is masking_utils.create_causal_mask for m in (base, getattr(base, "model", None)) if m is not None)
     if not (uses_masks or "flash" in impl):

@@ -194,8 +194,10 @@ class MLFlowLogger(Logger):
             return self._start_run()
 
     def _start_run(self):
-        from mlflow.tracking import MlflowClient
-        from mlflow.tracking.context.registry import resolve_tags
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():
+            from mlflow.tracking import MlflowClient
+            from mlflow.tracking.context.registry import resolve_tags
         if self._local_default:
             os.makedirs(self._save_dir, exist_ok=True)
         client = MlflowClient(self._tracking_uri)
@@ -300,7 +302,9 @@ class MLFlowLogger(Logger):
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """All of ``metrics`` at ``step`` in one ``log_batch`` request (values that are not
         numbers are dropped with a warning, once per name)."""
-        from mlflow.entities import Metric
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():
+            from mlflow.entities import Metric
         stamp = int(time.time() * 1000)
         step = int(step or 0)
         batch = []
@@ -321,8 +325,10 @@ class MLFlowLogger(Logger):
         """Record ``params`` as the run's params, flattened as Lightning does. A value longer
         than MLflow's limit is cut to it (a warning names the keys). MLflow never changes a
         param: one logged again with another value keeps its first value (a warning names it)."""
-        from mlflow.entities import Param
-        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():
+            from mlflow.entities import Param
+            from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
         flat = {k: str(v) for k, v in flatten_lightning(params).items()}
         cut = sorted(k for k, v in flat.items() if len(v) > MAX_PARAM_VAL_LENGTH)
         if cut:
