@@ -34,8 +34,8 @@ Before ember chose bf16 by itself (November 2026), ``ember`` meant fp32, today's
 ``peft.LoraConfig`` (r=8, alpha 16, dropout 0.1 on ``query``/``value``, the classifier in
 ``modules_to_save``), lr 5e-4 unless ``--lr`` is given. Variants: ``hf`` (the Trainer +
 peft, fp32, its default), ``hf-bf16`` (the same with ``bf16=True``) and ``ember`` (ember's
-defaults: its own precision choice). Each run is a process of its own, so that its peak
-resident memory (``ru_maxrss``: model, data, training and test) is its own.
+defaults: its own precision choice); ``ember-nogroup`` (random batches, fp32) on request.
+Each run is a process of its own, so that its peak resident memory (``ru_maxrss``: model, data, training and test) is its own.
 
     python benchmarks/finetune.py --lora --threads 2 --seeds 0 1 2 --json lora.json
 
@@ -67,7 +67,8 @@ from ember.integrations.transformers import TextClassificationData, Transformers
 
 VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup", "ember-bf16", "ember-padfree", "ember-padfree-bf16")
 DEFAULT_VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup")
-LORA_VARIANTS = ("hf", "hf-bf16", "ember")
+LORA_VARIANTS = ("hf", "hf-bf16", "ember", "ember-nogroup")
+LORA_DEFAULT_VARIANTS = ("hf", "hf-bf16", "ember")
 LORA_LR = 5e-4
 #: the precision each ember variant passes to the Trainer (None: ember's choice)
 PRECISION = {"ember": None, "ember-fp32": "32-true", "ember-nogroup": "32-true", "ember-bf16": "bf16-mixed",
@@ -348,7 +349,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     known = LORA_VARIANTS if args.lora else VARIANTS
-    default = LORA_VARIANTS if args.lora else DEFAULT_VARIANTS
+    default = LORA_DEFAULT_VARIANTS if args.lora else DEFAULT_VARIANTS
     args.variants = [v.strip() for v in (args.variants or ",".join(default)).split(",") if v.strip()]
     bad = [v for v in args.variants if v not in known]
     if bad:
