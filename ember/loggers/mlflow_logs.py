@@ -36,6 +36,18 @@ def _import_mlflow():
     return mlflow
 
 
+def _metric_class():
+    """``mlflow.entities.Metric``: imported once, keeping the user's random streams (a log
+    point after the first takes it from ``sys.modules`` without copying the RNG states)."""
+    import sys
+    entities = sys.modules.get("mlflow.entities")
+    if entities is None:
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():
+            import mlflow.entities as entities
+    return entities.Metric
+
+
 def flatten_lightning(params: Any, delimiter: str = "/") -> dict[str, Any]:
     """Lightning's flattening of hyperparameters: nested mappings, ``argparse.Namespace``
     and dataclass instances become ``{"a/b": value}``; other values are kept as they are
@@ -302,9 +314,7 @@ class MLFlowLogger(Logger):
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """All of ``metrics`` at ``step`` in one ``log_batch`` request (values that are not
         numbers are dropped with a warning, once per name)."""
-        from ember.checkpoint.rng import keep_rng_states
-        with keep_rng_states():
-            from mlflow.entities import Metric
+        Metric = _metric_class()   # (the RNG states are copied at the first import only)
         stamp = int(time.time() * 1000)
         step = int(step or 0)
         batch = []

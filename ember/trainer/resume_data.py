@@ -184,6 +184,15 @@ def _carried_stream(dl) -> bool:
                                              and not int(getattr(dl, "num_workers", 0) or 0))
 
 
+def _keep_group_size(dl, saved: dict) -> None:
+    """A :class:`~ember.data.LengthGroupedSampler` keeps the group size the checkpoint's
+    run grouped by (its global batch, which a resume on another number of processes keeps:
+    the order of the run it continues)."""
+    sampler = edata.index_sampler(dl)
+    if isinstance(sampler, edata.LengthGroupedSampler) and saved.get("group_size"):
+        sampler.group_size = int(saved["group_size"])
+
+
 def reshard(t, state: dict, path: str) -> str | None:
     """Carry a checkpoint saved by another number of processes over to this one (issue:
     "Change the number of processes and keep going exactly").
@@ -205,7 +214,8 @@ def reshard(t, state: dict, path: str) -> str | None:
       that now read them (:func:`restore_position`); another loader with its own
       per-process state is refused there.
     * A :class:`~ember.data.LengthGroupedSampler` keeps the checkpoint's group size (the
-      order of the run it continues).
+      order of the run it continues); on the checkpoint's number of processes too, with
+      its batch size (a run that was itself resumed on another number of processes).
 
     Returns the sentence the restore line adds, or None when the number of processes is
     the checkpoint's (then nothing changes: same-size resumes stay bit-exact), and where
@@ -220,6 +230,8 @@ def reshard(t, state: dict, path: str) -> str | None:
     new_w = data_replicas(t)
     dl = t.state.train_dataloader
     old_b, new_b = saved.get("batch_size"), resume.batch_size_of(dl)
+    if old_w == new_w and old_b and old_b == new_b:
+        _keep_group_size(dl, saved)   # a run resumed before on another number of processes keeps its groups
     if old_w == new_w or not old_b or not new_b or getattr(dl, "ember_combined", False) \
             or getattr(t.strategy, "owns_optimizer_step", False):   # DeepSpeed configured its accumulation at setup
         return None
@@ -246,9 +258,7 @@ def reshard(t, state: dict, path: str) -> str | None:
         t.accumulate_grad_batches = acc
         if t.step_rules is not None:
             t.step_rules.accumulation_steps = acc
-    sampler = edata.index_sampler(dl)
-    if isinstance(sampler, edata.LengthGroupedSampler) and saved.get("group_size"):
-        sampler.group_size = int(saved["group_size"])
+    _keep_group_size(dl, saved)
     st = t.state
     done = st.batches_done
     carried = done and _carried_stream(dl)

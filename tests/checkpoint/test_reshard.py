@@ -299,3 +299,25 @@ def test_a_hugging_face_stream_of_4_shards_saved_on_one_process_resumes_on_two(r
     first = [[x for b in r["seen"][:4] for x in b] for r in recs]
     assert first == [list(range(32, 48)), list(range(24, 32)) + list(range(48, 56))], first
     assert "rank 0: 16, rank 1: 24" in runs["stderr2"]
+
+
+def test_a_length_grouped_run_resumed_again_on_the_same_number_keeps_its_groups(tmp_path):
+    """A run resumed from 2 processes on 1 groups by the checkpoint's global batch (16, not
+    1 x 8); a checkpoint of that run resumed on 1 process again keeps grouping by 16, so the
+    resumed epoch trains the batches the uninterrupted run trains (each sample once)."""
+    class Grouped16(rd.Callback):   # the sampler as a 2 -> 1 resume leaves it (resume_data.reshard)
+        def on_train_start(self, trainer, module):
+            trainer.train_dataloader.sampler.group_size = 16
+
+    ref, again = str(tmp_path / "ref"), str(tmp_path / "again")
+    full = rd.Net()
+    rd.trainer(ref, 1, save=True, callbacks=[Grouped16()], accumulate_grad_batches=2, max_steps=12) \
+        .fit(full, rd.loader("grouped"))
+    ckpt = cio.load_torch(str(Path(rd.step6(ref)) / cio.STATE_NAME))["data"]
+    assert ckpt["group_size"] == 16
+    resumed = rd.Net()
+    t = rd.trainer(again, 1, accumulate_grad_batches=2, max_steps=12)
+    t.fit(resumed, rd.loader("grouped"), ckpt_path=rd.step6(ref))
+    assert t.train_dataloader.sampler.group == 16
+    assert len(full.seen) == 24 and resumed.seen == full.seen[12:]
+    assert sorted(x for b in full.seen[:12] + resumed.seen for x in b) == list(range(rd.N))

@@ -215,6 +215,21 @@ def test_the_users_random_streams_are_left_as_they_were(store, experiment):
     assert client_for(lg).get_run(lg.run_id).info.run_name   # MLflow's random name, all the same
 
 
+def test_a_log_point_copies_no_random_state_once_mlflow_is_imported(store, experiment, monkeypatch):
+    """The RNG states are kept around MLflow's first import only: a log point costs no copy."""
+    from ember.checkpoint import rng
+    lg = MLFlowLogger(experiment_name=experiment, save_dir=store, run_name="r")
+    lg.log_metrics({"loss": 1.0}, step=1)   # the run and the first import
+    copies = []
+    enter = rng.keep_rng_states.__enter__
+    monkeypatch.setattr(rng.keep_rng_states, "__enter__", lambda self: copies.append(1) or enter(self))
+    for step in range(2, 5):
+        lg.log_metrics({"loss": float(step)}, step=step)
+    lg.finalize("success")
+    assert copies == []
+    assert history(client_for(lg), lg.run_id, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+
+
 def test_other_ranks_never_create_a_run(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")   # what every rank but 0 of a job has
     lg = MLFlowLogger(save_dir=tmp_path / "store")
