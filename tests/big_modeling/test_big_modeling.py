@@ -20,12 +20,7 @@ from ember.errors import CheckpointError
 from helpers import ROOT, SCRIPTS
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the automatic map on a model of known sizes ----------------------------------------------

@@ -28,12 +28,7 @@ from ember.integrations.transformers import (ExportBestPretrained, PadCollator, 
                                              TextClassificationData, TransformersModule)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trainer_for(root, **kw):
