@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 import ember
 from ember.callbacks import ModelCheckpoint, RichProgressBar
-from helpers import LinearModule, regression_data
+from tests.conftest import LinearModule, regression_data
 
 
 def _console() -> Console:
