@@ -49,6 +49,16 @@ def data():
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op torch thread for the test, the previous number after it: tiny models on a
+    shared 2-core machine (a file opts in with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def frozen_heap():
     """``gc.freeze()`` for the test: the objects that exist before it (in a pytest worker,
     every module and object the suite has made so far, hundreds of thousands) are left out of

@@ -10,8 +10,11 @@
   asserted) and ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``,
   every process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
   (a job of several processes, output in files, stacks shown and all killed on a hang or
-  when a process it started outlives it);
+  when a process it started outlives it); ``in_process_cli`` (``ember.cli.main`` in the
+  test's process, for a ``cli`` fixture) and ``one_line_error`` (a run that ended in one
+  ``ember: error:`` line);
 - ``compare_finals`` (a full run's and a resumed run's final state, bit for bit);
+  ``passes_left_early`` (the batches of passes over a loader that a loop leaves early);
 - readers of what loggers wrote: ``wandb_records`` and ``wandb_history`` / ``wandb_config``
   / ``wandb_artifacts`` (an offline W&B run file), and ``CaptureLogger`` (a real Logger that
   keeps what the Trainer sends it);
@@ -207,6 +210,52 @@ def run_ember(*args, env: dict[str, str], timeout: float = 90, **kw) -> subproce
 
 
 # -- resumed runs -------------------------------------------------------------------------------
+def in_process_cli(tmp_path: Path, monkeypatch, capsys, *, path=(), xdg: bool = False, prefix=()):
+    """``run(*args)`` -> ``ember.cli.main([*prefix, *args])`` in this process (fast; what the
+    ``ember`` console script and ``python -m ember`` run) as a ``CompletedProcess`` with its exit
+    code and captured output. For the test: the working directory is ``tmp_path``, ``path``
+    (such as ``examples/cli`` for toy.py, as PYTHONPATH does) comes first on ``sys.path``, no
+    ``EMBER_`` setting, and with ``xdg`` a private config folder (``tmp_path/xdg``)."""
+    from ember.cli import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [*map(str, path), *sys.path])
+    if xdg:
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for key in [k for k in os.environ if k.startswith("EMBER_")]:
+        monkeypatch.delenv(key)
+
+    def run(*args):
+        code = main([*prefix, *[str(a) for a in args]])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+    return run
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """Asserts that ``r`` (an ``ember`` run) failed as a usage error: exit code 2 and one
+    ``ember: error: ...`` line on stderr, no traceback; returns that line."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ember: error: "), r.stderr[-3000:]
+    return lines[0]
+
+
+def passes_left_early(loader, passes: int = 3, stop: int = 2) -> tuple[list, list]:
+    """The first ``stop`` batches (as lists) of each of ``passes`` passes over a loader of
+    ``(tensor,)`` batches, the loop leaving each pass early; then two draws from torch's
+    global random stream (which the passes must leave as the reference library does)."""
+    out = []
+    for _ in range(passes):
+        got = []
+        for i, (b,) in enumerate(loader):
+            got.append(b.tolist())
+            if i + 1 == stop:
+                break
+        out.append(got)
+    return out, torch.rand(2).tolist()
+
+
 def compare_finals(out: Path) -> dict:
     """``out/final_full.pt`` and ``out/final_resume.pt`` (a run and the same run stopped and
     resumed) hold the same keys and bit-identical values; returns the first."""

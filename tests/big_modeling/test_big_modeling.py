@@ -20,12 +20,7 @@ from ember.errors import CheckpointError
 from helpers import ROOT, SCRIPTS
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the automatic map on a model of known sizes ----------------------------------------------
@@ -115,14 +110,20 @@ def test_tied_weights_stay_together_even_when_defined_last():
     assert dmap["emb"] == dmap["head"]
 
 
-def test_dispatch_toy_with_tied_weights_split_over_cpu_and_disk(tmp_path):
+def _toy_copy(*shape):
+    """A copy of a Toy (seed 0) to dispatch, token ids of ``shape`` and the Toy's outputs on them in memory."""
     torch.manual_seed(0)
     ref = Toy()
-    ids = torch.randint(0, 20, (3, 5))
+    ids = torch.randint(0, 20, shape)
     with torch.no_grad():
         want = ref(ids)
     model = Toy()
     model.load_state_dict(ref.state_dict())
+    return model, ids, want
+
+
+def test_dispatch_toy_with_tied_weights_split_over_cpu_and_disk(tmp_path):
+    model, ids, want = _toy_copy(3, 5)
     # the tied weight is used on cpu (emb) and on disk (head): read from the resident copy
     dispatch_model(model, {"emb": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "disk",
                            "blocks.3": "cpu", "head": "disk"}, offload_dir=tmp_path)
@@ -380,13 +381,7 @@ def test_balanced_memory_spreads_over_gpus(monkeypatch):
 
 
 def test_most_specific_entry_wins(tmp_path):
-    torch.manual_seed(0)
-    ref = Toy()
-    ids = torch.randint(0, 20, (2, 4))
-    with torch.no_grad():
-        want = ref(ids)
-    model = Toy()
-    model.load_state_dict(ref.state_dict())
+    model, ids, want = _toy_copy(2, 4)
     dispatch_model(model, {"": "cpu", "blocks.1": "disk", "blocks.2.linear2": "disk"}, offload_dir=tmp_path)
     assert model.blocks[1].linear2.weight.device.type == "meta"
     assert model.blocks[2].linear2.weight.device.type == "meta" and model.blocks[2].linear1.weight.device.type == "cpu"
@@ -395,13 +390,7 @@ def test_most_specific_entry_wins(tmp_path):
 
 
 def test_dispatch_model_auto_writes_disk_blocks(tmp_path):
-    torch.manual_seed(0)
-    ref = Toy()
-    ids = torch.randint(0, 20, (2, 4))
-    with torch.no_grad():
-        want = ref(ids)
-    model = Toy()
-    model.load_state_dict(ref.state_dict())
+    model, ids, want = _toy_copy(2, 4)
     dispatch_model(model, "auto", max_memory={"cpu": 2800}, no_split_module_classes=["Block"], offload_dir=tmp_path)
     assert model.hf_device_map["blocks.1"] == "disk"
     assert sorted(os.listdir(tmp_path)) == ["blocks.1.safetensors", "blocks.2.safetensors", "blocks.3.safetensors"]

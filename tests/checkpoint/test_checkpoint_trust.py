@@ -18,7 +18,7 @@ from conftest import LinearModule, regression_data, reseal
 from ember.checkpoint import io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError
-from helpers import EXAMPLES
+from helpers import EXAMPLES, in_process_cli
 
 
 class Marker:
@@ -216,17 +216,7 @@ def _fresh(tmp_path: Path) -> Path:
 @pytest.fixture
 def cli(tmp_path, monkeypatch, capsys):
     """``ember.cli.main`` in this process, toy.py importable (as PYTHONPATH=examples/cli does)."""
-    from ember.cli import main
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(EXAMPLES / "cli"), *sys.path])
-    for key in [k for k in os.environ if k.startswith("EMBER_")]:
-        monkeypatch.delenv(key)
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-    return run
+    return in_process_cli(tmp_path, monkeypatch, capsys, path=[EXAMPLES / "cli"])
 
 
 def test_cli_checks_class_paths_before_building_and_never_imports_from_the_config_folder(tmp_path, cli):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import EXAMPLES
+from helpers import EXAMPLES, in_process_cli, one_line_error
 
 EXAMPLE = EXAMPLES / "cli"
 CONFIG = EXAMPLE / "config.yaml"
@@ -27,26 +27,8 @@ def ember(*args, cwd, input=None, timeout=120, **env_extra):
 def cli(tmp_path, monkeypatch, capsys):
     """``ember.cli.main`` in this process (fast; the error cases). The same function is
     what the ``ember`` console script and ``python -m ember`` run."""
-    from ember.cli import main
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(EXAMPLE), *sys.path])   # toy.py is importable (PYTHONPATH in the docs)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for key in [k for k in os.environ if k.startswith("EMBER_")]:
-        monkeypatch.delenv(key)
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-    return run
-
-
-def one_line_error(r) -> str:
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ember: error: "), r.stderr
-    return lines[0]
+    # toy.py is importable (PYTHONPATH in the docs)
+    return in_process_cli(tmp_path, monkeypatch, capsys, path=[EXAMPLE], xdg=True)
 
 
 def print_config(cli, *args) -> dict:

@@ -5,12 +5,11 @@ argument, and ``instantiate`` builds only what ``resolve_class`` checked."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import in_process_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,17 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def cli(tmp_path, monkeypatch, capsys):
     """``ember.cli.main`` in this process, toy.py importable (as PYTHONPATH=examples/cli does)."""
-    from ember.cli import main
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(ROOT / "examples" / "cli"), str(tmp_path), *sys.path])
-    for key in [k for k in os.environ if k.startswith("EMBER_")]:
-        monkeypatch.delenv(key)
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-    return run
+    return in_process_cli(tmp_path, monkeypatch, capsys, path=[ROOT / "examples" / "cli", tmp_path])
 
 
 def _popen(marker: Path) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES
+from helpers import EXAMPLES, in_process_cli, one_line_error
 
 EXAMPLE = EXAMPLES / "cli"
 
@@ -33,28 +33,9 @@ def ember(*args, cwd, timeout=60, pythonpath=str(EXAMPLE)):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def one_line_error(r) -> str:
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-3000:])
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ember: error: "), r.stderr[-3000:]
-    return lines[0]
-
-
 @pytest.fixture
 def cli(tmp_path, monkeypatch, capsys):
-    from ember.cli import main
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(EXAMPLE), *sys.path])
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for key in [k for k in os.environ if k.startswith("EMBER_")]:
-        monkeypatch.delenv(key)
-
-    def run(*args):
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-    return run
+    return in_process_cli(tmp_path, monkeypatch, capsys, path=[EXAMPLE], xdg=True)
 
 
 # --------------------------------------------------------------------------- YAML bounds

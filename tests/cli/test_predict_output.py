@@ -4,9 +4,6 @@ folder, a path under a file, a file inside a checkpoint or the weights being loa
 and the file is written atomically."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from conftest import LinearModule, regression_data
 from ember.callbacks import BasePredictionWriter
 from ember.checkpoint import io as cio
 from ember.errors import MisconfigurationError
+from helpers import in_process_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,20 +36,11 @@ class Marked(ToyRegressor):
 
 @pytest.fixture
 def cli(tmp_path, monkeypatch, capsys):
-    from ember.cli import main
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(ROOT / "examples" / "cli"), str(tmp_path), *sys.path])
-    for key in [k for k in os.environ if k.startswith("EMBER_")]:
-        monkeypatch.delenv(key)
     (tmp_path / "marked_model.py").write_text(MODEL)
     base = ["-c", str(ROOT / "examples" / "cli" / "config.yaml"), "--trainer.logger", "false",
             "--model", "marked_model.Marked", "--model.hidden", "8"]
-
-    def run(*args):
-        code = main(["predict", *base, *[str(a) for a in args]])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-    return run
+    return in_process_cli(tmp_path, monkeypatch, capsys, path=[ROOT / "examples" / "cli", tmp_path],
+                          prefix=["predict", *base])
 
 
 def _predicted(tmp_path) -> bool:

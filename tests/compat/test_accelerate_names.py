@@ -35,7 +35,7 @@ def test_accelerate_keywords_work_or_name_themselves(tmp_path):
     assert acc.gradient_state.sync_gradients
     with acc.profile() as prof:
         torch.ones(3).sum()
-    assert prof.key_averages() is not None
+    assert "aten::sum" in {e.key for e in prof.key_averages()}   # the profiler recorded the op
     # automatic naming with total_limit=2: the oldest go
     net = nn.Linear(2, 1)
     net, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))

@@ -16,6 +16,7 @@ import ember
 from ember import Fabric
 from ember.compat.fabric import FabricModule
 from ember.errors import MisconfigurationError
+from helpers import passes_left_early
 
 NAMES = ["launch", "setup", "setup_module", "setup_optimizers", "setup_dataloaders", "backward", "clip_gradients",
          "no_backward_sync", "autocast", "to_device", "all_gather", "all_reduce", "barrier", "broadcast",
@@ -175,15 +176,7 @@ def _pass_orders(fabric, passes=3, stop=2, n=20):
     """The first ``stop`` batches of each pass over a shuffled loader, the loop leaving early."""
     fabric.seed_everything(42)
     dl = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(n)), batch_size=4, shuffle=True))
-    out = []
-    for _ in range(passes):
-        got = []
-        for i, (b,) in enumerate(dl):
-            got.append(b.tolist())
-            if i + 1 == stop:
-                break
-        out.append(got)
-    return out, torch.rand(2).tolist()
+    return passes_left_early(dl, passes, stop)
 
 
 def test_a_left_pass_gives_a_new_order_next_pass_as_lightning_fabric():

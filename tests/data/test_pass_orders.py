@@ -10,25 +10,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ember import Accelerator
 from ember.utils import set_seed
+from helpers import passes_left_early
 
 
 def _loader(n=20):
     return DataLoader(TensorDataset(torch.arange(n)), batch_size=4, shuffle=True)
 
 
-def _orders(acc, passes=3, stop=2, pre_seed=None):
+def _orders(acc, passes=3, stop=2):
     """A script that seeds after building its Accelerator and leaves each pass early."""
     set_seed(42)
     dl = acc.prepare(_loader())
-    out = []
-    for _ in range(passes):
-        got = []
-        for i, (b,) in enumerate(dl):
-            got.append(b.tolist())
-            if i + 1 == stop:
-                break
-        out.append(got)
-    return out, torch.rand(2).tolist()
+    return passes_left_early(dl, passes, stop)
 
 
 def test_orders_equal_accelerates_seeded_after_the_accelerator_new_each_pass():

@@ -18,12 +18,7 @@ from ember.callbacks import ModelCheckpoint  # noqa: E402
 from ember.integrations.transformers import TextClassificationData, TransformersModule  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fit(root, max_steps, ckpt=None, callbacks=(), precision=None, **data_kw):

@@ -21,12 +21,7 @@ from ember.integrations.transformers import PadCollator, TextClassificationData,
 TOL = 1e-5   # float32 rounding: the packed and the padded runs sum in another order
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _items(n=12, seed=0, pairs=False):

@@ -28,12 +28,7 @@ from ember.integrations.transformers import (ExportBestPretrained, PadCollator, 
                                              TextClassificationData, TransformersModule)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trainer_for(root, **kw):
@@ -325,19 +320,29 @@ def test_a_base_given_as_an_object_must_be_given_again(tmp_path):
         assert torch.equal(loaded(**batch).logits, module.eval()(**batch).logits)
 
 
-def test_a_checkpoint_cannot_make_peft_import_code(tmp_path):
-    from helpers import reseal
+def _one_step_checkpoint(tmp_path):
+    """A LoRA module trained one step, and its checkpoint's path."""
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt")
     module = TransformersModule(pc.tiny_llama(), peft_config=pc.lora())
     trainer_for(tmp_path, max_steps=1, callbacks=[ckpt], enable_checkpointing=True).fit(
         module, train_dataloaders=lm_loader())
-    path = ckpt.last_model_path or ckpt.best_model_path
+    return module, ckpt.last_model_path or ckpt.best_model_path
+
+
+def _edit_meta(path, edit) -> None:
+    """``edit(meta)`` on the checkpoint's meta.json, written back."""
     meta_file = os.path.join(path, "meta.json")
     with open(meta_file) as f:
         meta = json.load(f)
-    meta["hparams"]["peft_config"].update(megatron_config={"x": 1}, megatron_core="os")
+    edit(meta)
     with open(meta_file, "w") as f:
         json.dump(meta, f)
+
+
+def test_a_checkpoint_cannot_make_peft_import_code(tmp_path):
+    from helpers import reseal
+    _, path = _one_step_checkpoint(tmp_path)
+    _edit_meta(path, lambda meta: meta["hparams"]["peft_config"].update(megatron_config={"x": 1}, megatron_core="os"))
     reseal(path)
     with pytest.raises(CheckpointError, match="refusing .*megatron"):
         TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama())
@@ -346,26 +351,16 @@ def test_a_checkpoint_cannot_make_peft_import_code(tmp_path):
 def test_a_qlora_checkpoint_needs_its_quantization_config_given_again(tmp_path):
     """A QLoRA run's meta.json holds its quantization_config as text only (here written
     as such a run would: bitsandbytes is not installed to make one)."""
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt")
-    module = TransformersModule(pc.tiny_llama(), peft_config=pc.lora())
-    trainer_for(tmp_path, max_steps=1, callbacks=[ckpt], enable_checkpointing=True).fit(
-        module, train_dataloaders=lm_loader())
-    path = ckpt.last_model_path or ckpt.best_model_path
-    meta_file = os.path.join(path, "meta.json")
-    with open(meta_file) as f:
-        meta = json.load(f)
-    meta["hparams"]["model_kwargs"] = {"quantization_config": "BitsAndBytesConfig {load_in_4bit: true}"}
-    with open(meta_file, "w") as f:
-        json.dump(meta, f)
+    module, path = _one_step_checkpoint(tmp_path)
+    _edit_meta(path, lambda meta: meta["hparams"].update(
+        model_kwargs={"quantization_config": "BitsAndBytesConfig {load_in_4bit: true}"}))
     with pytest.raises(CheckpointError, match=r"quantized base .*pass model_kwargs="):
         TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama())
     loaded = TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama(), model_kwargs={})
     a, b = loaded.state_dict(), module.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # a checkpoint that does not name its base cannot be checked against it: said, not silent
-    del meta["hparams"]["peft_base"]
-    with open(meta_file, "w") as f:
-        json.dump(meta, f)
+    _edit_meta(path, lambda meta: meta["hparams"].pop("peft_base"))
     with pytest.warns(UserWarning, match="cannot be checked"):
         TransformersModule.load_from_checkpoint(path, model=pc.tiny_llama(), model_kwargs={})
 

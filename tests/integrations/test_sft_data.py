@@ -29,12 +29,7 @@ PC = dict(prompt_column="prompt", completion_column="completion")
 CHAT = dict(messages_column="messages")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rows(dm, split="train"):

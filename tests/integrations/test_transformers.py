@@ -23,13 +23,7 @@ from ember.integrations.transformers import (CausalLMData, ExportBestPretrained,
                                              TextClassificationData, TransformersModule)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def quiet_trainer(tmp_path, **kw):

@@ -28,12 +28,7 @@ ROWS = [("the movie was great", "pos"), ("a dull plot", "neg"), ("superb acting 
         ("boring", "neg"), ("the ending was awful but the cast was wonderful", "pos")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -25,12 +25,7 @@ from ember.integrations.transformers import TextClassificationData, Transformers
 from rotten_tomatoes_data import load_rotten_tomatoes, minilm_path  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_rotten_tomatoes_split():

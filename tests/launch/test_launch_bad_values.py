@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import EXAMPLES, finish, launch_env, start_ember
+from helpers import EXAMPLES, finish, launch_env, one_line_error, start_ember
 
 
 @pytest.fixture
@@ -34,14 +34,6 @@ def cli(tmp_path, monkeypatch, capsys):
         assert took < 10, took
         return subprocess.CompletedProcess(args, code, out, err)
     return run
-
-
-def one_line_error(r) -> str:
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr[-3000:])
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ember: error: "), r.stderr[-3000:]
-    return lines[0]
 
 
 BAD = {

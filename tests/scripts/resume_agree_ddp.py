@@ -97,6 +97,21 @@ def resume(mode, root):
     return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": t2.global_step}
 
 
+def load_and_step(acc, model, opt, path=None):
+    """``acc.load_state(path)`` and one training step (DDP's all-reduce): (the error as
+    "Type: message" or None, the seconds from the load call to it)."""
+    start = time.monotonic()
+    try:
+        acc.load_state(path)
+        x = torch.randn(4, 4)
+        acc.backward(F.mse_loss(model(x), x.sum(1, keepdim=True)))   # DDP's all-reduce
+        opt.step()
+        err = None
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return err, time.monotonic() - start
+
+
 def acc_swapped(root):
     acc = ember.Accelerator(strategy=DDPStrategy(timeout=20))
     net = Regressor()
@@ -106,16 +121,8 @@ def acc_swapped(root):
     from ember.checkpoint import io as cio
     copy = rank1_copy(acc.strategy, root, path, cio.WEIGHTS_NAME)
     rank = acc.process_index
-    start = time.monotonic()
-    try:
-        acc.load_state(copy if rank == 1 else path)
-        x = torch.randn(4, 4)
-        acc.backward(F.mse_loss(model(x), x.sum(1, keepdim=True)))   # DDP's all-reduce
-        opt.step()
-        err = None
-    except Exception as e:
-        err = f"{type(e).__name__}: {e}"
-    return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": None}
+    err, seconds = load_and_step(acc, model, opt, copy if rank == 1 else path)
+    return {"error": err, "seconds": seconds, "rank": rank, "global_step": None}
 
 
 def acc_auto(root):
@@ -128,16 +135,8 @@ def acc_auto(root):
         acc.project_dir = os.path.join(root, "rank1_view")
         os.makedirs(acc.project_dir)
     acc.wait_for_everyone()
-    start = time.monotonic()
-    try:
-        acc.load_state()
-        x = torch.randn(4, 4)
-        acc.backward(F.mse_loss(model(x), x.sum(1, keepdim=True)))   # DDP's all-reduce
-        opt.step()
-        err = None
-    except Exception as e:
-        err = f"{type(e).__name__}: {e}"
-    return {"error": err, "seconds": time.monotonic() - start, "rank": rank, "global_step": acc.save_iteration}
+    err, seconds = load_and_step(acc, model, opt)
+    return {"error": err, "seconds": seconds, "rank": rank, "global_step": acc.save_iteration}
 
 
 if __name__ == "__main__":

@@ -48,17 +48,24 @@ def runs(tmp_path_factory):
     return {"sync": (sync_root, snapshot(m_sync, t_sync)), "async": (async_root, snapshot(m_async, t_async))}
 
 
+def _same_training_state(path_a, path_b, name):
+    """Asserts that two checkpoints hold the same weights, optimizer, loop, precision,
+    global step and epoch; returns their states and metas (state a, state b, meta a, meta b)."""
+    wa, sa, ma = cio.read_checkpoint(path_a)
+    wb, sb, mb = cio.read_checkpoint(path_b)
+    assert differences(wa, wb, name) == []
+    for key in ("optimizers", "loop", "precision", "global_step", "epoch"):
+        assert differences(sa.get(key), sb.get(key), f"{name}/{key}") == []
+    return sa, sb, ma, mb
+
+
 def test_async_and_sync_checkpoints_hold_identical_tensors(runs):
     (sync_root, ref), (async_root, got) = runs["sync"], runs["async"]
     assert differences(ref, got) == []          # training did not change
     a, b = _ckpts(sync_root), _ckpts(async_root)
     assert sorted(a) == sorted(b) and len(a) == EPOCHS * STEPS_PER_EPOCH   # all committed by the end of fit
     for name in a:
-        wa, sa, ma = cio.read_checkpoint(a[name])
-        wb, sb, mb = cio.read_checkpoint(b[name])
-        assert differences(wa, wb, name) == []
-        for key in ("optimizers", "loop", "precision", "global_step", "epoch"):
-            assert differences(sa.get(key), sb.get(key), f"{name}/{key}") == []
+        sa, sb, ma, mb = _same_training_state(a[name], b[name], name)
         assert sorted(ma["files"]) == sorted(mb["files"]) == ["model.safetensors", "trainer_state.pt"]
         assert not os.path.exists(cio.tmp_path(b[name]))
 
@@ -238,11 +245,7 @@ def test_async_save_returns_before_the_write_and_commits_the_synchronous_checkpo
         a["after_fit"], b["after_fit"] = str(tmp_path / "sync_after_fit"), str(path)
         assert sorted(a) == sorted(b)
         for name in a:
-            wa, sa, _ = cio.read_checkpoint(a[name])
-            wb, sb, _ = cio.read_checkpoint(b[name])
-            assert differences(wa, wb, name) == []
-            for key in ("optimizers", "loop", "precision", "global_step", "epoch"):
-                assert differences(sa.get(key), sb.get(key), f"{name}/{key}") == []
+            sa, sb, _, _ = _same_training_state(a[name], b[name], name)
             assert isinstance(sb.get("gate"), Gate) == (name in ("step=1", "after_fit")) and "gate" not in sa
 
 
