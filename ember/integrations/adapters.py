@@ -36,14 +36,8 @@ _CODE_FIELDS = {"megatron_config": None, "megatron_core": "megatron.core", "auto
 
 def require_peft():
     """``import peft``, or one clear error naming the extra to install."""
-    from ember.checkpoint.rng import keep_rng_states
-    try:
-        with keep_rng_states():   # a first import leaves the user's random streams as they were
-            import peft
-    except ImportError as err:
-        raise MisconfigurationError(f"peft_config= needs the peft package, which is not installed ({err}); "
-                                    f"install it with: {INSTALL}") from err
-    return peft
+    from ember.checkpoint.rng import import_optional
+    return import_optional("peft", "peft_config=", INSTALL, error=MisconfigurationError)
 
 
 def _json_safe(value: Any, where: str) -> Any:
