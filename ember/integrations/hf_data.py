@@ -529,15 +529,6 @@ class TextClassificationData(_HFTextData):
         return super()._collator(split)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -759,7 +750,7 @@ class CausalLMData(_HFTextData):
                     f"row {row}: the chat template renders the conversation up to message {j} differently from the "
                     "beginning of the whole conversation, so the assistant turns cannot be told apart; use a template "
                     "that marks them with {% generation %}...{% endgeneration %} (chat_template=...)")
-            start = _common_prefix(before, upto)
+            start = len(os.path.commonprefix([before, upto]))   # any sequences: token ids here
             mask[start:len(upto)] = [1] * (len(upto) - start)
         return mask
 
@@ -778,7 +769,7 @@ class CausalLMData(_HFTextData):
         eos = self.tokenizer.eos_token_id if self.add_eos else None
         labels, shifted = [], 0
         for p, x in zip(p_ids, ids):
-            k = _common_prefix(p, x)
+            k = len(os.path.commonprefix([p, x]))
             shifted += k < len(p)
             if eos is not None and (not x or x[-1] != eos):
                 x.append(eos)
