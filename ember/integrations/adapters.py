@@ -169,11 +169,8 @@ def _file_digest(path: str) -> str:
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if key not in _FILE_DIGESTS:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(8 << 20), b""):
-                h.update(chunk)
-        _FILE_DIGESTS[key] = h.hexdigest()
+        from ember.checkpoint.trust import file_digest
+        _FILE_DIGESTS[key] = file_digest(path, "sha256").partition(":")[2]   # the hex digits
     return _FILE_DIGESTS[key]
 
 
