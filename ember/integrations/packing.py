@@ -54,6 +54,7 @@ import torch
 from torch.nn import functional as F
 
 from ember.errors import MisconfigurationError
+from ember.integrations.collate import PadCollator
 
 #: model types whose packed form is supported (absolute positions from 0, head on the first token)
 PACKABLE_MODEL_TYPES = frozenset({"bert"})
@@ -279,7 +280,6 @@ class ExamplePackCollator:
     one packed before it."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
-        from ember.integrations.hf_data import PadCollator
         self.pad_token_id, self.pad_to_multiple_of = int(pad_token_id), pad_to_multiple_of
         # right padding: ``pad_token_id``, label -100 (labels align with the inputs), position 0
         self._pad = PadCollator(self.pad_token_id, "right", pad_to_multiple_of)
