@@ -27,8 +27,9 @@ LOCAL_FILE_URI_PREFIX = "file:"
 
 def _import_mlflow():
     from ember.checkpoint.rng import import_optional
-    import_optional("mlflow.tracking", "MLFlowLogger", INSTALL)
-    return import_optional("mlflow", "MLFlowLogger", INSTALL)
+    mlflow = import_optional("mlflow", "MLFlowLogger", INSTALL)
+    import_optional("mlflow.tracking", "MLFlowLogger", INSTALL)   # MlflowClient's module
+    return mlflow
 
 
 def flatten_lightning(params: Any, delimiter: str = "/") -> dict[str, Any]:
