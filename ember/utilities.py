@@ -109,8 +109,6 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     Worker seeds differ per rank and worker in any case."""
     import os
     import random
-
-    import torch
     if seed is None:
         seed = os.environ.get("EMBER_GLOBAL_SEED", random.randint(0, 2**31 - 1))
     try:
@@ -123,11 +121,6 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     os.environ["EMBER_GLOBAL_SEED"] = str(seed)
     if workers:
         os.environ["EMBER_SEED_WORKERS"] = "1"
-    random.seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    torch.manual_seed(seed)
+    from ember.data.worker_seed import seed_all
+    seed_all(seed)
     return seed

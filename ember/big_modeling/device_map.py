@@ -416,7 +416,7 @@ def check_device_map(model: nn.Module, device_map: dict) -> "OrderedDict[str, in
     modules = dict(model.named_modules(remove_duplicate=False))
     for name, dev in device_map.items():
         if not isinstance(name, str) or (name not in modules and name not in tensors):
-            close = sorted(modules, key=lambda m: -_common(m, str(name)))[:3]
+            close = sorted(modules, key=lambda m: -len(os.path.commonprefix([m, str(name)])))[:3]
             raise DeviceMapError(f"device_map names {name!r}, which is no module or parameter of "
                                  f"{type(model).__name__} (closest: {close})")
         out[name] = _device_key(dev, f"device_map[{name!r}]")
@@ -429,12 +429,3 @@ def check_device_map(model: nn.Module, device_map: dict) -> "OrderedDict[str, in
                              f"{type(model).__name__}: {shown}. Add entries for them, e.g. "
                              + ", ".join(f"{t!r}: 'cpu'" for t in tops[:3]))
     return out
-
-
-def _common(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -107,3 +107,34 @@ class keep_rng_states:
             np.random.set_state(self._np)
         if self._cuda is not None:
             torch.cuda.set_rng_state_all(self._cuda)
+
+
+def missing_package(package: str, needed_by: str, install: str, detail: str = "",
+                    error: type[Exception] = ModuleNotFoundError) -> Exception:
+    """The one error for an optional package that is not there: ``"{needed_by} needs the
+    `{package}` package, which is not installed: {install}"`` (``detail``, when given, is
+    said in brackets before the install command)."""
+    said = f" ({detail})" if detail else ""
+    return error(f"{needed_by} needs the `{package}` package, which is not installed{said}: {install}")
+
+
+def require_package(package: str, needed_by: str, install: str,
+                    error: type[Exception] = ModuleNotFoundError) -> None:
+    """Raise :func:`missing_package`'s error when ``package`` cannot be found, without
+    importing it: what a constructor checks so that the error comes before any work."""
+    import importlib.util
+    if importlib.util.find_spec(package) is None:
+        raise missing_package(package, needed_by, install, error=error)
+
+
+def import_optional(module: str, needed_by: str, install: str, error: type[Exception] = ModuleNotFoundError):
+    """``import module`` for an optional package, imported lazily (on first use): the import
+    runs under :class:`keep_rng_states` (a first import leaves the user's random streams as
+    they were), and a failed import is :func:`missing_package`'s error naming ``install``
+    (e.g. ``'pip install "ember[mlflow]"'``), the import error chained to it."""
+    import importlib
+    try:
+        with keep_rng_states():
+            return importlib.import_module(module)
+    except ImportError as err:
+        raise missing_package(module.split(".")[0], needed_by, install, detail=str(err), error=error) from err

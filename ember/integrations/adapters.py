@@ -36,14 +36,8 @@ _CODE_FIELDS = {"megatron_config": None, "megatron_core": "megatron.core", "auto
 
 def require_peft():
     """``import peft``, or one clear error naming the extra to install."""
-    from ember.checkpoint.rng import keep_rng_states
-    try:
-        with keep_rng_states():   # a first import leaves the user's random streams as they were
-            import peft
-    except ImportError as err:
-        raise MisconfigurationError(f"peft_config= needs the peft package, which is not installed ({err}); "
-                                    f"install it with: {INSTALL}") from err
-    return peft
+    from ember.checkpoint.rng import import_optional
+    return import_optional("peft", "peft_config=", INSTALL, error=MisconfigurationError)
 
 
 def _json_safe(value: Any, where: str) -> Any:
@@ -175,11 +169,8 @@ def _file_digest(path: str) -> str:
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if key not in _FILE_DIGESTS:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(8 << 20), b""):
-                h.update(chunk)
-        _FILE_DIGESTS[key] = h.hexdigest()
+        from ember.checkpoint.trust import file_digest
+        _FILE_DIGESTS[key] = file_digest(path, "sha256").partition(":")[2]   # the hex digits
     return _FILE_DIGESTS[key]
 
 

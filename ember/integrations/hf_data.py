@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from ember.data.sampling import LengthGroupedSampler
 
 from ember.errors import MisconfigurationError
+from ember.integrations.collate import PadCollator  # noqa: F401  (public here too)
 from ember.integrations.hf_io import (column, data_hash, ensure_pad_token, load_tokenizer, read_columns,
                                       tokenizer_fingerprint)
 from ember.module import DataModule
@@ -74,59 +75,6 @@ class TokenizedDataset(Dataset):
     def from_state(cls, state: dict) -> "TokenizedDataset":
         feats = {k[2:]: v for k, v in state.items() if k.startswith("f.")}
         return cls(feats, state["offsets"], state.get("labels"))
-
-
-class PadCollator:
-    """Pads one batch to its longest sequence (dynamic padding).
-
-    ``lm_labels=True`` adds ``labels`` = ``input_ids`` with padded positions set to -100
-    (masked by position, so an EOS token used for padding is still learned where it is real).
-    """
-
-    def __init__(self, pad_token_id: int, padding_side: str = "right", pad_to_multiple_of: int | None = None,
-                 lm_labels: bool = False):
-        if padding_side not in ("right", "left"):
-            raise MisconfigurationError(f"padding_side={padding_side!r} is not valid; choose one of: 'right', 'left'")
-        self.pad_token_id, self.padding_side = int(pad_token_id), padding_side
-        self.pad_to_multiple_of, self.lm_labels = pad_to_multiple_of, lm_labels
-
-    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        n = max(len(it["input_ids"]) for it in items)
-        if self.pad_to_multiple_of:
-            n = -(-n // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        b = len(items)
-        ids = torch.full((b, n), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((b, n), dtype=torch.long)
-        extra = {k: torch.zeros((b, n), dtype=torch.long) for k in items[0] if k not in ("input_ids", "labels")}
-        tok_labels = "labels" in items[0] and items[0]["labels"].ndim == 1
-        # per-token labels aligned with the inputs (token classification) are padded like them;
-        # target sequences of their own length (seq2seq) are right-padded to their longest
-        aligned = tok_labels and all(len(it["labels"]) == len(it["input_ids"]) for it in items)
-        labels = None
-        if tok_labels and not aligned:
-            labels_n = max(len(it["labels"]) for it in items)
-            labels = torch.full((b, labels_n), -100, dtype=torch.long)
-            for i, it in enumerate(items):
-                labels[i, :len(it["labels"])] = it["labels"]
-        elif aligned:
-            labels = torch.full((b, n), -100, dtype=torch.long)
-        for i, it in enumerate(items):
-            m = len(it["input_ids"])
-            sl = slice(0, m) if self.padding_side == "right" else slice(n - m, n)
-            ids[i, sl] = it["input_ids"]
-            mask[i, sl] = 1
-            for k, t in extra.items():
-                t[i, sl] = it[k]
-            if aligned:
-                labels[i, sl] = it["labels"]
-        out = {"input_ids": ids, "attention_mask": mask, **extra}
-        if labels is not None:
-            out["labels"] = labels
-        elif "labels" in items[0]:
-            out["labels"] = torch.stack([it["labels"] for it in items])
-        elif self.lm_labels:
-            out["labels"] = ids.masked_fill(mask == 0, -100)
-        return out
 
 
 def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -529,15 +477,6 @@ class TextClassificationData(_HFTextData):
         return super()._collator(split)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -759,7 +698,7 @@ class CausalLMData(_HFTextData):
                     f"row {row}: the chat template renders the conversation up to message {j} differently from the "
                     "beginning of the whole conversation, so the assistant turns cannot be told apart; use a template "
                     "that marks them with {% generation %}...{% endgeneration %} (chat_template=...)")
-            start = _common_prefix(before, upto)
+            start = len(os.path.commonprefix([before, upto]))   # any sequences: token ids here
             mask[start:len(upto)] = [1] * (len(upto) - start)
         return mask
 
@@ -778,7 +717,7 @@ class CausalLMData(_HFTextData):
         eos = self.tokenizer.eos_token_id if self.add_eos else None
         labels, shifted = [], 0
         for p, x in zip(p_ids, ids):
-            k = _common_prefix(p, x)
+            k = len(os.path.commonprefix([p, x]))
             shifted += k < len(p)
             if eos is not None and (not x or x[-1] != eos):
                 x.append(eos)

@@ -25,13 +25,13 @@ ranks asks nothing; rank 0's decision reaches them through the Trainer's stop ag
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError
 
-_INSTALL_HINT = 'PruningCallback needs the `optuna` package, which is not installed: pip install "ember[optuna]"'
+#: the extra to install for the pruning callback
+INSTALL = 'pip install "ember[optuna]"'
 
 __all__ = ["PruningCallback"]
 
@@ -61,8 +61,8 @@ class PruningCallback(Callback):
     """
 
     def __init__(self, trial: Any, monitor: str) -> None:
-        if importlib.util.find_spec("optuna") is None:
-            raise ModuleNotFoundError(_INSTALL_HINT)
+        from ember.checkpoint.rng import require_package
+        require_package("optuna", "PruningCallback", INSTALL)
         if not isinstance(monitor, str) or not monitor:
             raise MisconfigurationError(f"PruningCallback(monitor={monitor!r}): name the logged metric to "
                                         "report, e.g. monitor='val/loss'")
@@ -95,8 +95,7 @@ class PruningCallback(Callback):
     def on_fit_end(self, trainer, module) -> None:
         if trainer.stop_reason != "pruned":
             return
-        from ember.checkpoint.rng import keep_rng_states
-        with keep_rng_states():   # a first import leaves the user's random streams as they were
-            import optuna
+        from ember.checkpoint.rng import import_optional
+        optuna = import_optional("optuna", "PruningCallback", INSTALL)
         epoch = self.pruned_epoch if self.pruned_epoch is not None else self._epoch
         trainer.raise_after_fit(optuna.TrialPruned(f"Trial was pruned at epoch {epoch}."))

@@ -54,6 +54,7 @@ import torch
 from torch.nn import functional as F
 
 from ember.errors import MisconfigurationError
+from ember.integrations.collate import PadCollator
 
 #: model types whose packed form is supported (absolute positions from 0, head on the first token)
 PACKABLE_MODEL_TYPES = frozenset({"bert"})
@@ -280,20 +281,14 @@ class ExamplePackCollator:
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
         self.pad_token_id, self.pad_to_multiple_of = int(pad_token_id), pad_to_multiple_of
+        # right padding: ``pad_token_id``, label -100 (labels align with the inputs), position 0
+        self._pad = PadCollator(self.pad_token_id, "right", pad_to_multiple_of)
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        n = max(len(it["input_ids"]) for it in items)
-        if self.pad_to_multiple_of:
-            n = -(-n // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        b = len(items)
-        ids = torch.full((b, n), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((b, n), -100, dtype=torch.long)
-        pos = torch.zeros((b, n), dtype=torch.long)
-        for i, it in enumerate(items):
-            m = len(it["input_ids"])
-            ids[i, :m], labels[i, :m], pos[i, :m] = it["input_ids"], it["labels"], it["position_ids"]
-        labels[pos == 0] = -100
-        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+        out = self._pad(items)
+        del out["attention_mask"]   # the examples are read from the position ids
+        out["labels"][out["position_ids"] == 0] = -100
+        return out
 
 
 def is_example_packed(batch: Any) -> bool:

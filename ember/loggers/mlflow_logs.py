@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,7 +16,8 @@ from typing import Any
 from ember.errors import invalid_choice
 from ember.loggers.base import Logger, add_prefix, check_status, to_scalar
 
-_INSTALL_HINT = 'MLFlowLogger needs the `mlflow` package, which is not installed: pip install "ember[mlflow]"'
+#: the extra to install for MLflow
+INSTALL = 'pip install "ember[mlflow]"'
 #: the run status MLflow records for each of ember's end statuses
 RUN_STATUS = {"success": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 #: characters MLflow refuses in a metric name (it allows letters, digits, ``_ - . / : `` and space)
@@ -26,13 +26,9 @@ LOCAL_FILE_URI_PREFIX = "file:"
 
 
 def _import_mlflow():
-    try:
-        from ember.checkpoint.rng import keep_rng_states
-        with keep_rng_states():   # a first import leaves the user's random streams as they were
-            import mlflow
-            from mlflow.tracking import MlflowClient  # noqa: F401
-    except ImportError as e:
-        raise ModuleNotFoundError(_INSTALL_HINT) from e
+    from ember.checkpoint.rng import import_optional
+    mlflow = import_optional("mlflow", "MLFlowLogger", INSTALL)
+    import_optional("mlflow.tracking", "MLFlowLogger", INSTALL)   # MlflowClient's module
     return mlflow
 
 
@@ -158,8 +154,8 @@ class MLFlowLogger(Logger):
                  save_dir: str | os.PathLike | None = "./mlruns", log_model: bool | str = False, prefix: str = "",
                  artifact_location: str | None = None, run_id: str | None = None,
                  synchronous: bool | None = None) -> None:
-        if importlib.util.find_spec("mlflow") is None:
-            raise ModuleNotFoundError(_INSTALL_HINT)
+        from ember.checkpoint.rng import require_package
+        require_package("mlflow", "MLFlowLogger", INSTALL)
         if log_model not in (True, False, "all"):
             raise invalid_choice("log_model", log_model, [False, True, "all"])
         self._save_dir = os.fspath(save_dir) if save_dir is not None else "./mlruns"

@@ -32,10 +32,9 @@ def check_log_with(log_with: Any) -> list:
         if not isinstance(s, Logger) and key not in LOGGER_CHOICES + ("all",):
             raise invalid_choice("log_with", s, list(LOGGER_CHOICES) + ["all", "a Logger", "a list of these"])
         if key == "mlflow":
-            import importlib.util
-            if importlib.util.find_spec("mlflow") is None:   # said at construction, before any work
-                from ember.loggers.mlflow_logs import _INSTALL_HINT
-                raise ModuleNotFoundError(_INSTALL_HINT.replace("MLFlowLogger", 'log_with="mlflow"'))
+            from ember.checkpoint.rng import require_package
+            from ember.loggers.mlflow_logs import INSTALL
+            require_package("mlflow", 'log_with="mlflow"', INSTALL)   # said at construction, before any work
         out += ["tensorboard", "csv"] if key == "all" else [key or s]
     return out
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -10,17 +9,12 @@ from ember.errors import invalid_choice
 from ember.loggers.base import DEFAULT_NAME, Logger, add_prefix, check_status, flatten_params, to_scalar
 
 STEP_METRIC = "trainer/global_step"
-_INSTALL_HINT = "WandbLogger needs the `wandb` package, which is not installed: pip install wandb"
+INSTALL = "pip install wandb"
 
 
 def _import_wandb():
-    try:
-        from ember.checkpoint.rng import keep_rng_states
-        with keep_rng_states():   # a first import leaves the user's random streams as they were
-            import wandb
-    except ImportError as e:
-        raise ModuleNotFoundError(_INSTALL_HINT) from e
-    return wandb
+    from ember.checkpoint.rng import import_optional
+    return import_optional("wandb", "WandbLogger", INSTALL)
 
 
 class WandbLogger(Logger):
@@ -50,8 +44,9 @@ class WandbLogger(Logger):
     def __init__(self, project: str | None = None, name: str | None = None, save_dir: str | os.PathLike | None = None,
                  version: str | None = None, offline: bool = False, log_model: bool | str = False,
                  prefix: str = "", experiment: Any = None, **init_kwargs: Any) -> None:
-        if experiment is None and importlib.util.find_spec("wandb") is None:
-            raise ModuleNotFoundError(_INSTALL_HINT)
+        if experiment is None:
+            from ember.checkpoint.rng import require_package
+            require_package("wandb", "WandbLogger", INSTALL)
         if log_model not in (True, False, "all"):
             raise invalid_choice("log_model", log_model, [False, True, "all"])
         if save_dir is None:

@@ -102,3 +102,29 @@ def test_keep_rng_states_restores_each_stream_and_is_a_no_op_off_the_main_thread
     t.start()
     t.join()
     assert random.getstate() != before[0]   # a writer thread's draw is not undone (nor a training thread's)
+
+
+def test_import_optional_keeps_the_streams_and_names_the_install(tmp_path, monkeypatch):
+    """The one helper for optional packages (MLflow, W&B, Optuna, peft): a first import that
+    draws leaves the streams as they were; a missing package is one error naming the install,
+    said by ``require_package`` without importing anything."""
+    import random
+
+    import pytest
+    import torch
+
+    from ember.checkpoint.rng import import_optional, require_package
+    from ember.errors import MisconfigurationError
+    (tmp_path / "ember_drawing_pkg.py").write_text("import random, torch\nDRAWN = random.random(), torch.rand(1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ember_drawing_pkg", raising=False)
+    before = random.getstate(), torch.get_rng_state()
+    mod = import_optional("ember_drawing_pkg", "X", 'pip install "ember[x]"')
+    assert mod.DRAWN and random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+    with pytest.raises(ModuleNotFoundError, match=r'^Y needs the `ember_no_such_pkg` package, which is not installed '
+                                                 r'\(.*ember_no_such_pkg.*\): pip install "ember\[y\]"$'):
+        import_optional("ember_no_such_pkg.sub", "Y", 'pip install "ember[y]"')
+    with pytest.raises(MisconfigurationError, match=r'^Z needs the `ember_no_such_pkg` package, which is not '
+                                                   r'installed: pip install z$'):
+        require_package("ember_no_such_pkg", "Z", "pip install z", error=MisconfigurationError)
+    require_package("ember_drawing_pkg", "X", "unused")
