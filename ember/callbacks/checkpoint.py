@@ -432,9 +432,7 @@ class ModelCheckpoint(Callback):
         else:
             from ember.checkpoint import trust as checks
             checks.check_replace(last, what)
-            tmp = f"{last}.{uuid.uuid4().hex[:8]}.tmp"
-            shutil.copy2(target, tmp)
-            os.replace(tmp, last)
+            cio.replace_file(last, lambda tmp: shutil.copy2(target, tmp))
 
     def _remove(self, trainer, path):
         if not trainer.is_global_zero or not path or not os.path.lexists(path) or not self._own(path):

@@ -7,7 +7,7 @@ import warnings
 from typing import Any
 
 import os
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
@@ -66,30 +66,12 @@ def save_predictions(obj: Any, path: str | os.PathLike, overwrite: bool = False,
     then a rename: a reader sees the old file or the new one, never a part), after the
     checks of :func:`check_output_path`. Returns the path written."""
     import torch
+
+    from ember.checkpoint.io import replace_file
     path = check_output_path(path, overwrite, inputs, what)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    replace_atomically(path, lambda tmp: torch.save(obj, tmp))
+    replace_file(path, lambda tmp: torch.save(obj, tmp))
     return path
-
-
-def replace_atomically(path: str, write: Callable[[str], None]) -> None:
-    """Write the file ``path`` atomically: ``write(tmp)`` fills a temporary file of a name
-    of its own next to it (``<path>.<8 hex>.tmp``, never a file of the user's), which is
-    fsynced and renamed over ``path`` (a reader sees the old file or the new one, never a
-    part). On any error the temporary file is removed and ``path`` is left as it was.
-    The output files' writer (predictions, ``ember report``'s page); the checks of what
-    may be replaced come first (:func:`check_output_path`)."""
-    import uuid
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _batch_indices(loader) -> list | None:

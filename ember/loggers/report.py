@@ -429,12 +429,12 @@ def write_report(paths: list[str], out: str | None = None, overwrite: bool = Fal
             f.write(pngs[key])
     page = render_html(runs, charts, pngs, {k: os.path.basename(png_dir) + "/" + v for k, v in names.items()})
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    from ember.callbacks.prediction_writer import replace_atomically
+    from ember.checkpoint.io import replace_file
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(page)
-    replace_atomically(out, write)     # a temporary name of its own: never a file of the user's
+    replace_file(out, write)     # a temporary name of its own: never a file of the user's
     return out
 
 
