@@ -141,10 +141,7 @@ MAX_RUN_FILE_BYTES = 16 * 2**20
 
 
 def _load_yaml_file(path: str):
-    from ember.checkpoint.rng import keep_rng_states
-    from ember.checkpoint.trust import load_yaml
-    with keep_rng_states():   # a first import leaves the user's random streams as they were
-        import yaml  # noqa: F401
+    from ember.checkpoint.trust import load_yaml   # (its first import of yaml keeps the random streams)
     with open(path, encoding="utf-8") as f:
         return load_yaml(f.read(MAX_RUN_FILE_BYTES + 1))
 
