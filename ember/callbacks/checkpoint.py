@@ -125,7 +125,8 @@ class ModelCheckpoint(Callback):
         # rank zero writes and deletes here: it checks the folder is writable and takes the
         # folder's lock now (not at the first save); every rank learns the outcome
         from ember.checkpoint import trust as checks
-        msg = None
+        from ember.strategies.full_load import raise_rank0_error
+        error = None
         if trainer.is_global_zero:
             try:
                 checks.check_writable(self.dirpath, f"ModelCheckpoint(dirpath={self.dirpath!r})")
@@ -135,12 +136,10 @@ class ModelCheckpoint(Callback):
                 if self._lock is None or not self._lock.held:
                     self._lock = checks.DirLock(self.dirpath)
                     self._lock.acquire(f"ModelCheckpoint(dirpath={self.dirpath!r})")
-            except CheckpointError as err:
-                msg = str(err)
-        if trainer.world_size > 1:
-            msg = trainer.strategy.broadcast(msg)
-        if msg:
-            raise CheckpointError(msg)
+            except Exception as err:   # any error (a disk error writing the lock too): every rank learns it
+                error = err
+        raise_rank0_error(trainer.strategy, error, f"ModelCheckpoint(dirpath={self.dirpath!r}): rank 0 could not "
+                          "prepare the folder", complete=True)
 
     def teardown(self, trainer, module, stage):
         if self._lock is not None:
@@ -432,9 +431,7 @@ class ModelCheckpoint(Callback):
         else:
             from ember.checkpoint import trust as checks
             checks.check_replace(last, what)
-            tmp = f"{last}.{uuid.uuid4().hex[:8]}.tmp"
-            shutil.copy2(target, tmp)
-            os.replace(tmp, last)
+            cio.replace_file(last, lambda tmp: shutil.copy2(target, tmp))
 
     def _remove(self, trainer, path):
         if not trainer.is_global_zero or not path or not os.path.lexists(path) or not self._own(path):

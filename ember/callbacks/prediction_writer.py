@@ -65,21 +65,12 @@ def save_predictions(obj: Any, path: str | os.PathLike, overwrite: bool = False,
     """``torch.save(obj)`` to ``path`` atomically (a temporary file in the same folder,
     then a rename: a reader sees the old file or the new one, never a part), after the
     checks of :func:`check_output_path`. Returns the path written."""
-    import uuid
-
     import torch
+
+    from ember.checkpoint.io import replace_file
     path = check_output_path(path, overwrite, inputs, what)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
+    replace_file(path, lambda tmp: torch.save(obj, tmp))
     return path
 
 

@@ -293,24 +293,37 @@ def load_safetensors(path: str | os.PathLike, device: str | torch.device = "cpu"
     return tensors
 
 
+def replace_file(path: str | os.PathLike, write: "Callable[[str], None]", suffix: str = ".tmp") -> None:
+    """Write the file ``path`` atomically: ``write(tmp)`` fills a temporary file of a name of
+    its own next to it (``<path>.<8 hex><suffix>``, never a file of the user's), which is
+    fsynced and renamed over ``path``: a reader sees the old file or the new one, never a
+    part. On any error the temporary file is removed and ``path`` is left as it was. The
+    caller checks first that ``path`` may be replaced (:func:`ember.checkpoint.trust.check_replace`,
+    ``check_output_path``). ``ember`` writes every single file this way (weights files,
+    the ``last`` copy, predictions, the run report's page)."""
+    path = os.fspath(path)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}{suffix}"
+    try:
+        write(tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_path(os.path.dirname(path) or ".", directory=True)
+
+
 def save_weights_file(path: str | os.PathLike, weights: dict,
                       metadata: dict[str, str] | None = None) -> None:
-    """Write a single ``.safetensors`` file atomically (temporary file + ``os.replace``). An
+    """Write a single ``.safetensors`` file atomically (:func:`replace_file`). An
     existing ``path`` is replaced only when ember wrote it (its metadata carries
     :data:`ember.checkpoint.trust.WEIGHTS_MARKER`); anything else raises CheckpointError."""
     path = os.fspath(path)
     checks.check_replace(path, "save_weights_file")
-    parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}"
-    try:
-        save_safetensors(weights, tmp, {**(metadata or {}), checks.WEIGHTS_MARKER: str(FORMAT_VERSION)})
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove(tmp)
-        raise
-    _fsync_path(parent, directory=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    replace_file(path, lambda tmp: save_safetensors(
+        weights, tmp, {**(metadata or {}), checks.WEIGHTS_MARKER: str(FORMAT_VERSION)}), _TMP_SUFFIX)
 
 
 # -- safe torch.save / torch.load ------------------------------------------------------

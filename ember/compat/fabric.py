@@ -584,11 +584,12 @@ class Fabric:
         try:
             check_save_target(path, "Fabric.save")
             rest = cio.savable(rest, "Fabric.save: state")
-        except CheckpointError as err:
+        except Exception as err:   # any error (an OSError reading the target...): agreed below
             error = err
         strategy = self._acc.strategy
-        verdicts = strategy.all_gather_object(None if error is None else str(error)) if self.world_size > 1 \
-            else [None if error is None else str(error)]
+        mine = None if error is None else str(error) if isinstance(error, CheckpointError) else \
+            f"Fabric.save({path!r}) failed on rank {self.global_rank}: {type(error).__name__}: {error}"
+        verdicts = strategy.all_gather_object(mine) if self.world_size > 1 else [mine]
         if error is not None:
             raise error
         failed = next((v for v in verdicts if v is not None), None)

@@ -141,10 +141,7 @@ MAX_RUN_FILE_BYTES = 16 * 2**20
 
 
 def _load_yaml_file(path: str):
-    from ember.checkpoint.rng import keep_rng_states
-    from ember.checkpoint.trust import load_yaml
-    with keep_rng_states():   # a first import leaves the user's random streams as they were
-        import yaml  # noqa: F401
+    from ember.checkpoint.trust import load_yaml   # (its first import of yaml keeps the random streams)
     with open(path, encoding="utf-8") as f:
         return load_yaml(f.read(MAX_RUN_FILE_BYTES + 1))
 
@@ -429,16 +426,12 @@ def write_report(paths: list[str], out: str | None = None, overwrite: bool = Fal
             f.write(pngs[key])
     page = render_html(runs, charts, pngs, {k: os.path.basename(png_dir) + "/" + v for k, v in names.items()})
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    import uuid
-    tmp = f"{out}.{uuid.uuid4().hex[:8]}.tmp"     # a name of its own: never a file of the user's
-    try:
+    from ember.checkpoint.io import replace_file
+
+    def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(page)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
+    replace_file(out, write)     # a temporary name of its own: never a file of the user's
     return out
 
 

@@ -501,15 +501,8 @@ class DeepSpeedStrategy(DDPStrategy):
             from ember.strategies.full_load import raise_rank0_error
             raise_rank0_error(self, error, f"checkpoint {path} was not written on rank 0")
             return
-        tmp = cio.tmp_path(path)
-        error = None
-        if self.is_global_zero:
-            try:
-                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.ember-tmp
-            except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
-                error = err
-        from ember.strategies.full_load import raise_rank0_error
-        raise_rank0_error(self, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
+        from ember.strategies.full_load import staging_on_rank0
+        tmp = staging_on_rank0(self, path)
         from ember.checkpoint.rng import keep_rng_states
         with keep_rng_states():   # imports deepspeed's checkpoint engine at its top
             from ember.strategies.deepspeed_writes import EmberCheckpointEngine

@@ -475,15 +475,8 @@ class FSDPStrategy(DDPStrategy):
             return super().save_checkpoint(path, module, optimizers, trainer_state, meta, weights_only)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-        tmp = cio.tmp_path(path)
-        from ember.strategies.full_load import raise_rank0_error
-        error = None
-        if self.is_global_zero:
-            try:
-                cio.make_staging(path, "save_checkpoint")   # the target check, then an empty NAME.ember-tmp
-            except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
-                error = err
-        raise_rank0_error(self, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
+        from ember.strategies.full_load import staging_on_rank0
+        tmp = staging_on_rank0(self, path)
         if weights_only:
             sd = {_DCP_KEY_MODEL: get_model_state_dict(module)}
         else:

@@ -44,6 +44,24 @@ def raise_rank0_error(strategy, error: "BaseException | None", what: str, comple
         raise CheckpointError(verdict)
 
 
+def staging_on_rank0(strategy, path: str, what: str = "save_checkpoint") -> str:
+    """The staging folder of a save that every rank writes into (a sharded save): rank 0
+    checks the target and creates ``NAME.ember-tmp`` (``ember.checkpoint.io.make_staging``),
+    and its outcome reaches every rank (:func:`raise_rank0_error`, in place of a barrier),
+    so a refused target ends every rank with rank 0's error. Every rank must call it;
+    returns the folder's path."""
+    from ember.checkpoint import io as cio
+    tmp = cio.tmp_path(path)
+    error = None
+    if strategy.is_global_zero:
+        try:
+            cio.make_staging(path, what)   # the target check, then an empty NAME.ember-tmp
+        except Exception as err:     # reported to every rank (in place of a barrier), raised here as it is
+            error = err
+    raise_rank0_error(strategy, error, f"checkpoint {path} was not written: rank 0 could not create {tmp}")
+    return tmp
+
+
 def load_full_from_rank0(strategy, path: str, module: nn.Module, optimizers: list, strict: bool = True,
                          weights_only: bool = False) -> dict:
     """Load ``path`` (a checkpoint whose weights are ``model.safetensors``) into the

@@ -480,3 +480,20 @@ def test_fsync_reaches_every_file_and_folder(tmp_path, monkeypatch):
     written = {p.replace(tmp, path) for p in synced}
     assert files <= written, files - written          # every file, synced before the rename
     assert str(tmp_path) in written                   # the parent folder, after the rename
+
+
+def test_replace_file_leaves_the_old_file_and_no_temporary_when_the_write_fails(tmp_path):
+    """The one single-file writer (weights files, the copied ``last``, predictions, the
+    report page): a write that fails midway leaves the old file whole and nothing else."""
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"old")
+
+    def half(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"new, half writ")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space"):
+        cio.replace_file(path, half)
+    assert path.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["out.bin"]
+    cio.replace_file(path, lambda tmp: open(tmp, "wb").write(b"new"))
+    assert path.read_bytes() == b"new" and sorted(os.listdir(tmp_path)) == ["out.bin"]

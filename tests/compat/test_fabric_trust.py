@@ -107,5 +107,8 @@ def test_an_unsavable_state_raises_the_same_error_on_every_rank(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert "state['bad'] is a builtins.object" in r0["unsavable"] and r0["unsavable"] == r1["unsavable"]
     assert "is not an ember checkpoint" in r0["user_folder"] and r0["user_folder"] == r1["user_folder"]
-    assert max(r0["unsavable_s"], r1["unsavable_s"], r0["user_folder_s"], r1["user_folder_s"]) < 10
+    assert r1["rank1_only"].startswith("own RecursionError") and \
+        r0["rank1_only"].startswith("Fabric.save(") and "on rank 1: RecursionError" in r0["rank1_only"]
+    assert max(r0["unsavable_s"], r1["unsavable_s"], r0["user_folder_s"], r1["user_folder_s"],
+               r0["rank1_only_s"], r1["rank1_only_s"]) < 10
     assert r0["loaded_step"] == r1["loaded_step"] == 2 and r0["user_file"] == "epoch,acc\n"

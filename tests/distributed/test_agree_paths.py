@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiproc
 
 # modes started by the Trainer's own launcher that end normally: run together, in one start of
 # the two processes (each start costs seconds), the first time a test asks for one of them
-TOGETHER = ("es_strict", "es_lenient", "topk_view", "weights_enospc", "nan_rank1", "uneven_batches",
+TOGETHER = ("es_strict", "es_lenient", "topk_view", "weights_enospc", "lock_enospc", "nan_rank1", "uneven_batches",
             "prepare_data_fails")
 _together_root = None
 
@@ -88,6 +88,18 @@ def test_failed_weights_only_save_on_rank0_reaches_every_rank(tmp_path):
     r0, r1 = _run("weights_enospc", tmp_path)
     _disk_full_on_rank0_reached_both(r0, r1)
     assert r1["error"].startswith("CheckpointError: checkpoint ") and "was not written on rank 0" in r1["error"]
+
+
+@pytest.mark.timeout(200)
+def test_a_disk_error_taking_the_checkpoint_folder_lock_on_rank0_reaches_every_rank(tmp_path):
+    """ModelCheckpoint's setup on rank 0 fails with an OSError (not a CheckpointError) while
+    writing its lock file: rank 1 does not wait in the setup's broadcast for the timeout."""
+    r0, r1 = _run("lock_enospc", tmp_path)
+    for r in (r0, r1):
+        assert r["error"] is not None and os.strerror(28) in r["error"], r
+        assert r["seconds"] < 15, r
+    assert r0["error"].startswith("OSError")
+    assert r1["error"].startswith("CheckpointError: ModelCheckpoint(dirpath=") and "rank 0 could not" in r1["error"]
 
 
 @pytest.mark.timeout(200)

@@ -13,6 +13,8 @@ restores an empty top-k, rank 0 the real one; the save / keep decisions must sti
 0's on both ranks (a rank saving alone would wait in the save's collective).
 MODE ``weights_enospc``: ModelCheckpoint(save_weights_only=True) whose write fails on rank 0
 (ENOSPC after the bytes): every rank raises within seconds, naming the disk error.
+MODE ``lock_enospc``: ModelCheckpoint's setup on rank 0 fails writing the folder's lock file
+(ENOSPC, an OSError, not a CheckpointError): every rank raises within seconds, naming it.
 MODE ``save_model_enospc`` (under ``ember launch``): Accelerator.save_model whose write fails
 on the main process: the same.
 MODE ``find_bs_sym`` / ``find_bs_asym`` (under ``ember launch``): ember.utils.find_executable_batch_size
@@ -133,6 +135,16 @@ def weights_enospc(root):
     t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
     if int(os.environ.get("RANK", "0")) == 0:
         cio.save_weights_file = _full_disk(cio.save_weights_file)
+    err, seconds = _fit(t, Net(), loader())
+    return {"error": err, "seconds": seconds, "rank": t.global_rank}
+
+
+def lock_enospc(root):
+    from ember.checkpoint import trust
+    ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"))
+    t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        trust.DirLock._write = _full_disk(trust.DirLock._write)
     err, seconds = _fit(t, Net(), loader())
     return {"error": err, "seconds": seconds, "rank": t.global_rank}
 
@@ -295,6 +307,7 @@ def ready():
 
 MODES = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r: early_stopping(r, False),
          "topk_view": topk_view, "weights_enospc": weights_enospc,
+         "lock_enospc": lock_enospc,
          "save_model_enospc": save_model_enospc, "find_bs_sym": lambda r: find_bs(r, False),
          "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
          "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
@@ -304,12 +317,15 @@ MODES = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r:
 
 def run_mode(mode, root):
     from ember.checkpoint import io as cio
+    from ember.checkpoint import trust
     patched = {name: getattr(cio, name) for name in ("save_weights_file", "save_model_sharded")}
+    lock_write = trust.DirLock._write
     try:
         out = MODES[mode](root)
     finally:   # a mode's injected disk error stays in that mode
         for name, fn in patched.items():
             setattr(cio, name, fn)
+        trust.DirLock._write = lock_write
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
 
