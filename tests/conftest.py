@@ -129,3 +129,18 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return seconds.get(rel, 0.0)
 
     items.sort(key=lambda item: -weight(item))    # stable: each file keeps its order
+
+
+@pytest.fixture(scope="session")
+def ds_ops():
+    """Compile DeepSpeed's CPU op once per machine (a no-op when already built), before any
+    test launches DeepSpeed processes: their process groups' short timeouts are not sized
+    for a first compile."""
+    import subprocess
+    import sys
+
+    from helpers import quiet_env
+    pytest.importorskip("deepspeed")
+    r = subprocess.run([sys.executable, "-c", "from ember.strategies.deepspeed import prebuild_ops; "
+                        "print(prebuild_ops())"], env=quiet_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -35,11 +35,11 @@ import itertools
 import json
 import os
 import sys
+import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
@@ -93,7 +93,10 @@ def check_version(version: str) -> None:
 def prebuild_ops(verbose: bool = True) -> bool:
     """Compile the C++ ops DeepSpeed loads on a CPU run (its shared-memory collective)
     into ``$TORCH_EXTENSIONS_DIR`` once; later runs reuse the build. Returns True when
-    it compiled something. Safe to call from several processes (torch locks the build)."""
+    it compiled something. Safe to call from several processes: they take turns on an
+    ``flock`` the kernel releases when its holder dies, so a builder killed mid-compile
+    (which leaves torch's own ``lock`` file behind, and torch would wait on it for
+    ever) is noticed by the next one, which removes that file and builds again."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu") if not torch.cuda.is_available() else None
     deepspeed = import_deepspeed()
     from ember.checkpoint.rng import keep_rng_states
@@ -104,11 +107,21 @@ def prebuild_ops(verbose: bool = True) -> bool:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return False
+    import fcntl
     from torch.utils.cpp_extension import _get_build_directory
-    built = os.path.exists(os.path.join(_get_build_directory(builder.name, False), builder.name + ".so"))
-    if not built and verbose:
-        print(_BUILD_MESSAGE, file=sys.stderr, flush=True)
-    builder.load(verbose=False)
+    folder = _get_build_directory(builder.name, False)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "ember-build.lock"), "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)        # one ember builder at a time, on this machine
+        stale = os.path.join(folder, "lock")
+        if os.path.exists(stale):               # torch's baton, left by a builder that died
+            warnings.warn(f"ember: removing {stale}, left by a DeepSpeed op build that was stopped; "
+                          "building again", stacklevel=2)
+            os.remove(stale)
+        built = os.path.exists(os.path.join(folder, builder.name + ".so"))
+        if not built and verbose:
+            print(_BUILD_MESSAGE, file=sys.stderr, flush=True)
+        builder.load(verbose=False)
     return not built
 
 
@@ -182,7 +195,6 @@ class DeepSpeedStrategy(DDPStrategy):
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
                  start_method: str = "popen", cluster_environment: Any = None, async_save: bool = False,
                  **kwargs: Any) -> None:
-        import warnings
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
             super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
@@ -321,11 +333,9 @@ class DeepSpeedStrategy(DDPStrategy):
         super().setup_environment()
         if self._single:
             init_single_process_group("nccl" if self._use_cuda and self._backend == "nccl" else "gloo")
-        if self.is_local_zero:
-            prebuild_ops()
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        prebuild_ops(verbose=False)
+        # every rank builds or loads, one at a time (a file lock, not a collective: a first
+        # compile can outlast the process-group timeout)
+        prebuild_ops(verbose=self.is_local_zero)
         deepspeed.init_distributed(dist_backend=self._backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=self.timeout)
 

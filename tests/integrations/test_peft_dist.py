@@ -140,7 +140,7 @@ def test_resuming_an_adapter_checkpoint_is_bit_exact(dist_run):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_lora_under_deepspeed_equals_one_process(tmp_path_factory, reference, base_dir):
+def test_lora_under_deepspeed_equals_one_process(ds_ops, tmp_path_factory, reference, base_dir):
     """ZeRO-2 (DeepSpeed steps the optimizer and clips): the LoRA classifier on 2 processes
     equals one process on the combined batch; the frozen base is untouched. (DeepSpeed's
     checkpoint is its engine's: it holds the whole model, docs/transformers.md.)"""

@@ -14,18 +14,10 @@ import pytest
 
 from ember.errors import MisconfigurationError
 from ember.precision import Precision
-from helpers import SCRIPTS, quiet_env
+from helpers import SCRIPTS, clean_env, quiet_env
 
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
 SCRIPT = str(SCRIPTS / "shard_deepspeed.py")
-
-
-@pytest.fixture(scope="session")
-def ds_ops():
-    """Compile DeepSpeed's CPU op once per machine (a no-op when already built)."""
-    r = subprocess.run([sys.executable, "-c", "from ember.strategies.deepspeed import prebuild_ops; "
-                        "print(prebuild_ops())"], env=quiet_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +154,35 @@ def test_prebuilt_ops_are_reused(ds_ops):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "False"        # nothing compiled the second time
     assert "compiling DeepSpeed" not in r.stderr
+
+
+@pytest.mark.skipif(not HAVE_DS, reason="deepspeed is not installed")
+@pytest.mark.timeout(300)
+def test_a_build_killed_mid_compile_does_not_hang_the_next(ds_ops):
+    """A builder killed while compiling leaves torch's ``lock`` file in the build folder,
+    and torch waits on such a file for ever (a test run once stalled 15 minutes so). The
+    next ember build notices it (no ember builder holds the turn) and goes on."""
+    import fcntl
+    folder = subprocess.run([sys.executable, "-c", "import os; os.environ['DS_ACCELERATOR'] = 'cpu'\n"
+                             "from deepspeed.accelerator import get_accelerator\n"
+                             "from torch.utils.cpp_extension import _get_build_directory\n"
+                             "b = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+                             "print(_get_build_directory(b.name, False))"],
+                            env=quiet_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=120)
+    assert folder.returncode == 0, folder.stderr[-3000:]
+    folder = folder.stdout.strip().splitlines()[-1]
+    stale = os.path.join(folder, "lock")
+    with open(os.path.join(folder, "ember-build.lock"), "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)     # as a builder would hold it, then dies without removing "lock"
+        with open(stale, "w"):
+            pass
+    r = subprocess.run([sys.executable, "-W", "always", "-c", "from ember.strategies.deepspeed import prebuild_ops; "
+                        "print(prebuild_ops())"], env=clean_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "False"
+    assert f"removing {stale}" in r.stderr
+    assert not os.path.exists(stale)
 
 
 # -- config resolution (in-process, no deepspeed import) ------------------------------------
