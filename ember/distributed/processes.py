@@ -1,6 +1,7 @@
 """Where a process stands and the small helpers of the process verbs that
-:class:`ember.Accelerator` and :class:`ember.utils.PartialState` share: the topology
-properties, ``split_between_processes``, ``main_process_first``, ``on_process``."""
+:class:`ember.Accelerator` and :class:`~ember.accelerator.state.PartialState` share: the
+topology properties, the process's shared strategy, ``split_between_processes``,
+``main_process_first``, ``on_process``."""
 from __future__ import annotations
 
 import functools
@@ -25,6 +26,26 @@ class Topology:
                                doc="bool: the highest global rank")
     use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
 
+
+# -- the process's shared strategy ----------------------------------------------------------------
+_SHARED: dict = {}
+
+
+def shared_strategy() -> Any:
+    """The strategy every ``PartialState()`` and the Accelerate-style helpers
+    (``ember.utils.gather``, ``ember.logging.get_logger``) see: the last Accelerator's, or
+    the one a first ``PartialState()`` set up; None before either."""
+    return _SHARED.get("strategy")
+
+
+def share_strategy(strategy: Any) -> None:
+    """Make ``strategy`` the process's shared strategy (:func:`shared_strategy`)."""
+    _SHARED["strategy"] = strategy
+
+
+def forget_shared_strategy() -> None:
+    """Drop the shared strategy (a process forked after its parent set one up has none of its own)."""
+    _SHARED.clear()
 
 # -- split_between_processes ---------------------------------------------------------------------
 def split_inputs(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> Any:
