@@ -163,6 +163,15 @@ def test_no_private_trainer_fields_outside_the_trainer_package():
     assert hits == []
 
 
+def test_launch_imports_no_torch():
+    """``ember launch`` starts fast: its package imports no torch (the ranks it starts do)."""
+    import subprocess
+    import sys
+    code = "import sys, ember.launch.command; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_every_moved_path_imports_as_the_same_module():
     for old, new in MOVED.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
