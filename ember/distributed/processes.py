@@ -15,7 +15,7 @@ from ember.errors import MisconfigurationError
 
 class Topology:
     """Where this process stands, read from ``self.strategy``: the properties
-    :class:`~ember.utils.PartialState` and the Accelerator share."""
+    :class:`~ember.accelerator.state.PartialState` and the Accelerator share."""
     device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
     num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
     process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
