@@ -132,6 +132,14 @@ def test_imports_point_down_the_layers():
     assert upward_imports(_modules()) == []
 
 
+def test_the_page_lists_the_layers():
+    """docs/architecture.md shows ``LAYERS``, one layer a line, in the block after "From the top down"."""
+    page = (LIB.parent / "docs" / "architecture.md").read_text()
+    block = page.split("From the top down:", 1)[1].split("```", 2)[1]
+    shown = [tuple(n.strip() for n in re.split(r"\s{2,}", line.strip())[0].split(","))
+             for line in block.strip().splitlines()]
+    assert shown == LAYERS
+
 def test_the_layer_check_sees_an_upward_import(tmp_path):
     """The check itself: a checkpoint module that imports the trainer, or compat, is caught."""
     fake = tmp_path / "ember" / "checkpoint" / "up.py"
