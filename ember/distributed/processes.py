@@ -47,6 +47,7 @@ def forget_shared_strategy() -> None:
     """Drop the shared strategy (a process forked after its parent set one up has none of its own)."""
     _SHARED.clear()
 
+
 # -- split_between_processes ---------------------------------------------------------------------
 def split_inputs(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> Any:
     """Rank ``rank``'s contiguous part of ``inputs`` (list, tuple, dict of them, tensor)."""
