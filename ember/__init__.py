@@ -25,7 +25,7 @@ _LAZY = {
     "DistributedType": "ember.compat.accelerate",
     "notebook_launcher": "ember.launch.notebook",
     "find_executable_batch_size": "ember.utils",
-    "seed_everything": "ember.utilities",
+    "seed_everything": "ember.data.worker_seed",
     "CombinedLoader": "ember.data.combined",
     # the rest of Accelerate's top-level names (accelerate/__init__.py), where ember has them
     "DataLoaderConfiguration": "ember.compat.accelerate",

@@ -24,7 +24,7 @@ from ember.launch.notebook import notebook_launcher as notebook_launcher
 from ember.module import DataModule as DataModule
 from ember.module import TrainModule as TrainModule
 from ember.trainer import Trainer as Trainer
-from ember.utilities import seed_everything as seed_everything
+from ember.data.worker_seed import seed_everything as seed_everything
 from ember.utils import find_executable_batch_size as find_executable_batch_size
 from ember.utils import skip_first_batches as skip_first_batches
 

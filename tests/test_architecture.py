@@ -26,7 +26,6 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, modules: dict) -> set[str]:
     """The ember modules ``path`` imports (at any depth: imports inside functions count)."""
     tree = ast.parse(path.read_text())
-    pkg = ".".join(path.relative_to(LIB.parent).with_suffix("").parts[:-1])
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -35,6 +34,7 @@ def _imports(path: Path, modules: dict) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
+                pkg = ".".join(path.relative_to(LIB.parent).with_suffix("").parts[:-1])
                 base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
                      if not (base == "ember" and a.name == "__version__")]
@@ -84,6 +84,72 @@ def test_no_import_cycles():
     assert cycles == [], f"import cycles: {cycles}"
 
 
+#: ember's packages (and top-level modules) from the top down (docs/architecture.md, "The
+#: packages and their arrows"): a module may import from a lower layer only, never from its
+#: own layer's other packages nor from above (an import inside a function counts too).
+LAYERS = [
+    ("__main__",),                                         # python -m ember
+    ("cli", "tuner"),                                      # the command line, the tuner
+    ("ember", "fabric", "utils", "utilities", "logging"),  # public paths: names only
+    ("compat",),                                           # the Accelerate and Lightning renaming layers
+    ("accelerator", "trainer", "integrations"),            # the two APIs (neither uses the other), integrations
+    ("callbacks",),
+    ("module", "loggers"),
+    ("step", "launch"),
+    ("strategies", "data", "big_modeling"),
+    ("checkpoint",),
+    ("distributed", "precision", "hparams"),
+    ("errors",),
+]
+
+
+def _package(module: str) -> str:
+    """``ember.trainer.loops`` -> ``trainer``; ``ember.utils`` -> ``utils``; ``ember`` -> ``ember``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "ember"
+
+
+def upward_imports(modules: dict[str, Path]) -> list[str]:
+    """Every import from a package into one of the same layer or a higher one."""
+    layer = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
+    bad = []
+    for m, p in modules.items():
+        for target in _imports(p, modules):
+            a, b = _package(m), _package(target)
+            if a != b and layer[b] <= layer[a]:
+                bad.append(f"{m} -> {target} ({a} is not above {b})")
+    return sorted(bad)
+
+
+def test_every_package_has_a_layer():
+    packages = {_package(m) for m in _modules()}
+    listed = [pkg for names in LAYERS for pkg in names]
+    assert len(listed) == len(set(listed))
+    assert packages == set(listed), (sorted(packages - set(listed)), sorted(set(listed) - packages))
+
+
+def test_imports_point_down_the_layers():
+    assert upward_imports(_modules()) == []
+
+
+def test_the_page_lists_the_layers():
+    """docs/architecture.md shows ``LAYERS``, one layer a line, in the block after "From the top down"."""
+    page = (LIB.parent / "docs" / "architecture.md").read_text()
+    block = page.split("From the top down:", 1)[1].split("```", 2)[1]
+    shown = [tuple(n.strip() for n in re.split(r"\s{2,}", line.strip())[0].split(","))
+             for line in block.strip().splitlines()]
+    assert shown == LAYERS
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    """The check itself: a checkpoint module that imports the trainer, or compat, is caught."""
+    fake = tmp_path / "ember" / "checkpoint" / "up.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("def f():\n    from ember.compat import accelerate\n    import ember.trainer.loops\n")
+    modules = dict(_modules(), **{"ember.checkpoint.up": fake})
+    bad = upward_imports(modules)
+    assert bad == ["ember.checkpoint.up -> ember.compat.accelerate (checkpoint is not above compat)",
+                   "ember.checkpoint.up -> ember.trainer.loops (checkpoint is not above trainer)"]
+
 def test_at_most_eight_modules_at_the_top():
     top = sorted(p.name for p in LIB.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(top) <= 8, top
@@ -103,6 +169,15 @@ def test_no_private_trainer_fields_outside_the_trainer_package():
             if not p.relative_to(LIB).as_posix().startswith("trainer/")
             for m in pat.finditer(p.read_text())]
     assert hits == []
+
+
+def test_launch_imports_no_torch():
+    """``ember launch`` starts fast: its package imports no torch (the ranks it starts do)."""
+    import subprocess
+    import sys
+    code = "import sys, ember.launch.command; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_every_moved_path_imports_as_the_same_module():

@@ -15,12 +15,14 @@ import torch
 from torch import nn
 
 from ember.accelerator.prepared import AcceleratedOptimizer, AcceleratedScheduler, is_scheduler
-from ember.compat.accelerate import (AcceleratorState, GradientState, ProfileKwargs, distributed_type_of)
+from ember.accelerator.config import ProfileKwargs, distributed_type_of
+from ember.accelerator.state import AcceleratorState, GradientState
 from ember.data import sampling as edata
 from ember.data.loader import DataLoaderShard
 from ember.distributed import collectives as _dist
 from ember.distributed.debug import check_collective
 from ember.distributed.processes import Topology, _InOrder, _Islice, _MultiContext, _Yield, _only, split_inputs
+from ember.distributed.processes import share_strategy
 from ember.errors import DistributedOperationError, MisconfigurationError, invalid_choice
 from ember.loggers.trackers import check_log_with
 from ember.precision import NULL_CONTEXT, Precision
@@ -76,9 +78,9 @@ class Accelerator(Topology):
                  project_config: Any = None, dataloader_config: Any = None, rng_types: list[str] | None = None,
                  dynamo_backend: str | None = None, dynamo_plugin: Any = None,
                  gradient_accumulation_plugin: Any = None, convert_outputs_to_fp32: bool = False) -> None:
-        from ember.compat import accelerate as compat
+        from ember.accelerator import config
         from ember.strategies import build_strategy
-        precision, accelerate_fp16 = compat.resolve_precision(mixed_precision, precision)
+        precision, accelerate_fp16 = config.resolve_precision(mixed_precision, precision)
         if precision is None:
             precision = os.environ.get("EMBER_PRECISION", "32-true")
         if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
@@ -88,22 +90,22 @@ class Accelerator(Topology):
         if cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
             devices = "cpu" if devices == "auto" else devices
         log_with = check_log_with(log_with)
-        data_opts = compat.dataloader_options(split_batches, even_batches, dataloader_config,
+        data_opts = config.dataloader_options(split_batches, even_batches, dataloader_config,
                                               gradient_accumulation_plugin, gradient_accumulation_steps,
                                               rng_types, device_placement)
-        strat_opts, (scaler_kw, profile_kw) = compat.strategy_options(kwargs_handlers, cpu, devices)
-        dynamo = compat.dynamo_options(dynamo_backend, dynamo_plugin)
+        strat_opts, (scaler_kw, profile_kw) = config.strategy_options(kwargs_handlers, cpu, devices)
+        dynamo = config.dynamo_options(dynamo_backend, dynamo_plugin)
         prec = Precision.from_string(precision)
         strat = build_strategy(strategy, devices, num_nodes)
-        if accelerate_fp16 and compat.cpu_fp16_as_accelerate(strat):
+        if accelerate_fp16 and config.cpu_fp16_as_accelerate(strat):
             prec = Precision.from_string("32-true")
         strat.precision = prec
-        compat.configure_strategy(strat, strat_opts)
+        config.configure_strategy(strat, strat_opts)
         self._init(strat)
         self._profile_kwargs, self._dynamo = profile_kw, dynamo
         self.convert_outputs_to_fp32 = bool(convert_outputs_to_fp32)
-        compat.apply_scaler_kwargs(strat.precision, scaler_kw)
-        compat.check_data_options(self, data_opts)
+        config.apply_scaler_kwargs(strat.precision, scaler_kw)
+        config.check_data_options(self, data_opts)
         self.gradient_accumulation_steps = data_opts.pop("gradient_accumulation_steps")
         self._data_opts = data_opts
         if data_opts.get("use_stateful_dataloader"):   # as Accelerate: needs torchdata, checked now
@@ -111,7 +113,7 @@ class Accelerator(Topology):
             stateful_loader_class("DataLoaderConfiguration(use_stateful_dataloader=True)")
         self.log_with = log_with
         self.step_scheduler_with_optimizer = bool(step_scheduler_with_optimizer)
-        self.project_configuration = project_config if project_config is not None else compat.ProjectConfiguration()
+        self.project_configuration = project_config if project_config is not None else config.ProjectConfiguration()
         if project_dir is None:
             project_dir = self.project_configuration.project_dir
         self.project_dir = os.fspath(project_dir) if project_dir is not None else os.getcwd()
@@ -120,11 +122,11 @@ class Accelerator(Topology):
         self.save_iteration = _newest_auto(os.path.join(self.project_dir, "checkpoints")) + 1
         if project_config is not None and project_config.iteration:
             self.save_iteration = int(project_config.iteration)
-        compat.set_shared_state(strat)
+        share_strategy(strat)   # what every PartialState() sees from now on
         self.debug = os.environ.get("EMBER_DEBUG", "0").lower() not in ("", "0", "false", "no") \
             if debug is None else bool(debug)
         if seed is not None:
-            from ember.utilities import seed_everything
+            from ember.data.worker_seed import seed_everything
             seed_everything(seed)
             self.seed = int(seed)
         else:  # no draw from the global RNG: a loop's random streams stay those of a raw loop
@@ -292,7 +294,7 @@ class Accelerator(Topology):
                 out[j] = AcceleratedOptimizer(o, self.step_rules)
         for i, o in enumerate(objs):
             if isinstance(o, DataLoader):
-                from ember.compat.accelerate import split_loader
+                from ember.accelerator.config import split_loader
                 dl = split_loader(o, self.num_processes) if self._data_opts.get("split_batches") else o
                 out[i] = DataLoaderShard(self.setup_dataloader(dl), self, original=o, draw_order=not self._seed_given)
             elif is_scheduler(o) and not isinstance(o, AcceleratedScheduler):

@@ -340,7 +340,7 @@ def _load_state(acc: Any, path: str, strict: bool) -> dict:
     strategy = acc.strategy
     for hook in getattr(acc, "_load_hooks", ()):
         hook(acc._models, path)
-    from ember.compat.accelerate_checkpoint import is_accelerate_checkpoint, load_accelerate_state
+    from ember.accelerator.accelerate_checkpoint import is_accelerate_checkpoint, load_accelerate_state
     if is_accelerate_checkpoint(path):   # written by Accelerate's save_state
         return load_accelerate_state(acc, path, strict)
     models = acc._models

@@ -125,6 +125,7 @@ class ModelCheckpoint(Callback):
         # rank zero writes and deletes here: it checks the folder is writable and takes the
         # folder's lock now (not at the first save); every rank learns the outcome
         from ember.checkpoint import trust as checks
+        from ember.checkpoint.lock import DirLock
         from ember.strategies.full_load import raise_rank0_error
         error = None
         if trainer.is_global_zero:
@@ -134,7 +135,7 @@ class ModelCheckpoint(Callback):
                     name = self.CHECKPOINT_NAME_LAST + (".safetensors" if self.save_weights_only else "")
                     checks.check_replace(os.path.join(self.dirpath, name), "ModelCheckpoint(save_last=True)")
                 if self._lock is None or not self._lock.held:
-                    self._lock = checks.DirLock(self.dirpath)
+                    self._lock = DirLock(self.dirpath)
                     self._lock.acquire(f"ModelCheckpoint(dirpath={self.dirpath!r})")
             except Exception as err:   # any error (a disk error writing the lock too): every rank learns it
                 error = err
@@ -535,7 +536,7 @@ _LINK_TMP = r"(\.safetensors)?\.[0-9a-f]{8}\.link\.tmp"
 
 def _reserved(name: str) -> str:
     """Why ``name`` cannot be a checkpoint name ('' when it can)."""
-    from ember.checkpoint.trust import LOCK_NAME
+    from ember.checkpoint.lock import LOCK_NAME
     base = name.strip()
     if base in (ModelCheckpoint.CHECKPOINT_NAME_LAST, ModelCheckpoint.CHECKPOINT_NAME_LAST + ".safetensors"):
         return "'last' is reserved for the link to the newest checkpoint (save_last); choose another name"

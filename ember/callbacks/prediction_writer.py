@@ -10,54 +10,10 @@ import os
 from typing import Sequence
 
 from ember.callbacks.base import Callback
+from ember.checkpoint.trust import check_output_path
 from ember.errors import MisconfigurationError, invalid_choice
 
 _INTERVALS = ("batch", "epoch", "batch_and_epoch")
-
-
-def check_output_path(path: str | os.PathLike, overwrite: bool = False, inputs: Sequence = (),
-                      what: str = "output") -> str:
-    """Check, before anything is predicted, that predictions may be written to ``path``;
-    return it (absolute). Raises MisconfigurationError naming ``what`` and the path when:
-
-    - ``path`` is an existing folder, or lies under a file (its parent cannot be made);
-    - it is or lies inside an ember checkpoint (``trust.checkpoint_containing``: a
-      checkpoint's own files are never replaced by predictions, ``overwrite`` or not);
-    - it is one of ``inputs`` (the weights or checkpoint being loaded) or lies inside one;
-    - it exists and ``overwrite`` is False.
-
-    Symlinks are resolved for these checks; the write itself (:func:`save_predictions`)
-    replaces a symlink, never the file it points to."""
-    from ember.checkpoint.trust import checkpoint_containing
-    raw = os.fspath(path)
-    path = os.path.abspath(raw)
-    if os.path.isdir(path):
-        raise MisconfigurationError(f"{what} {raw!r} is a folder; give a file name, e.g. {os.path.join(raw, 'predictions.pt')!r}")
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise MisconfigurationError(f"{what} {raw!r}: {parent} is a file, so no file can be written under it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise MisconfigurationError(f"{what} {raw!r}: {parent} is not writable")
-    ckpt = checkpoint_containing(path)
-    if ckpt:
-        raise MisconfigurationError(f"{what} {raw!r} lies inside the checkpoint {ckpt}; predictions are never "
-                                    "written into a checkpoint (it would no longer load). Choose a path outside it")
-    real = os.path.realpath(path)
-    for given in inputs:
-        if given is None or not isinstance(given, (str, os.PathLike)) or not os.path.exists(given):
-            continue
-        src = os.path.realpath(os.fspath(given))
-        if real == src or real.startswith(src.rstrip(os.sep) + os.sep):
-            raise MisconfigurationError(f"{what} {raw!r} is the input {os.fspath(given)!r} (or inside it); "
-                                        "predictions never replace the weights they were computed with. "
-                                        "Choose another path")
-    if os.path.lexists(path) and not overwrite:
-        raise MisconfigurationError(f"{what} {raw!r} exists; refusing to overwrite it. Choose another path, or "
-                                    "ask for it to be replaced (ember predict --overwrite, "
-                                    "BasePredictionWriter(overwrite=True))")
-    return path
 
 
 def save_predictions(obj: Any, path: str | os.PathLike, overwrite: bool = False, inputs: Sequence = (),

@@ -53,7 +53,7 @@ def collective_failed(error: BaseException) -> bool:
     """True for an error out of a collective (a peer that did not arrive, a timeout),
     itself or as the cause of a wrapping error: the ranks cannot agree on it with
     another collective, so it is raised as it is."""
-    from ember.strategies.launchers import is_comm_error
+    from ember.distributed.failures import is_comm_error
     cause: BaseException | None = error
     for _ in range(8):
         if cause is None:

@@ -355,7 +355,7 @@ class _CLI:
         return 0
 
     def _check_output(self, path: str, inputs: list) -> None:
-        from ember.callbacks.prediction_writer import check_output_path
+        from ember.checkpoint.trust import check_output_path
         from ember.errors import MisconfigurationError
         try:
             check_output_path(path, self.overwrite, inputs, "--output")

@@ -272,7 +272,7 @@ class Fabric:
                  num_nodes: int = 1, precision: Any = None, plugins: Any = None,
                  callbacks: Any = None, loggers: Any = None) -> None:
         from ember.accelerator import Accelerator
-        from ember.compat.lightning import resolve_accelerator
+        from ember.strategies import resolve_accelerator
         if plugins is not None:
             raise MisconfigurationError("Fabric(plugins=...) is not supported: pass precision=, strategy= "
                                         "(an ember Strategy for its options) instead")
@@ -709,7 +709,7 @@ class Fabric:
     @staticmethod
     def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
         """``ember.seed_everything``: seed python, numpy and torch; returns the seed."""
-        from ember import seed_everything
+        from ember.data.worker_seed import seed_everything
         return seed_everything(seed, workers=bool(workers))
 
     def __repr__(self) -> str:

@@ -1,7 +1,8 @@
 """Moving existing Lightning runs over: :func:`convert_lightning_checkpoint` turns a
 Lightning ``.ckpt`` file into an ember checkpoint directory (weights only) that
 ``TrainModule.load_from_checkpoint`` reads. Re-exported as
-``ember.utils.convert_lightning_checkpoint``."""
+``ember.utils.convert_lightning_checkpoint``. How ``Trainer(accelerator=...)`` maps onto
+``devices=`` is :func:`ember.strategies.resolve_accelerator`."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from ember.errors import CheckpointError
+from ember.strategies import resolve_accelerator  # noqa: F401  (Lightning's accelerator=; the strategies' own)
 
 __all__ = ["convert_lightning_checkpoint", "resolve_accelerator"]
 
@@ -113,51 +115,3 @@ def convert_lightning_checkpoint(path: str | os.PathLike, out_dir: str | os.Path
             "converted_from": {"format": "lightning", "file": os.path.basename(path),
                                "version": ckpt.get("pytorch-lightning_version")}}
     return cio.write_checkpoint(out_dir, weights, None, meta, what="convert_lightning_checkpoint")
-
-
-_ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-
-
-def resolve_accelerator(accelerator: str | None, devices: Any) -> Any:
-    """Map Lightning's ``Trainer(accelerator=..., devices=...)`` onto ember's ``devices``.
-
-    ``"auto"``/None: ``devices`` unchanged. ``"cpu"``: CPU processes (``"auto"`` is one).
-    ``"gpu"``/``"cuda"``: CUDA devices (``"auto"`` or -1: every visible GPU, as
-    Lightning). ``"mps"``: Apple's GPU. A missing device type is a MisconfigurationError.
-    """
-    from ember.errors import MisconfigurationError
-    from ember.strategies.base import auto_device
-    if accelerator is None:
-        return devices
-    if not isinstance(accelerator, str) or accelerator.lower() not in _ACCELERATORS:
-        raise MisconfigurationError(f"accelerator={accelerator!r} is not supported; use one of {list(_ACCELERATORS)}")
-    acc = accelerator.lower()
-    if acc == "auto":
-        return devices
-    if acc in ("gpu", "cuda"):
-        if not torch.cuda.is_available():
-            raise MisconfigurationError(f"accelerator={accelerator!r} but no CUDA device is available on this "
-                                        "machine; use accelerator='cpu' (or 'auto')")
-        n = torch.cuda.device_count()
-        if devices in ("auto", -1, "-1"):
-            return n if n > 1 else "cuda"
-        if devices in (1, "1"):
-            return "cuda"
-        return devices
-    if acc == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise MisconfigurationError(f"accelerator='mps' but MPS is not available on this machine; use "
-                                        "accelerator='cpu' (or 'auto')")
-        if devices not in ("auto", 1, "1", "mps"):
-            raise MisconfigurationError(f"accelerator='mps' runs on one device; devices={devices!r} is not valid")
-        return "mps"
-    # cpu
-    if devices in ("auto", 1, "1", "cpu"):
-        return "cpu"
-    if isinstance(devices, int) and devices > 1:
-        if auto_device().type != "cpu":
-            raise MisconfigurationError(f"accelerator='cpu' with devices={devices}: on a machine with a GPU ember "
-                                        "runs several processes on the GPUs; use devices='cpu' for one CPU process")
-        return devices
-    raise MisconfigurationError(f"accelerator='cpu' with devices={devices!r}: use a number of processes or 'auto'")

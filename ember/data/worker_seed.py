@@ -47,6 +47,31 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    """Seed python, numpy and torch (all devices). Returns the seed used.
+
+    ``workers=True`` sets ``EMBER_SEED_WORKERS=1`` for the rest of the process (and the
+    ranks it starts; ``EMBER_SEED_WORKERS=0`` turns it off): the workers of every
+    DataLoader ember prepares then seed python, numpy and torch from (run seed, epoch,
+    rank, worker) and re-seed them per batch, so their random draws differ across ranks
+    and workers and repeat exactly after a mid-epoch resume (see the module docstring).
+    Worker seeds differ per rank and worker in any case. Public as ``ember.seed_everything``
+    and ``ember.utilities.seed_everything``."""
+    if seed is None:
+        seed = os.environ.get("EMBER_GLOBAL_SEED", random.randint(0, 2**31 - 1))
+    try:
+        if isinstance(seed, (bool, float)):
+            raise ValueError
+        seed = int(seed)
+    except (TypeError, ValueError):
+        from ember.errors import MisconfigurationError
+        raise MisconfigurationError(f"seed={seed!r} is not valid; use an integer (e.g. seed=42)") from None
+    os.environ["EMBER_GLOBAL_SEED"] = str(seed)
+    if workers:
+        os.environ[SEED_WORKERS_ENV] = "1"
+    seed_all(seed)
+    return seed
+
 def loader_seed(dl: Any, epoch: int) -> int | None:
     """The seed of a prepared loader's generator at ``epoch``: from its run seed (the
     resumable sampler's, restored from checkpoints), the epoch and its data-parallel

@@ -349,7 +349,7 @@ def gather_for_metrics(data: Any, *, num_padded: int, strategy=None) -> Any:
 
 def destroy() -> None:
     """Barrier, then destroy the default process group (ember otherwise does this at exit)."""
-    from ember.strategies.launchers import shutdown_process_group
+    from ember.distributed.failures import shutdown_process_group
     shutdown_process_group(barrier=True)
 
 

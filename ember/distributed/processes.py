@@ -1,6 +1,7 @@
 """Where a process stands and the small helpers of the process verbs that
-:class:`ember.Accelerator` and :class:`ember.utils.PartialState` share: the topology
-properties, ``split_between_processes``, ``main_process_first``, ``on_process``."""
+:class:`ember.Accelerator` and :class:`~ember.accelerator.state.PartialState` share: the
+topology properties, the process's shared strategy, ``split_between_processes``,
+``main_process_first``, ``on_process``."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ from ember.errors import MisconfigurationError
 
 class Topology:
     """Where this process stands, read from ``self.strategy``: the properties
-    :class:`~ember.utils.PartialState` and the Accelerator share."""
+    :class:`~ember.accelerator.state.PartialState` and the Accelerator share."""
     device = property(lambda self: self.strategy.root_device, doc="torch.device: this process's device")
     num_processes = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
     process_index = property(lambda self: self.strategy.global_rank, doc="int: this process's global rank")
@@ -24,6 +25,27 @@ class Topology:
     is_last_process = property(lambda self: self.process_index == self.num_processes - 1,
                                doc="bool: the highest global rank")
     use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+
+
+# -- the process's shared strategy ----------------------------------------------------------------
+_SHARED: dict = {}
+
+
+def shared_strategy() -> Any:
+    """The strategy every ``PartialState()`` and the Accelerate-style helpers
+    (``ember.utils.gather``, ``ember.logging.get_logger``) see: the last Accelerator's, or
+    the one a first ``PartialState()`` set up; None before either."""
+    return _SHARED.get("strategy")
+
+
+def share_strategy(strategy: Any) -> None:
+    """Make ``strategy`` the process's shared strategy (:func:`shared_strategy`)."""
+    _SHARED["strategy"] = strategy
+
+
+def forget_shared_strategy() -> None:
+    """Drop the shared strategy (a process forked after its parent set one up has none of its own)."""
+    _SHARED.clear()
 
 
 # -- split_between_processes ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ember.compat.fabric import Fabric, FabricModule
 from ember.fabric import accelerators, loggers, strategies, utilities, wrappers
 from ember.fabric.utilities import is_overridden
-from ember.utilities import seed_everything
+from ember.data.worker_seed import seed_everything
 
 __all__ = ["Fabric", "FabricModule", "seed_everything", "is_overridden", "accelerators", "loggers", "strategies",
            "utilities", "wrappers"]

@@ -9,8 +9,8 @@ __all__ = ["notebook_launcher"]
 
 
 def _worker(index: int, function: Callable, args: tuple, env: dict) -> None:
-    from ember.compat.accelerate import _SHARED
-    _SHARED.clear()   # a state set up in the notebook process before the fork is not this process's
+    from ember.distributed.processes import forget_shared_strategy
+    forget_shared_strategy()   # a state set up in the notebook process before the fork is not this process's
     os.environ.update(env)
     os.environ.update(RANK=str(int(env["NODE_RANK"]) * int(env["LOCAL_WORLD_SIZE"]) + index),
                       LOCAL_RANK=str(index), GROUP_RANK=env["NODE_RANK"])

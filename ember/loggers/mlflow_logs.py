@@ -193,8 +193,8 @@ class MLFlowLogger(Logger):
         ``self.logger.experiment.log_text(...)`` in a hook that runs on every rank logs once."""
         if self._experiment is not None:
             return self._experiment
-        from ember.utilities import _get_rank
-        if _get_rank() != 0:
+        from ember.loggers.rank_zero import env_rank
+        if env_rank() != 0:
             return _NO_RUN
         _import_mlflow()
         from ember.checkpoint.rng import keep_rng_states

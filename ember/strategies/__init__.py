@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ _DEVICE_TYPES = ("auto", "cpu", "cuda", "mps")
 
 __all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy",
            "ModelParallelStrategy",
-           "build_strategy", "parse_devices"]
+           "build_strategy", "parse_devices", "resolve_accelerator"]
 
 
 def __getattr__(name):
@@ -97,6 +98,51 @@ def parse_devices(devices) -> tuple[str, int, list[int] | None]:
         return "cuda", len(devices), list(devices)
     raise invalid_choice("devices", devices, ["auto", "cpu", "cuda", "mps", "an int", "a list of ints"])
 
+
+_ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
+def resolve_accelerator(accelerator: str | None, devices: Any) -> Any:
+    """Map Lightning's ``Trainer(accelerator=..., devices=...)`` onto ember's ``devices``.
+
+    ``"auto"``/None: ``devices`` unchanged. ``"cpu"``: CPU processes (``"auto"`` is one).
+    ``"gpu"``/``"cuda"``: CUDA devices (``"auto"`` or -1: every visible GPU, as
+    Lightning). ``"mps"``: Apple's GPU. A missing device type is a MisconfigurationError.
+    """
+    if accelerator is None:
+        return devices
+    if not isinstance(accelerator, str) or accelerator.lower() not in _ACCELERATORS:
+        raise MisconfigurationError(f"accelerator={accelerator!r} is not supported; use one of {list(_ACCELERATORS)}")
+    acc = accelerator.lower()
+    if acc == "auto":
+        return devices
+    if acc in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise MisconfigurationError(f"accelerator={accelerator!r} but no CUDA device is available on this "
+                                        "machine; use accelerator='cpu' (or 'auto')")
+        n = torch.cuda.device_count()
+        if devices in ("auto", -1, "-1"):
+            return n if n > 1 else "cuda"
+        if devices in (1, "1"):
+            return "cuda"
+        return devices
+    if acc == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise MisconfigurationError(f"accelerator='mps' but MPS is not available on this machine; use "
+                                        "accelerator='cpu' (or 'auto')")
+        if devices not in ("auto", 1, "1", "mps"):
+            raise MisconfigurationError(f"accelerator='mps' runs on one device; devices={devices!r} is not valid")
+        return "mps"
+    # cpu
+    if devices in ("auto", 1, "1", "cpu"):
+        return "cpu"
+    if isinstance(devices, int) and devices > 1:
+        if auto_device().type != "cpu":
+            raise MisconfigurationError(f"accelerator='cpu' with devices={devices}: on a machine with a GPU ember "
+                                        "runs several processes on the GPUs; use devices='cpu' for one CPU process")
+        return devices
+    raise MisconfigurationError(f"accelerator='cpu' with devices={devices!r}: use a number of processes or 'auto'")
 
 def build_strategy(strategy="auto", devices="auto", num_nodes: int = 1) -> Strategy:
     if not isinstance(num_nodes, int) or num_nodes < 1:

@@ -128,7 +128,7 @@ class Trainer:
                  reload_dataloaders_every_n_epochs: int = 0, sync_batchnorm: bool = False,
                  use_distributed_sampler: bool = True, inference_mode: bool = True, benchmark: bool | None = None,
                  barebones: bool = False, enable_autolog_hparams: bool = True) -> None:
-        from ember.compat.lightning import resolve_accelerator
+        from ember.strategies import resolve_accelerator
         from ember.precision import Precision
         from ember.strategies import build_strategy
         devices = resolve_accelerator(accelerator, devices)   # Lightning's accelerator= onto devices=
@@ -192,7 +192,7 @@ class Trainer:
         self._ac_policy = check_block_policy("activation_checkpointing", activation_checkpointing)
         self.detect_anomaly = detect_anomaly
         if seed is not None:
-            from ember.utilities import seed_everything
+            from ember.data.worker_seed import seed_everything
             seed_everything(seed)
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -743,7 +743,7 @@ class Trainer:
             return
         self._precision = Precision.from_string(name)
         if self.is_global_zero:
-            from ember.utilities import rank_zero_info
+            from ember.loggers.rank_zero import rank_zero_info
             rank_zero_info(f"precision: {self._precision.name} on {device.type}, chosen by "
                            f"{type(module).__name__}.configure_precision (the Trainer was given no precision); "
                            "pass Trainer(precision=\"32-true\") for float32")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.checkpoint.trust import LOCK_NAME, DirLock
+from ember.checkpoint.lock import LOCK_NAME, DirLock
 from ember.errors import CheckpointError
 
 import ember
@@ -38,7 +38,7 @@ def test_an_empty_or_unreadable_lock_is_taken_over_with_a_warning(tmp_path, cont
 
 _TAKER = """
 import os, sys, time
-from ember.checkpoint.trust import DirLock
+from ember.checkpoint.lock import DirLock
 from ember.errors import CheckpointError
 print("ready", flush=True)
 start, rounds = float(sys.stdin.readline()), int(sys.argv[2])

@@ -140,11 +140,11 @@ def weights_enospc(root):
 
 
 def lock_enospc(root):
-    from ember.checkpoint import trust
+    from ember.checkpoint import lock
     ck = ModelCheckpoint(dirpath=os.path.join(root, "ck"))
     t = trainer(root, enable_checkpointing=True, callbacks=[ck], max_epochs=1)
     if int(os.environ.get("RANK", "0")) == 0:
-        trust.DirLock._write = _full_disk(trust.DirLock._write)
+        lock.DirLock._write = _full_disk(lock.DirLock._write)
     err, seconds = _fit(t, Net(), loader())
     return {"error": err, "seconds": seconds, "rank": t.global_rank}
 
@@ -317,15 +317,15 @@ MODES = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r:
 
 def run_mode(mode, root):
     from ember.checkpoint import io as cio
-    from ember.checkpoint import trust
+    from ember.checkpoint import lock
     patched = {name: getattr(cio, name) for name in ("save_weights_file", "save_model_sharded")}
-    lock_write = trust.DirLock._write
+    lock_write = lock.DirLock._write
     try:
         out = MODES[mode](root)
     finally:   # a mode's injected disk error stays in that mode
         for name, fn in patched.items():
             setattr(cio, name, fn)
-        trust.DirLock._write = lock_write
+        lock.DirLock._write = lock_write
     with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
         json.dump(out, f)
 

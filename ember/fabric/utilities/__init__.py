@@ -8,8 +8,9 @@ from typing import Any, Optional
 
 from ember.fabric.utilities import types
 from ember.fabric.utilities.throughput import Throughput, ThroughputMonitor, measure_flops
-from ember.utilities import (rank_zero_debug, rank_zero_deprecation, rank_zero_info, rank_zero_only,
-                             rank_zero_warn, seed_everything)
+from ember.data.worker_seed import seed_everything
+from ember.loggers.rank_zero import (rank_zero_debug, rank_zero_deprecation, rank_zero_info, rank_zero_only,
+                                     rank_zero_warn)
 
 __all__ = ["rank_zero_only", "rank_zero_warn", "rank_zero_info", "rank_zero_debug", "rank_zero_deprecation",
            "seed_everything", "Throughput", "ThroughputMonitor", "measure_flops", "is_overridden", "types"]
