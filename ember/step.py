@@ -145,7 +145,7 @@ class StepRules:
     Attributes:
         sync_gradients: the current micro-batch ends its accumulation window (the
             optimizer steps after it); set by :meth:`window`.
-        loss_divisor: what :meth:`backward` divides the loss by (the window's size).
+        loss_divisor: what :meth:`backward` divides the loss by (the window's size, or its item count).
         model: the (wrapped) model whose backward and step an engine needs (DeepSpeed).
     """
 
@@ -192,7 +192,8 @@ class StepRules:
         averages gradients), so the step's gradient is that of the mean over every item,
         as one big batch. One all-reduce per window under several processes; no host sync."""
         device = self.strategy.root_device
-        n = torch.stack([torch.as_tensor(c).to(device, torch.float32) for c in counts]).sum()
+        # counted on the host (raw batches): copied without waiting for the device
+        n = torch.stack([torch.as_tensor(c).to(device, torch.float32, non_blocking=True) for c in counts]).sum()
         world = self.strategy.world_size
         if world > 1:
             n = self.strategy.reduce(n, "sum")

@@ -120,3 +120,48 @@ def test_trainer_onecycle_past_its_end_is_held_with_one_warning(tmp_path):
         ref_opt.step()
         ref.step()
     assert sched.get_last_lr() == ref.get_last_lr()
+
+
+class _SumLoss(LinearModule):
+    """A loss summed over samples; ``loss_count`` says how many: each step is the mean
+    over every sample of its window, whatever the micro-batch sizes."""
+
+    def __init__(self, count: bool):
+        super().__init__()
+        self.count, self.seen = count, []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self(x) - y).pow(2).sum()
+
+    def loss_count(self, batch):
+        return batch[0].shape[0] if self.count else None
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append([p.grad.clone() for p in self.parameters()])
+
+
+@pytest.mark.parametrize("sampler", [[[0, 1, 2], [3], [4, 5, 6, 7], [8, 9]], [[0, 1, 2, 3, 4, 5, 6, 7], [8]]],
+                         ids=["uneven", "short-last-window"])
+def test_loss_count_divides_each_window_by_its_items(tmp_path, sampler):
+    data = regression_data(10)
+    torch.manual_seed(0)
+    module = _SumLoss(count=True)
+    init = [p.detach().clone() for p in module.parameters()]
+    trainer = _trainer(tmp_path, max_steps=1, accumulate_grad_batches=3)
+    trainer.fit(module, DataLoader(data, batch_sampler=sampler))
+    # the big batch: the window's samples at once, mean loss
+    window = [i for b in sampler[:3] for i in b]
+    ref = LinearModule()
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), init):
+            p.copy_(q)
+    x, y = data[window]
+    (ref(x) - y).pow(2).mean().backward()
+    for g, r in zip(module.seen[0], ref.parameters()):
+        torch.testing.assert_close(g, r.grad, rtol=1e-6, atol=1e-7)
+    # without a count, the sums are divided by the number of micro-batches only
+    torch.manual_seed(0)
+    plain = _SumLoss(count=False)
+    _trainer(tmp_path, max_steps=1, accumulate_grad_batches=3).fit(plain, DataLoader(data, batch_sampler=sampler))
+    assert not torch.allclose(plain.seen[0][0], module.seen[0][0])
