@@ -29,7 +29,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
     ``on_fit_start/end``, ``on_train_epoch_start/end``, ``on_train_batch_start/end``,
     ``on_{validation,test,predict}_start/end``, ``..._epoch_start/end``, ``..._batch_start/end``,
     ``on_{validation,test,predict}_model_eval`` (and ``..._model_train``), the batch-transfer
-    hooks, ``on_before/after_backward``, ``on_before_optimizer_step``,
+    hooks, ``loss_count``, ``on_before/after_backward``, ``on_before_optimizer_step``,
     ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``,
     ``optimizer_zero_grad``, ``lr_scheduler_step``, ``on_save_checkpoint``,
     ``on_load_checkpoint``, as Lightning's. The loop calls only the ones a subclass
@@ -278,13 +278,10 @@ class TrainModule(HyperparametersMixin, nn.Module):
         """Manual optimization: ``loss.backward()`` through the strategy (loss scaling, DDP
         sync), between the ``on_before_backward`` / ``on_after_backward`` hooks."""
         t = self.trainer
-        events = t.events
-        before, after = events["on_before_backward"], events["on_after_backward"]
-        if before is not None:
-            before(loss)
-        t.step_rules.manual_backward(loss, t.model, **kwargs)   # DDP: prepares the reducer for this loss
-        if after is not None:
-            after()
+        rules, events = t.step_rules, t.events
+        # DDP: the strategy prepares the reducer for this loss
+        rules.hooked(rules.manual_backward, events["on_before_backward"], events["on_after_backward"])(
+            loss, t.model, **kwargs)
 
     # -- collectives ----------------------------------------------------------------
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
@@ -472,9 +469,18 @@ class TrainModule(HyperparametersMixin, nn.Module):
         """Alter the batch after it is on the device (e.g. GPU augmentations); return the batch."""
         return batch
 
+    def loss_count(self, batch: Any) -> "torch.Tensor | int | None":
+        """For a ``training_step`` that returns a *sum* of per-item losses (e.g. over target
+        tokens): the number of items in ``batch`` (the raw batch, before it moves to the
+        device). The Trainer then divides the losses of each optimizer step by their item
+        count over every micro-batch and process (``ember.step.StepRules.count_divisor``),
+        so the step's gradient is the mean over every item, as one big batch. Default (not
+        overridden): ``training_step`` returns a mean, divided by the window's size."""
+        return None
+
     def on_before_backward(self, loss: torch.Tensor) -> None:
         """Called before the backward of each training micro-batch with the loss that is
-        back-propagated (divided by the accumulation window's size)."""
+        back-propagated (divided by the accumulation window's size or item count)."""
 
     def on_after_backward(self) -> None:
         """Called after the backward of each training micro-batch (gradients still scaled under 16-mixed)."""

@@ -1,24 +1,29 @@
-"""The optimizer step: every rule of it, written once, for the Trainer and the Accelerator.
+"""The optimizer step: every rule of it, written once, for the Trainer, the Accelerator and Fabric.
 
 A :class:`StepRules` belongs to one strategy (and through it one precision). The
-Trainer's automatic optimization runs the whole sequence through :meth:`StepRules.
-make_step`; its manual optimization through :class:`StepOptimizer` (``self.optimizers()``)
-and :meth:`StepRules.manual_backward`; the Accelerator through the same methods behind
-its verbs (``accumulate``, ``backward``, ``clip_grad_norm_``, a prepared optimizer's
-``step``/``zero_grad``, a prepared scheduler's ``step``). Nothing else in ember
-divides a loss, unscales, clips, steps, defers a scheduler or zeroes gradients.
+Trainer's automatic optimization runs each micro-batch in :meth:`StepRules.micro_batch`
+and the step through :meth:`StepRules.make_step`; its manual optimization through
+:class:`StepOptimizer` (``self.optimizers()``) and :meth:`StepRules.manual_backward`; the
+Accelerator and Fabric through the same methods behind their verbs (``accumulate``,
+``no_sync``, ``backward``, ``clip_grad_norm_``, a prepared optimizer's ``step``/``zero_grad``,
+a prepared scheduler's ``step``). Nothing else in ember divides a loss, unscales, clips,
+steps, defers a scheduler or zeroes gradients.
 
 The sequence (docs/architecture.md, "The one step")::
 
-    accumulation window  micro-batch i of n: does the optimizer step after it, and by what
-                         does backward divide the loss? Windows hold accumulation_steps
-                         micro-batches; the last window of an epoch may be shorter and
-                         divides by its own size (an epoch of unknown length is looked
-                         ahead far enough to know it), so every step equals one big batch
-                         (accumulation_window, StepRules.window)
-    no_sync              micro-batches that do not step skip the gradient all-reduce
-    backward             the loss divided by the window's size, times the loss scale under
-                         "16-mixed" (StepRules.backward)
+    micro-batch          micro-batch i of n (StepRules.micro_batch): does the optimizer step
+                         after it, and by what does backward divide the loss? Windows hold
+                         accumulation_steps micro-batches; the last window of an epoch may
+                         be shorter and divides by its own size (an epoch of unknown length
+                         is looked ahead far enough to know it), so every step equals one big
+                         batch (accumulation_window); losses that are sums over items
+                         (TrainModule.loss_count: target tokens) divide by the window's item
+                         count over every process instead (StepRules.count_divisor)
+    no_sync              micro-batches that do not step skip the gradient all-reduce of the
+                         models (StepRules.no_sync; several models: one ExitStack)
+    backward             the loss divided by the divisor, times the loss scale under
+                         "16-mixed" (StepRules.backward), between on_before_backward (which
+                         sees the divided loss) and on_after_backward (StepRules.hooked)
     unscale              each optimizer's gradients once per step, before anything reads
                          them (a hook, clipping) (StepRules.unscale)
     clip                 the total norm over the parameters, computed per device mesh for
@@ -32,9 +37,12 @@ The sequence (docs/architecture.md, "The one step")::
                          the scale (a checkpoint, ``Accelerator.scaler``); the same scale either way
     scheduler step       never after a skipped step, and without a host sync: the skip flag
                          is read once it has reached the host, before the next unscale or
-                         step, a log point, a checkpoint, an epoch end (StepRules.scheduler_step)
+                         step, a log point, a checkpoint, an epoch end (StepRules.scheduler_step);
+                         never past the end of a fixed-length schedule (OneCycleLR raises
+                         there: step_scheduler; the Trainer warns once)
     zero_grad            ``set_to_none``; an engine that owns the step (DeepSpeed) zeroes
-                         its own gradients (StepRules.zero_grad)
+                         its own gradients (StepRules.zero_grad); a fit broken by an
+                         exception drops its window's gradients the same way (StepRules.discard)
 
 Where the Accelerator keeps a documented Accelerate semantic, it says so here, once:
 
@@ -44,9 +52,9 @@ Where the Accelerator keeps a documented Accelerate semantic, it says so here, o
   step once per optimizer step, as Lightning's;
 - ``Accelerator(mixed_precision="fp16")`` on a CPU runs in float32, as Accelerate does
   (``precision="16-mixed"`` asks for fp16 autocast with a loss scaler on the CPU);
-- ``clip_grad_norm_`` on a micro-batch that does not step returns the norm of the
-  gradients accumulated so far and leaves them alone (Accelerate clips them: clipping a
-  partial sum changes what accumulation computes).
+- clipping on a micro-batch that does not step returns the norm of the gradients
+  accumulated so far and leaves them alone (Accelerate clips them: clipping a partial
+  sum changes what accumulation computes).
 
 On one process, the same model, data, optimizer, scheduler, accumulation and precision
 give bit-identical weights and learning rates through ``Trainer.fit`` and through an
@@ -54,6 +62,7 @@ Accelerator loop (tests/step/).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, ContextManager, Iterable
 
@@ -136,7 +145,7 @@ class StepRules:
     Attributes:
         sync_gradients: the current micro-batch ends its accumulation window (the
             optimizer steps after it); set by :meth:`window`.
-        loss_divisor: what :meth:`backward` divides the loss by (the window's size).
+        loss_divisor: what :meth:`backward` divides the loss by (the window's size, or its item count).
         model: the (wrapped) model whose backward and step an engine needs (DeepSpeed).
     """
 
@@ -164,21 +173,63 @@ class StepRules:
         """Outside an accumulation window: the next step syncs, nothing is divided."""
         self.sync_gradients, self.loss_divisor = True, 1
 
-    def no_sync(self, *models: Any) -> ContextManager[None]:
-        """The context of a micro-batch that does not step: no gradient all-reduce of
-        ``models`` (DDP ``no_sync``; FSDP keeps its unsharded gradients). A no-op on one
-        process and on micro-batches that step."""
-        if self.sync_gradients or self.strategy.world_size == 1:
+    def micro_batch(self, index: int, total: int | None, models: Iterable[Any] = (),
+                    divisor: Any = None) -> ContextManager[None]:
+        """Micro-batch ``index`` of ``total`` (None: unknown) of an epoch or pass: set
+        :attr:`sync_gradients` and :attr:`loss_divisor` (:func:`accumulation_window`;
+        ``divisor``, a number or a device tensor such as a window's token count, replaces
+        the window's size), and return the context its forward and backward run in: no
+        gradient all-reduce of ``models`` unless it ends its window (:meth:`no_sync`)."""
+        sync = self.window(index, total)
+        if divisor is not None:
+            self.loss_divisor = divisor
+        return self.no_sync(*models, enabled=not sync)
+
+    def count_divisor(self, counts: Iterable[Any]) -> torch.Tensor:
+        """The loss divisor of a window whose losses are sums over items (target tokens):
+        ``counts`` are this process's items per micro-batch of the window; the divisor is
+        their sum over every process (at least 1) divided by the number of processes (DDP
+        averages gradients), so the step's gradient is that of the mean over every item,
+        as one big batch. One all-reduce per window under several processes; no host sync."""
+        device = self.strategy.root_device
+        # counted on the host (raw batches): copied without waiting for the device
+        n = torch.stack([torch.as_tensor(c).to(device, torch.float32, non_blocking=True) for c in counts]).sum()
+        world = self.strategy.world_size
+        if world > 1:
+            n = self.strategy.reduce(n, "sum")
+        return n.clamp(min=1.0) / world
+
+    def no_sync(self, *models: Any, enabled: bool = True) -> ContextManager[None]:
+        """Context: no gradient all-reduce of ``models`` (DDP ``no_sync``; FSDP keeps its
+        unsharded gradients). A no-op on one process or when not ``enabled``."""
+        if not enabled or not models or self.strategy.world_size == 1:
             return NULL_CONTEXT
-        ctxs = [self.strategy.no_backward_sync(m, True) for m in models]
-        return ctxs[0] if len(ctxs) == 1 else _AllOf(ctxs)
+        if len(models) == 1:
+            return self.strategy.no_backward_sync(models[0], True)
+        return _entered([self.strategy.no_backward_sync(m, True) for m in models])
+
+    def hooked(self, backward: Callable, before: Callable | None, after: Callable | None) -> Callable:
+        """``backward(loss, ...)`` between ``before(loss)`` (``on_before_backward``, which sees
+        the loss divided by :attr:`loss_divisor` as the backward does) and ``after()``
+        (``on_after_backward``); ``backward`` itself when neither is given."""
+        if before is None and after is None:
+            return backward
+
+        def run(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            if before is not None:
+                div = self.loss_divisor
+                before(loss / div if div.__class__ is not int or div != 1 else loss)
+            backward(loss, *args, **kwargs)
+            if after is not None:
+                after()
+        return run
 
     # -- backward ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss / loss_divisor``, backward through the strategy and precision (times the
         loss scale under "16-mixed")."""
         div = self.loss_divisor
-        if div != 1:
+        if div.__class__ is not int or div != 1:   # a tensor divisor: no host sync
             loss = loss / div
         if self._plain_backward:
             self.strategy.precision.backward(loss, **kwargs)
@@ -205,19 +256,38 @@ class StepRules:
                 f"under the {self.strategy.name} strategy the engine clips gradients: set Trainer("
                 "gradient_clip_val=...) or 'gradient_clipping' in its config instead of clipping by hand")
 
-    def clip_grad_norm(self, params: list, max_norm: float, norm_type: float = 2.0,
+    def clip_grad_norm(self, params: Any, max_norm: float, norm_type: float = 2.0,
                        optimizers: Iterable[Any] = ()) -> torch.Tensor:
-        """Unscale the optimizers (of ``optimizers``) holding ``params``, then clip the
-        total norm of their gradients (:func:`clip_by_norm`); return the norm before clipping."""
+        """Unscale the optimizers (of ``optimizers``) holding ``params`` (a tensor or an
+        iterable of them), then clip the total norm of their gradients (:func:`clip_by_norm`);
+        return the norm before clipping. On a micro-batch that does not step: the norm of
+        the gradients accumulated so far (divided by the loss scale), nothing clipped, no
+        host sync."""
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if not self.sync_gradients:
+            return self.grad_norm(params, norm_type)
         self.check_clip()
         if self.strategy.precision.scaler is not None:
             for o in owning(optimizers, params):
                 self.unscale(o)
         return clip_by_norm(params, max_norm, norm_type)
 
-    def clip_grad_value(self, params: list, clip_value: float, optimizers: Iterable[Any] = ()) -> None:
+    def grad_norm(self, params: list, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of the gradients of ``params`` divided by the current loss scale
+        (0-d tensor, no host sync, nothing unscaled or clipped)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.strategy.root_device)
+        norm = total_norm(grads, norm_type)
+        scale = self.strategy.precision.loss_scale()
+        return norm / scale.to(norm.device).reshape(()) if scale is not None else norm
+
+    def clip_grad_value(self, params: Any, clip_value: float, optimizers: Iterable[Any] = ()) -> None:
         """Unscale (as :meth:`clip_grad_norm`), then clamp every gradient element to
-        ``[-clip_value, clip_value]``."""
+        ``[-clip_value, clip_value]``; nothing on a micro-batch that does not step."""
+        if not self.sync_gradients:
+            return
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.check_clip()
         if self.strategy.precision.scaler is not None:
             for o in owning(optimizers, params):
@@ -262,6 +332,14 @@ class StepRules:
                 clear_grads(optimizer)
             else:
                 optimizer.zero_grad(set_to_none=False)
+
+    def discard(self, optimizers: Iterable[Any]) -> None:
+        """A run broken mid-window (an exception): drop the gradients accumulated so far
+        (:meth:`zero_grad`: an engine that owns the step keeps its own) and start the next
+        window afresh."""
+        for o in optimizers:
+            self.zero_grad(o)
+        self.reset_window()
 
     # -- schedulers -----------------------------------------------------------------------
     def scheduler_step(self, optimizers: Iterable[Any], apply: Callable[[], None], defer: bool = True) -> None:
@@ -445,18 +523,21 @@ class StepOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}({self.optimizer!r})"
 
 
-class _AllOf:
-    """Several contexts entered as one (in order; left in reverse)."""
-    __slots__ = ("ctxs",)
+@contextlib.contextmanager
+def _entered(ctxs: list) -> Any:
+    """Several contexts entered as one (in order; left in reverse, on every path)."""
+    with contextlib.ExitStack() as stack:
+        for c in ctxs:
+            stack.enter_context(c)
+        yield
 
-    def __init__(self, ctxs: list) -> None:
-        self.ctxs = ctxs
 
-    def __enter__(self) -> None:
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc: Any) -> bool:
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
+def step_scheduler(scheduler: Any, *args: Any, **kwargs: Any) -> bool:
+    """``scheduler.step(*args, **kwargs)``, except past the end of a schedule with a fixed
+    length (``total_steps``: ``OneCycleLR``, which raises there; a last partial
+    accumulation window can ask for it): return whether it stepped."""
+    total = getattr(scheduler, "total_steps", None)
+    if total is not None and scheduler._step_count > total:
         return False
+    scheduler.step(*args, **kwargs)
+    return True

@@ -21,13 +21,13 @@ from ember.data import sampling as edata
 from ember.data.loader import DataLoaderShard
 from ember.distributed import collectives as _dist
 from ember.distributed.debug import check_collective
-from ember.distributed.processes import Topology, _InOrder, _Islice, _MultiContext, _Yield, _only, split_inputs
+from ember.distributed.processes import Topology, _InOrder, _Islice, _Yield, _only, split_inputs
 from ember.distributed.processes import share_strategy
 from ember.errors import DistributedOperationError, MisconfigurationError, invalid_choice
 from ember.loggers.trackers import check_log_with
 from ember.precision import NULL_CONTEXT, Precision
 from ember.precision.forward import unwrap_forward, wrap_forward
-from ember.step import StepRules, total_norm
+from ember.step import StepRules
 
 __all__ = ["Accelerator", "AcceleratedOptimizer", "AcceleratedScheduler", "DataLoaderShard",
            "DistributedOperationError"]
@@ -351,19 +351,16 @@ class Accelerator(Topology):
         rules = self.step_rules
         loader = self._active_loader
         if loader is not None:   # windows from the start of the pass, as the Trainer's
-            index = loader.batches_done - 1
-            self._step = 0 if rules.window(index, loader.known_length) else index % gas + 1
-        else:
-            self._step += 1
-            rules.sync_gradients, rules.loss_divisor = self._step % gas == 0, gas
-            if rules.sync_gradients:
-                self._step = 0
-        return rules.no_sync(*(models or self._models))
+            index, total = loader.batches_done - 1, loader.known_length
+        else:                    # windows of calls
+            index, total = self._step, None
+        ctx = rules.micro_batch(index, total, models or self._models)
+        self._step = 0 if rules.sync_gradients else index % gas + 1
+        return ctx
 
     def no_sync(self, *models: nn.Module) -> ContextManager[None]:
         """Context that skips the gradient all-reduce of ``models`` (DDP ``no_sync``)."""
-        ctxs = [self.strategy.no_backward_sync(m, True) for m in models]
-        return ctxs[0] if len(ctxs) == 1 else _MultiContext(ctxs)
+        return self.step_rules.no_sync(*models)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Under 16-mixed, divide the gradients of ``optimizer`` (default: all prepared
@@ -380,29 +377,12 @@ class Accelerator(Topology):
         (``sync_gradients`` False) it does not clip and returns the norm of the
         gradients accumulated so far, unclipped (Accelerate clips them). Under DeepSpeed
         the engine clips (``gradient_clipping`` in its config)."""
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not self.sync_gradients:
-            return self._partial_norm(params, norm_type)
-        return self.step_rules.clip_grad_norm(params, max_norm, norm_type, [o.optimizer for o in self._optimizers])
+        return self.step_rules.clip_grad_norm(parameters, max_norm, norm_type, [o.optimizer for o in self._optimizers])
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (unscaled first; as
         :meth:`clip_grad_norm_`, only when the optimizer will step)."""
-        if not self.sync_gradients:
-            return None
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        self.step_rules.clip_grad_value(params, clip_value, [o.optimizer for o in self._optimizers])
-
-    def _partial_norm(self, params: list, norm_type: float) -> torch.Tensor:
-        """The norm of the gradients accumulated so far (divided by the loss scale under
-        16-mixed), as a 0-d tensor, without clipping and without a host sync."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        norm = total_norm(grads, norm_type)
-        scaler = self.strategy.precision.scaler
-        scale = getattr(scaler, "_scale", None) if scaler is not None else None
-        return norm / scale.to(norm.device).reshape(()) if scale is not None else norm
+        self.step_rules.clip_grad_value(parameters, clip_value, [o.optimizer for o in self._optimizers])
 
     def autocast(self) -> ContextManager[None]:
         """The precision's autocast context (prepared models already run in it)."""

@@ -256,12 +256,7 @@ def apply_scaler_kwargs(precision: Any, h: GradScalerKwargs | None) -> None:
     if not h.enabled:
         raise _refuse("kwargs_handlers=[GradScalerKwargs(enabled=False)]", "use mixed_precision='bf16' or 'no' "
                       "instead of fp16 without loss scaling")
-    scaler._init_scale = h.init_scale
-    scaler._growth_factor = h.growth_factor
-    scaler._backoff_factor = h.backoff_factor
-    scaler._growth_interval = h.growth_interval
-    if getattr(scaler, "_scale", None) is not None:
-        scaler._scale.fill_(h.init_scale)
+    precision.configure_scaler(h.init_scale, h.growth_factor, h.backoff_factor, h.growth_interval)
 
 
 def dataloader_options(split_batches: bool | None, even_batches: bool | None, dataloader_config: Any,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ember.step import StepOptimizer
+from ember.step import StepOptimizer, step_scheduler
 
 
 class AcceleratedOptimizer(StepOptimizer):
@@ -61,11 +61,9 @@ class AcceleratedScheduler:
         n = 1 if self._once else acc.strategy.world_size
 
         def apply() -> None:
-            total = getattr(sched, "total_steps", None)
             for _ in range(n):
-                if total is not None and sched._step_count > total:
-                    break  # OneCycleLR raises past its end (a last partial window)
-                sched.step(*args, **kwargs)
+                if not step_scheduler(sched, *args, **kwargs):   # a last partial window past OneCycleLR's end
+                    break
         rules.scheduler_step(self._optimizers(), apply)
 
     def _flushed(self) -> Any:

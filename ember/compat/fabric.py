@@ -447,10 +447,8 @@ class Fabric:
     def no_backward_sync(self, module: Any, enabled: bool = True) -> ContextManager[None]:
         """Context that skips the gradient all-reduce of ``module`` (gradient accumulation);
         ``enabled=False``, or one process: does nothing."""
-        if not enabled or self.world_size == 1:
-            return contextlib.nullcontext()
         target = module._forward_module if isinstance(module, FabricModule) else module
-        return self._acc.no_sync(target)
+        return self._acc.step_rules.no_sync(target, enabled=enabled)
 
     def autocast(self) -> ContextManager[None]:
         """The precision's autocast, for code outside a set-up module's forward."""

@@ -568,14 +568,18 @@ class LookAhead:
     within ``depth`` batches, :attr:`length` (its number of batches, counting ``start``
     batches already done before this iteration) is known. The Trainer and the
     Accelerator use it on loaders of unknown length under gradient accumulation, to size
-    the last accumulation window and step on its last batch."""
+    the last accumulation window and step on its last batch. With ``count``,
+    :attr:`counts` maps the index of each batch read to ``count(batch)`` (the items its
+    loss sums over), so a window's count is known at its first batch; the reader pops them."""
 
-    def __init__(self, loader, depth: int, start: int = 0):
+    def __init__(self, loader, depth: int, start: int = 0, count=None):
         self.loader, self.depth, self.start = loader, max(1, int(depth)), int(start)
         self.length: int | None = None
+        self.count, self.counts = count, {}
 
     def __iter__(self):
         self.length = None
+        self.counts = {}
         it, buf, taken = iter(self.loader), collections.deque(), self.start
         while True:
             while self.length is None and len(buf) <= self.depth:
@@ -584,6 +588,8 @@ class LookAhead:
                 except StopIteration:
                     self.length = taken
                     break
+                if self.count is not None:
+                    self.counts[taken] = self.count(buf[-1])
                 taken += 1
             if not buf:
                 return

@@ -89,22 +89,6 @@ def _only(acc, function, attr: str, index: int):
     return wrapper
 
 
-class _MultiContext:
-    __slots__ = ("ctxs",)
-
-    def __init__(self, ctxs):
-        self.ctxs = ctxs
-
-    def __enter__(self):
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
-        return False
-
-
 class _InOrder:
     """``first`` processes run the body, then meet the others at a barrier; the others
     wait at that barrier before running it. On an exception in the body no barrier is

@@ -225,9 +225,6 @@ class TransformersModule(TrainModule):
         self.model: nn.Module | None = None
         self.metrics = nn.ModuleDict()
         self._exact = False
-        self._loss_norm: float | None = None
-        self._win_tokens: torch.Tensor | int = 0
-        self._win_micro = 0
         if isinstance(model, nn.Module):
             self.hparams["model_config"] = model.config.to_dict()
             self._set_model(model)
@@ -650,49 +647,28 @@ class TransformersModule(TrainModule):
         self._exact = bool(self.token_exact_accumulation and self.task in _TOKEN_TASKS
                            and (t.accumulate_grad_batches > 1 or t.world_size > 1)
                            and not t.strategy.owns_optimizer_step)
-        self._win_tokens, self._win_micro = 0, 0
+
+    def loss_count(self, batch):
+        """Token-exact accumulation: the target tokens of ``batch`` (labels not -100, causal
+        LM labels shifted as the model does); ``training_step`` then returns their loss sum
+        and the Trainer divides each step's losses by the count over its micro-batches and
+        ranks. None otherwise (a mean loss)."""
+        if not self._exact or "labels" not in batch:
+            return None
+        labels = batch["labels"]
+        return ((labels[..., 1:] if self.task == "causal-lm" else labels) != -100).sum()
 
     def training_step(self, batch, batch_idx):
         bs = self._batch_size(batch)
         if self._exact:
             loss_sum, n, _ = self._token_loss(batch)
-            if self._loss_norm is None:
-                # a constant of the run that keeps gradients at the scale of a mean loss (fp16-safe);
-                # on_before_optimizer_step divides it out again
-                norm = float(batch["labels"].numel())
-                self._loss_norm = float(self.trainer.strategy.broadcast(norm)) if self.trainer.world_size > 1 else norm
-            self._win_tokens = self._win_tokens + n
-            self._win_micro += 1
             self.log("train/loss", loss_sum.detach() / n.clamp(min=1), prog_bar=True, batch_size=bs)
-            return loss_sum / self._loss_norm
+            return loss_sum   # divided by the window's token count on every rank (loss_count)
         out = self._run(batch)
         if getattr(out, "loss", None) is None:
             raise MisconfigurationError(f"the model returned no loss; the batch needs 'labels' (keys: {sorted(batch)})")
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=bs)
         return out.loss
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        """Token-exact accumulation: the gradients hold sum(token-loss grads) / (norm * m)
-        (m micro-batches, and DDP averaged them over W ranks); rescale so that they are
-        the gradient of the mean over every target token of the window on every rank."""
-        if not self._exact or self._win_micro == 0:
-            return
-        t = self.trainer
-        n = torch.as_tensor(self._win_tokens, device=self.device).float()
-        world = t.world_size
-        if world > 1:
-            n = t.strategy.reduce(n, "sum")
-        factor = (self._loss_norm * self._win_micro * world) / n.clamp(min=1.0)
-        self._win_tokens, self._win_micro = 0, 0
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return
-        try:
-            torch._foreach_mul_(grads, factor.to(grads[0].device))
-        except (RuntimeError, TypeError, NotImplementedError):   # e.g. sharded (DTensor) gradients
-            f = float(factor)
-            for g in grads:
-                g.mul_(f)
 
     def _eval_step(self, batch, stage: str):
         self._require_model()

@@ -140,6 +140,22 @@ class Precision:
         """Step the optimizer (under loss scaling: skipped when gradients hold inf/NaN)."""
         step_optimizer(optimizer, closure)
 
+    def loss_scale(self) -> torch.Tensor | None:
+        """The current loss scale as a device tensor, read without a host sync (None: no
+        scaler, or nothing was scaled yet)."""
+        return None if self.scaler is None else self.scaler._scale
+
+    def configure_scaler(self, init_scale: float, growth_factor: float, backoff_factor: float,
+                         growth_interval: int) -> None:
+        """Set the loss scaler's parameters (``GradScalerKwargs``); a no-op without a scaler."""
+        scaler = self.scaler
+        if scaler is None:
+            return
+        scaler._init_scale, scaler._growth_factor = init_scale, growth_factor
+        scaler._backoff_factor, scaler._growth_interval = backoff_factor, growth_interval
+        if scaler._scale is not None:
+            scaler._scale.fill_(init_scale)
+
     def step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the last step of ``optimizer`` was skipped (inf/NaN under loss scaling)."""
         return False

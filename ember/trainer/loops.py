@@ -99,12 +99,15 @@ import inspect
 import math
 import re
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from ember.data import sampling as edata
 from ember.errors import MisconfigurationError
+from ember.precision import NULL_CONTEXT
+from ember.step import accumulation_window, step_scheduler
 from ember.trainer.checks import check_epoch_trained, check_finite_loss
 from ember.data.resume import begin_pass, end_pass
 from ember.trainer.data import batch_transfer, count_batches, maybe_reload, prepare_batch, start_pass
@@ -168,24 +171,6 @@ def _with_dataloader_idx(step: Callable, combined_pass: Any) -> Callable:
     return run
 
 
-def with_backward_hooks(backward: Callable, rules: Any, before: Callable | None,
-                        after: Callable | None) -> Callable:
-    """``backward(loss)`` with ``on_before_backward`` / ``on_after_backward`` around it
-    (``backward`` itself when nobody handles them). The hooks see the loss divided by the
-    accumulation window's size, as the backward does."""
-    if before is None and after is None:
-        return backward
-
-    def run(loss):
-        if before is not None:
-            div = rules.loss_divisor
-            before(loss / div if div != 1 else loss)
-        backward(loss)
-        if after is not None:
-            after()
-    return run
-
-
 # -------------------------------------------------------------------------------- schedulers
 def step_schedulers(t: Any, interval: str) -> None:
     """Step the ``interval`` schedulers of automatic optimization (manual optimization
@@ -222,8 +207,14 @@ def _apply(t: Any, configs: list, custom: Callable | None) -> None:
                         f"{sorted(t.callback_metrics)}")
                 continue
             s.step(float(value)) if custom is None else custom(s, float(value))
-        else:
-            s.step() if custom is None else custom(s, None)
+        elif custom is not None:
+            custom(s, None)
+        elif not step_scheduler(s) and "scheduler_past_end" not in t.state.warned:
+            t.state.warned.add("scheduler_past_end")   # OneCycleLR past its total_steps raises: held there
+            if t.is_global_zero:
+                warnings.warn(f"{type(s).__name__} reached its total_steps={s.total_steps} at global_step "
+                              f"{t.global_step}; it is no longer stepped (its last learning rate stays). Size "
+                              "the schedule with trainer.estimated_stepping_batches", stacklevel=2)
 
 
 def run_validation(t: Any) -> None:
@@ -334,7 +325,9 @@ class FitLoop:
         automatic = module.automatic_optimization
         from ember.data.prefetch import DevicePrefetch, prefetch_enabled
         prefetch = prefetch_enabled(strategy.root_device)
-        look_ahead = acc_n > 1 and automatic and not edata.has_length(loader)
+        # losses that are sums over items (TrainModule.loss_count): each window divides by its item count
+        count_of = ev.module_override("loss_count") if automatic else None
+        look_ahead = acc_n > 1 and automatic and (count_of is not None or not edata.has_length(loader))
         # the pass from batch ``start``: an index-based loader skips by index and is iterated as it
         # is; a stateful, stream or combined loader continues from the checkpoint's position
         # (ember/data/resume.py) and records it for the next checkpoint
@@ -342,9 +335,10 @@ class FitLoop:
         loader = st.train_pass = begin_pass(loader, start, saved, warn=t.is_global_zero,
                                             read_ahead=(acc_n - 1 if look_ahead else 0) + (2 if prefetch else 0))
         total = None if limit == math.inf else limit
-        window = rules.window if acc_n > 1 else None   # the accumulation window (ember.step)
-        no_sync = strategy.no_backward_sync
-        use_no_sync = acc_n > 1 and strategy.world_size > 1
+        # the accumulation window, its loss divisor and no_sync (ember.step); nothing without accumulation
+        micro_batch = rules.micro_batch if acc_n > 1 or count_of is not None else None
+        divisor, window_end = None, -1
+        sync_models = (model,)
         owns_step = strategy.owns_optimizer_step
         fwd_ctx = precision.forward_context if precision.autocast_dtype is not None else None
         to_device = batch_transfer(t, 0)
@@ -369,12 +363,12 @@ class FitLoop:
             training_step = prof.wrap("training_step", training_step)
             backward = prof.wrap("backward", backward)
             emit_step = prof.wrap("log (step metrics)", emit_step)
-        backward = with_backward_hooks(backward, rules, ev[Event.ON_BEFORE_BACKWARD], ev[Event.ON_AFTER_BACKWARD])
+        backward = rules.hooked(backward, ev[Event.ON_BEFORE_BACKWARD], ev[Event.ON_AFTER_BACKWARD])
         ahead = None
         if look_ahead:
             # unknown epoch length (IterableDataset): look acc_n - 1 batches ahead, so the last
             # accumulation window is known in time to divide by its true size and step on its end
-            loader = ahead = edata.LookAhead(loader, acc_n - 1, start=start)
+            loader = ahead = edata.LookAhead(loader, acc_n - 1, start=start, count=count_of)
         if prof is not None:
             loader = prof.iterate(loader)
         if prefetch:
@@ -411,11 +405,21 @@ class FitLoop:
                 break
             if automatic:
                 # the last micro-batch of its accumulation window? (sets backward's loss divisor)
-                boundary = window(batch_idx, total) if window is not None else True
+                if micro_batch is not None:
+                    if count_of is not None and batch_idx >= window_end:   # a window starts: its item count
+                        window_end = batch_idx - batch_idx % acc_n + accumulation_window(batch_idx, total, acc_n)[1]
+                        counts = [ahead.counts.pop(i, None) for i in range(batch_idx, window_end)] \
+                            if ahead is not None else [count_of(batch)]
+                        divisor = None if any(c is None for c in counts) else rules.count_divisor(counts)
+                    sync_ctx = micro_batch(batch_idx, total, sync_models, divisor)
+                    boundary = rules.sync_gradients
+                    if sync_ctx is NULL_CONTEXT:
+                        sync_ctx = None
+                    else:
+                        sync_ctx.__enter__()
+                else:
+                    boundary, sync_ctx = True, None
                 # forward + backward of one micro-batch
-                sync_ctx = no_sync(model, True) if (use_no_sync and not boundary) else None
-                if sync_ctx is not None:
-                    sync_ctx.__enter__()
                 try:   # no_sync is left on every path, an exception included
                     if fwd_ctx is not None:
                         with fwd_ctx():

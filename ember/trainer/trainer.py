@@ -705,8 +705,7 @@ class Trainer:
             if stage == "fit":   # a later fit() restarts the broken epoch from its first batch
                 st.stop_reason = "interrupted" if self.interrupted else "exception"
                 st.reset_epoch()
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
+                self.step_rules.discard(self.optimizers)   # an engine (DeepSpeed) zeroes its own
             self.events(Event.ON_EXCEPTION, exc)
             for lg in self.loggers if self.is_global_zero else []:
                 lg.finalize("interrupted" if self.interrupted else "failed")
