@@ -1,5 +1,5 @@
 """A run's state is one object: a fit (and validate, test, predict) with every built-in
-callback binds or rebinds exactly the Trainer attributes listed in docs/architecture.md
+callback (the run record and the profiler included) binds or rebinds exactly the Trainer attributes listed in docs/architecture.md
 ("What a run rebinds on the Trainer"); everything else that changes lives in
 ``trainer.state`` (ember/trainer/state.py)."""
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_a_run_rebinds_only_the_listed_trainer_attributes(tmp_path):
                  GatherMetrics({"mse": mse}), ThroughputMonitor(batch_size_fn=len, measure_flops=False),
                  BackboneFinetuning(unfreeze_backbone_at_epoch=1), Writer(str(tmp_path / "preds.pt"))]
     trainer = ember.Trainer(max_epochs=2, log_every_n_steps=2, callbacks=callbacks, logger="csv", report=True,
-                            default_root_dir=tmp_path, num_sanity_val_steps=1)
+                            profiler="simple", default_root_dir=tmp_path, num_sanity_val_steps=1)
     module = Backboned()
     before = dict(vars(trainer))
     trainer.fit(module, datamodule=dm)
