@@ -41,7 +41,6 @@ class TrainModule(HyperparametersMixin, nn.Module):
         self.automatic_optimization = True
         self.hparams = AttributeDict()
         self._trainer = None
-        self._results = None
 
     # -- context ---------------------------------------------------------------
     @property
@@ -234,7 +233,8 @@ class TrainModule(HyperparametersMixin, nn.Module):
                 that differs per rank).
             batch_size: weight of this value in the epoch mean (default: inferred from the batch).
         """
-        results = self._results
+        t = self._trainer
+        results = t.state.results if t is not None else None   # the running stage's (trainer.state)
         if results is None:
             return  # outside a loop (e.g. a plain forward): nothing to record
         results.log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist, batch_size)
@@ -258,14 +258,15 @@ class TrainModule(HyperparametersMixin, nn.Module):
         goes through the strategy and precision (``ember.step.StepOptimizer``) and counts
         ``trainer.global_step``."""
         t = self.trainer
-        cached = self.__dict__.get("_manual_optimizers")
+        st = t.state
+        cached = st.manual_optimizers
         if cached is None or cached[0] is not t.optimizers:   # a new fit configures new optimizers
             from ember.step import StepOptimizer
 
             def count() -> None:
                 t.global_step += 1
             cached = (t.optimizers, [StepOptimizer(o, t.step_rules, after_step=count) for o in t.optimizers])
-            self.__dict__["_manual_optimizers"] = cached
+            st.manual_optimizers = cached
         opts = cached[1]
         return opts[0] if len(opts) == 1 else opts
 

@@ -37,7 +37,7 @@ class _Snapshot:
         self.module_state = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
         self.grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
         self.module_dict = {k: module.__dict__.get(k, _MISSING)
-                            for k in ("_trainer", "_results", "training_step", "_manual_optimizers")}
+                            for k in ("_trainer", "training_step")}
         self.training = module.training
         self.optim = [(o, copy.deepcopy(o.state_dict())) for o in trainer.optimizers]
         self.precision = trainer.strategy.precision
@@ -218,7 +218,7 @@ class _LRFinder(Callback):
         self.diverged = False
 
     def on_fit_start(self, trainer, module):
-        trainer.lr_scheduler_configs = []   # the finder sets the lr itself
+        trainer.state.lr_scheduler_configs = []   # the finder sets the lr itself
         self.optim = [(o, copy.deepcopy(o.state_dict())) for o in trainer.optimizers]
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):

@@ -169,7 +169,7 @@ class GatherMetrics(Callback):
             value = value.item()
         value = float(value)
         self.results[name] = value
-        if getattr(module, "_results", None) is not None:
+        if getattr(getattr(trainer, "state", None), "results", None) is not None:
             # inside the evaluation loop: emitted with the epoch's other values (loggers,
             # callback_metrics and the dicts validate()/test() return)
             module.log(name, torch.tensor(value), on_step=False, on_epoch=True, batch_size=1,

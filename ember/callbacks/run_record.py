@@ -24,7 +24,7 @@ def _now() -> str:
 class RunRecord(Callback):
     """Records the facts of a ``fit`` in ``<log_dir>/run.json`` (rank 0, only when
     the trainer has a logger). ``report=True``: also writes ``<log_dir>/report.html``
-    (see :mod:`ember.loggers.report`) and prints its path; ``trainer.report_path`` holds it."""
+    (see :mod:`ember.loggers.report`) and prints its path; ``trainer.report_path`` (``trainer.state.report_path``) holds it."""
 
     state_key = "RunRecord"
 
@@ -104,7 +104,7 @@ class RunRecord(Callback):
         if self.report and status == "success":
             from ember.loggers.report import write_report
             try:
-                trainer.report_path = write_report([log_dir], os.path.join(log_dir, "report.html"))
+                trainer.state.report_path = write_report([log_dir], os.path.join(log_dir, "report.html"))
             except Exception as err:   # noqa: BLE001 - the run has finished: a report that fails never fails it
                 import warnings
                 warnings.warn(f"Trainer(report=True): the run report could not be written ({type(err).__name__}: "

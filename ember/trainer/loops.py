@@ -180,11 +180,12 @@ def step_schedulers(t: Any, interval: str) -> None:
     the flag at once (it must see this step's metric)."""
     if not t.module.automatic_optimization:
         return
-    rules = t.step_rules
+    st = t.state
+    rules = st.step_rules
     if rules.scheduler_step_pending:
         rules.flush()
-    count = t.global_step if interval == "step" else t.current_epoch + 1
-    configs = [c for c in t.lr_scheduler_configs if c["interval"] == interval and not count % c["frequency"]]
+    count = st.global_step if interval == "step" else st.epoch + 1
+    configs = [c for c in st.lr_scheduler_configs if c["interval"] == interval and not count % c["frequency"]]
     if not configs:
         return
     custom = t.events.module_override("lr_scheduler_step")
@@ -239,12 +240,12 @@ class FitLoop:
         prof = t.profiler if t.profiler is not None and t.profiler.active else None
         validate = prof.wrap("validation", run_validation) if prof is not None else run_validation
         emit_epoch = prof.wrap("log (epoch metrics)", metrics.emit_epoch) if prof is not None else metrics.emit_epoch
-        signals = t.signal_handlers
-        signals.in_loop = True   # from here a Ctrl-C is acted on at the next batch or epoch boundary
+        st = t.state
+        st.in_loop = True   # from here a Ctrl-C is acted on at the next batch or epoch boundary
         try:
             self._run(validate, emit_epoch)
         finally:
-            signals.in_loop = False
+            st.in_loop = False
 
     def _run(self, validate: Callable, emit_epoch: Callable) -> None:
         t = self.t
@@ -311,7 +312,7 @@ class FitLoop:
             st.epoch_batches = None
             results.reset()
             start_pass(t, loader)   # the global RNG draws of the user's DataLoader
-        module._results = results
+        st.results = results   # where the module's self.log writes
         module.train()
         ev(Event.ON_TRAIN_EPOCH_START)
 
@@ -516,8 +517,7 @@ class EvalLoop:
             raise MisconfigurationError(f"{type(module).__name__} has no {hook_stage}_step; implement it to run {stage}")
         results = metrics.results[stage]
         results.reset()
-        prev_results = module._results
-        module._results = results
+        prev_results, st.results = st.results, results   # where the module's self.log writes
         was_training = module.training
         getattr(module, f"on_{hook_stage}_model_eval")()   # module.eval() unless overridden
         accepts_idx = "dataloader_idx" in inspect.signature(step_fn).parameters
@@ -571,7 +571,7 @@ class EvalLoop:
         if stage != "sanity":
             ev(f"{pre}_end")
         st.dataloader = None
-        module._results = prev_results
+        st.results = prev_results
         if was_training:
             getattr(module, f"on_{hook_stage}_model_train")()   # module.train() unless overridden
         if len(per_loader) > 1:

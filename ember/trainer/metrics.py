@@ -1,4 +1,4 @@
-"""The metrics of a run (``trainer.metrics``): what ``self.log`` recorded per stage, what
+"""The metrics of a run (``trainer.metrics``, owned by ``trainer.state``): what ``self.log`` recorded per stage, what
 callbacks monitor (``callback_metrics``), what the loggers got (``logged_metrics``), and
 their emission: step values at log points, evaluation step values per batch, epoch
 values at epoch ends, each in one host transfer."""
@@ -21,7 +21,6 @@ class Metrics:
             ``"sanity"``), into which ``self.log`` writes.
         emitted: every emitted value (``callback_metrics`` without the live step values).
         logged_metrics: what was sent to the loggers, as floats.
-        eval_log_steps: the logger step of per-batch validation/test values, per stage.
     """
 
     def __init__(self, trainer: Any, results_class: type = Results) -> None:
@@ -29,7 +28,6 @@ class Metrics:
         self.results = {s: results_class(s) for s in STAGES}
         self.emitted: dict[str, torch.Tensor] = {}
         self.logged_metrics: dict[str, float] = {}
-        self.eval_log_steps: dict[str, int] = {}
         self.unsynced_checked: set = set()
 
     # -- reading ------------------------------------------------------------------------
@@ -71,7 +69,8 @@ class Metrics:
         t = self.trainer
         vals = results.step_values()
         host = to_host(vals)
-        n = self.eval_log_steps[stage] = self.eval_log_steps.get(stage, -1) + 1
+        steps = t.state.eval_log_steps
+        n = steps[stage] = steps.get(stage, -1) + 1
         if n == 0 and t.world_size > 1:
             _warn_eval_step_sync(t, stage, {k: e.name for k, (e, _) in vals.items() if e.sync_dist and e.logger})
         to_log = {k: v for k, v in host.items() if vals[k][0].logger}

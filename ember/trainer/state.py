@@ -4,8 +4,10 @@ It holds what the Trainer is doing (Lightning's ``fn`` / ``stage`` / ``status``)
 a fit stands (epoch, batch, global step, the accumulation phase), why and whether it
 stops (a stop request, the agreed stop reason, a preemption or interrupt signal, the
 deadline), the bookkeeping of the current epoch and evaluation pass, and it names the
-optimizer-step rules whose bookkeeping (the accumulation window, a scheduler step
-deferred until its skip flag is on the host) belongs to the loop too.
+objects whose state changes during a run: the optimizer-step rules (the accumulation
+window, a scheduler step deferred until its skip flag is on the host), the schedulers
+and the logged values (``metrics``). The Trainer itself holds the configuration and the
+run's components; docs/architecture.md lists what a run rebinds on it.
 
 The loops read and write its fields directly (plain attribute access, no call per
 step); callbacks and modules read it through the Trainer's public properties
@@ -127,7 +129,7 @@ class TrainerState:
             ckpt_path_pinned: set by the user (``trainer.ckpt_path = ...``).
         data_seed: the seed of the data order (the same on every rank).
         fit_started: ``time.monotonic()`` when the current fit started.
-        exception: the exception that ended the last fit, if any.
+        exception: the exception that ended the last run, if any.
         end_error: the exception ``fit`` raises once the fit has ended cleanly
             (``Trainer.raise_after_fit``; e.g. ``optuna.TrialPruned``), None otherwise.
 
@@ -158,10 +160,28 @@ class TrainerState:
             processes leaves the ranks different numbers of examples: the smallest count of
             batches); saved with the loop position while the epoch runs; None otherwise.
 
+        in_loop: the fit loop runs: a Ctrl-C is acted on at its next batch boundary
+            (ember/trainer/stopping.py).
+        env_ready: the strategy's environment (processes, process group, device) and the
+            step rules are set up; once per Trainer, at its first run.
+        report_path: the run report (``Trainer(report=True)``) the last fit wrote, else None.
+        eval_log_steps: per evaluation stage, the logger step of its last per-batch values.
+
     Named objects:
         step_rules: the optimizer-step rules (:class:`ember.step.StepRules`), whose
             bookkeeping (the accumulation window, a scheduler step waiting for its skip
             flag) is loop state too.
+        step_optimizers: the optimizers of automatic optimization, stepping through the
+            rules (:class:`ember.step.StepOptimizer`), built at each fit's setup.
+        manual_optimizers: ``(optimizers, wrappers)``: what ``TrainModule.optimizers()``
+            returns under manual optimization, built at its first call of a fit.
+        lr_scheduler_configs: the schedulers of the current (or last) fit, from
+            ``configure_optimizers`` (checkpointed: ``trainer_state.pt["schedulers"]``).
+        metrics: what was logged (:class:`ember.trainer.metrics.Metrics`: each stage's
+            accumulators, ``callback_metrics``, ``logged_metrics``; checkpointed:
+            ``"results"``, ``"callback_metrics"``).
+        results: the accumulators the running stage's ``self.log`` writes into (one of
+            ``metrics.results``); None before a loop ran.
     """
 
     def __init__(self) -> None:
@@ -196,6 +216,15 @@ class TrainerState:
         self.exception: BaseException | None = None
         self.end_error: BaseException | None = None
         self.step_rules: Any = None
+        self.step_optimizers: list = []
+        self.manual_optimizers: tuple | None = None
+        self.lr_scheduler_configs: list[dict] = []
+        self.metrics: Any = None
+        self.results: Any = None
+        self.in_loop = False
+        self.env_ready = False
+        self.report_path: str | None = None
+        self.eval_log_steps: dict[str, int] = {}
         self.warned: set[str] = set()
         # the run's data (ember/trainer/data.py)
         self.train_dataloader: Any = None
@@ -223,6 +252,15 @@ class TrainerState:
     def stopped(self) -> bool:
         """The last run ended, normally or not."""
         return self.status.stopped
+
+    @property
+    def interrupted(self) -> bool:
+        """The last run was interrupted: it ended on Ctrl-C (``KeyboardInterrupt``), or it is
+        a fit that saved ``last`` for a preemption signal and ends (``trainer.interrupted``)."""
+        if self.exception is not None:   # the run raised
+            return isinstance(self.exception, KeyboardInterrupt)
+        return self.preempted or (self.stop_reason == "preempted" and self.fn == TrainerFn.FITTING
+                                  and self.status == TrainerStatus.INTERRUPTED)
 
     # -- checkpoint -------------------------------------------------------------------------
     def state_dict(self) -> dict:

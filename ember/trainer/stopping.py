@@ -59,7 +59,6 @@ class SignalHandlers:
         self.trainer = trainer
         self.previous: dict = {}
         self.watcher: Any = None
-        self.in_loop = False   # the fit loop runs: a Ctrl-C is acted on at its next batch boundary
 
     def install(self) -> None:
         state = self.trainer.state
@@ -86,7 +85,7 @@ class SignalHandlers:
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         state = self.trainer.state
         state.interrupt += 1
-        if state.interrupt > 1 or not self.in_loop:
+        if state.interrupt > 1 or not state.in_loop:   # in the loop: acted on at its next batch boundary
             raise KeyboardInterrupt
 
     def uninstall(self) -> None:
@@ -99,8 +98,7 @@ class SignalHandlers:
             except (ValueError, OSError, TypeError):
                 pass
         self.previous = {}
-        self.in_loop = False
-        self.trainer.state.signal_pending = False
+        self.trainer.state.in_loop = self.trainer.state.signal_pending = False
 
 
 def raise_interrupt(trainer: Any) -> None:
@@ -170,8 +168,7 @@ def save_for_preemption(t: Any, received: int) -> None:
                 subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
             except (OSError, subprocess.SubprocessError) as err:
                 print(f"ember: scontrol requeue {job} failed: {err}", file=sys.stderr, flush=True)
-    t.interrupted = True
-    t.state.preempted = True
+    t.state.preempted = True   # (trainer.interrupted)
 
 
 def exit_if_preempted(t: Any) -> None:

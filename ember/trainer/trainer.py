@@ -208,7 +208,6 @@ class Trainer:
             self.callbacks.insert(0, self.profiler)
         if not barebones:
             self.callbacks.append(RunRecord(report=report))   # run.json (+ report.html) in the log folder
-        self.report_path: str | None = None
         _checks.check_logger_arg(logger)
         from ember.loggers import loggers_for
         # built now, as Lightning's: trainer.logger is usable before fit (log_hyperparams by hand,
@@ -216,23 +215,16 @@ class Trainer:
         self.loggers: list = loggers_for(logger, self.default_root_dir)
         #: all the loop state, in one object (ember/trainer/state.py); Lightning's trainer.state
         self.state = TrainerState()
-        #: what was logged, what callbacks monitor, what the loggers got (ember/trainer/metrics.py)
-        self.metrics = Metrics(self, _args.BarebonesResults if barebones else Results)
+        # what was logged, what callbacks monitor, what the loggers got (ember/trainer/metrics.py)
+        self.state.metrics = Metrics(self, _args.BarebonesResults if barebones else Results)
         #: the handlers of every event of a run (ember/trainer/events.py), built at setup
         self.events = Dispatcher(self, None, [])
-        #: the optimizer-step rules (ember/step.py), built when the strategy is set up
-        self.step_rules: StepRules | None = None
         #: Ctrl-C and preemption signals during fit (ember/trainer/stopping.py)
         self.signal_handlers = SignalHandlers(self)
         self.module: TrainModule | None = None
         self.model = None
         self.datamodule: DataModule | None = None
         self.optimizers: list = []
-        self.lr_scheduler_configs: list[dict] = []
-        #: the optimizers of automatic optimization, stepping through the rules (ember.step.StepOptimizer)
-        self.step_optimizers: list = []
-        self.interrupted = False
-        self._env_ready = False
 
     # ------------------------------------------------------------------ where it runs
     world_size = property(lambda self: self.strategy.world_size, doc="int: processes in the run")
@@ -280,6 +272,47 @@ class Trainer:
     def loop_state(self) -> TrainerState:
         """:attr:`state` (the name of earlier releases)."""
         return self.state
+
+    @property
+    def metrics(self) -> Metrics:
+        """What was logged, what callbacks monitor, what the loggers got (``state.metrics``,
+        ember/trainer/metrics.py)."""
+        return self.state.metrics
+
+    @property
+    def step_rules(self) -> StepRules | None:
+        """The optimizer-step rules (ember/step.py; ``state.step_rules``), built when the
+        strategy is set up at the first run; None before."""
+        return self.state.step_rules
+
+    @property
+    def step_optimizers(self) -> list:
+        """The optimizers of automatic optimization, stepping through the rules
+        (:class:`ember.step.StepOptimizer`; ``state.step_optimizers``)."""
+        return self.state.step_optimizers
+
+    @property
+    def lr_scheduler_configs(self) -> list[dict]:
+        """The lr schedulers of the current (or last) fit, one dict each (``scheduler``,
+        ``interval``, ``frequency``, ``monitor``, ``strict``, ...), as ``configure_optimizers``
+        returned them (``state.lr_scheduler_configs``)."""
+        return self.state.lr_scheduler_configs
+
+    @lr_scheduler_configs.setter
+    def lr_scheduler_configs(self, configs: list[dict]) -> None:
+        self.state.lr_scheduler_configs = configs
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the last run was interrupted: Ctrl-C, or a fit that saved ``last`` for a
+        preemption signal (``state.interrupted``)."""
+        return self.state.interrupted
+
+    @property
+    def report_path(self) -> str | None:
+        """The run report (``report.html``) the last fit wrote with ``Trainer(report=True)``,
+        else None (``state.report_path``)."""
+        return self.state.report_path
 
     @property
     def stage(self) -> str | None:
@@ -518,31 +551,31 @@ class Trainer:
         """What callbacks monitor: every emitted value, and during fit the latest value of
         each training metric logged with ``on_step=True`` (on its device: read here, at
         the reader's own pace, not copied per step)."""
-        return self.metrics.callback_metrics()
+        return self.state.metrics.callback_metrics()
 
     @callback_metrics.setter
     def callback_metrics(self, value: dict) -> None:
-        self.metrics.emitted = dict(value)
+        self.state.metrics.emitted = dict(value)
 
     @property
     def logged_metrics(self) -> dict[str, float]:
         """What was sent to the loggers, as floats."""
-        return self.metrics.logged_metrics
+        return self.state.metrics.logged_metrics
 
     @logged_metrics.setter
     def logged_metrics(self, value: dict) -> None:
-        self.metrics.logged_metrics = dict(value)
+        self.state.metrics.logged_metrics = dict(value)
 
     @property
     def progress_bar_metrics(self) -> dict[str, float]:
         """What the progress bar shows, as floats: the latest value of each ``prog_bar``
         step metric and, for each ``prog_bar`` epoch metric, the value that was logged
         (equal to ``callback_metrics[name]``); read by the progress bar on its timer."""
-        return self.metrics.progress_bar_metrics()
+        return self.state.metrics.progress_bar_metrics()
 
     def log_metric(self, name: str, value: Any, logger: bool = True) -> None:
         """Record an already-reduced value (used by callbacks such as GatherMetrics)."""
-        self.metrics.log_metric(name, value, logger)
+        self.state.metrics.log_metric(name, value, logger)
 
     def describe_missing_metric(self, name: str) -> str:
         """Why ``name`` is not in :attr:`callback_metrics` (never logged, or logged but
@@ -675,7 +708,7 @@ class Trainer:
         st.status, st.fn, st.stage, st.active = TrainerStatus.RUNNING, TrainerFn(stage), FN_STAGE[stage], True
         if not st.ckpt_path_pinned:
             st.ckpt_path = None   # set when this run restores a checkpoint
-        self.interrupted = st.resumed = False
+        st.resumed = st.preempted = False
         st.fit_started = st.exception = None
         if stage == "fit":
             st.start_fit()
@@ -700,20 +733,19 @@ class Trainer:
                 return run_predict(self)
             return self._evaluate(stage, verbose)
         except BaseException as exc:
-            self.interrupted = isinstance(exc, KeyboardInterrupt)
-            st.status = TrainerStatus.INTERRUPTED
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            st.status, st.exception = TrainerStatus.INTERRUPTED, exc   # (trainer.interrupted reads them)
             if stage == "fit":   # a later fit() restarts the broken epoch from its first batch
-                st.stop_reason = "interrupted" if self.interrupted else "exception"
+                st.stop_reason = "interrupted" if interrupted else "exception"
                 st.reset_epoch()
                 self.step_rules.discard(self.optimizers)   # an engine (DeepSpeed) zeroes its own
             self.events(Event.ON_EXCEPTION, exc)
             for lg in self.loggers if self.is_global_zero else []:
-                lg.finalize("interrupted" if self.interrupted else "failed")
+                lg.finalize("interrupted" if interrupted else "failed")
             self.strategy.on_exception(exc) if hasattr(self.strategy, "on_exception") else None
             if stage == "fit" and st.fit_started is not None:
-                st.exception = exc
                 _summary.fit_ended(self, st.fit_started, failed=True)   # never raises
-            if self.interrupted:
+            if interrupted:
                 _summary.on_keyboard_interrupt(self)   # message + SystemExit(130), outside interactive sessions
             raise
         finally:
@@ -735,7 +767,6 @@ class Trainer:
         """No precision was given: run in the module's choice on this device (once, before
         the device is set up), and say so on rank 0 when it is not float32."""
         from ember.precision import Precision
-        self._precision_auto = False
         device = self.strategy.root_device
         name = module.configure_precision(device)
         if name is None or Precision.from_string(name).name == self._precision.name:
@@ -754,14 +785,14 @@ class Trainer:
         module._trainer = self
         if datamodule is not None:
             datamodule.trainer = self
-        if not self._env_ready:
+        if not st.env_ready:   # the first run of this Trainer
             chosen = self._precision_auto
             if chosen:
                 self._choose_precision(module)
             self.strategy.precision = self._precision
             self.strategy.setup_environment()   # processes, process group, device
-            self.step_rules = st.step_rules = StepRules(self.strategy, self.accumulate_grad_batches)
-            self._env_ready = True
+            st.step_rules = StepRules(self.strategy, self.accumulate_grad_batches)
+            st.env_ready = True
             if chosen and self.world_size > 1:
                 _checks.agree_chosen_precision(self)   # one gather, at setup: one precision on every rank
             _checks.warn_fp16_on_cpu(self)
@@ -774,7 +805,7 @@ class Trainer:
                 st.data_seed = int(self.strategy.broadcast(seed)) if self.world_size > 1 else seed
         _args.log_hparams(self)   # the module's and datamodule's, merged with any logged by hand
         if stage != "fit":   # as Lightning: validate/test/predict report their own metrics only
-            self.metrics.emitted = {}
+            self.state.metrics.emitted = {}
         _args.agree_log_versions(self)   # rank 0 picks the run folders, before callbacks read log_dir
         _args.configure_callbacks(self, module)   # the module's callbacks join (or replace) the Trainer's
         prof = self.profiler
@@ -809,17 +840,17 @@ class Trainer:
             self.model = module if placed else self.strategy.setup_module(module)
         setup_data(self, stage, loaders)   # before optimizers: schedules may use estimated_stepping_batches
         if stage == "fit":
-            self.optimizers, self.lr_scheduler_configs = configure_optimizers(module)
+            self.optimizers, st.lr_scheduler_configs = configure_optimizers(module)
             if hasattr(self.strategy, "configure_from_trainer"):   # DeepSpeed fills its "auto" config values
                 self.strategy.configure_from_trainer(
                     accumulate_grad_batches=self.accumulate_grad_batches, gradient_clip_val=self.gradient_clip_val,
                     micro_batch_size=getattr(st.train_dataloader, "batch_size", None),
                     gradient_clip_algorithm=self.gradient_clip_algorithm)
             self.model, self.optimizers = self.strategy.setup_optimizers(self.model, list(self.optimizers))
-            rules = self.step_rules
+            rules = st.step_rules
             rules.model, rules.accumulation_steps = self.model, self.accumulate_grad_batches
             rules.reset_window()
-            self.step_optimizers = [StepOptimizer(o, rules) for o in self.optimizers]
+            st.step_optimizers = [StepOptimizer(o, rules) for o in self.optimizers]
 
     def _fit(self) -> None:
         st = self.state
@@ -841,10 +872,10 @@ class Trainer:
             st.stage = RunningStage.TRAINING
             restore_rng_states(rng, "the state before the sanity check")
         FitLoop(self).run()
-        self.step_rules.flush()   # the last optimizer step's deferred scheduler step (16-mixed)
+        st.step_rules.flush()   # the last optimizer step's deferred scheduler step (16-mixed)
         self.events(Event.ON_FIT_END)
         for lg in self.loggers if self.is_global_zero else []:
-            lg.finalize("interrupted" if self.interrupted else "success")
+            lg.finalize("interrupted" if st.interrupted else "success")
         _summary.fit_ended(self, t0)
 
     def _evaluate(self, stage: str, verbose: bool) -> list[dict]:
