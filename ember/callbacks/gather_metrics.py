@@ -19,21 +19,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 
 STAGES = ("validate", "test", "predict")
-
-
-def _detach(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, dict):
-        return {k: _detach(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detach(v) for v in x)
-    return x
 
 
 def _cat(parts: list) -> Any:
@@ -102,7 +93,7 @@ class GatherMetrics(Callback):
 
     def _collect(self, trainer, outputs, stage: str, dataloader_idx: int) -> None:
         if stage == "predict":
-            value = _detach(outputs)
+            value = tree_map_only(torch.Tensor, torch.Tensor.detach, outputs)
         else:
             if not isinstance(outputs, dict) or any(k not in outputs for k in self.keys):
                 have = sorted(outputs) if isinstance(outputs, dict) else type(outputs).__name__
@@ -110,7 +101,7 @@ class GatherMetrics(Callback):
                 raise MisconfigurationError(
                     f"GatherMetrics(keys={self.keys!r}): {hook} must return a dict holding those keys; "
                     f"it returned {have}")
-            value = tuple(_detach(outputs[k]) for k in self.keys)
+            value = tuple(tree_map_only(torch.Tensor, torch.Tensor.detach, outputs[k]) for k in self.keys)
         if dataloader_idx not in self._buf:
             self._buf[dataloader_idx] = []
             self._loaders[dataloader_idx] = getattr(trainer, "current_dataloader", None)

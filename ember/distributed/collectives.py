@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map, tree_map_only
 
 from ember.errors import invalid_choice
 
@@ -203,16 +204,12 @@ def first_rows(data: Any) -> int | None:
 
 
 def _map(data: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] | None = None) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, dict):
-        return type(data)((k, _map(v, fn, leaf)) for k, v in data.items())
-    if isinstance(data, (list, tuple)):
-        if leaf is not None and data and is_sample_list(data):
-            return leaf(data)
-        out = [_map(v, fn, leaf) for v in data]
-        return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)
-    return data if leaf is None else leaf(data)
+    """``fn`` on every tensor of ``data``; ``leaf`` (when given) on every other value and
+    on each non-empty per-sample list, which it takes whole."""
+    if leaf is None:
+        return tree_map_only(torch.Tensor, fn, data)
+    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else leaf(x), data,
+                    is_leaf=lambda x: is_sample_list(x) and len(x) > 0)
 
 
 # -- public helpers ------------------------------------------------------------------
