@@ -7,6 +7,7 @@ import inspect
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from ember.distributed.collectives import is_sample_list
 from ember.errors import MisconfigurationError
@@ -74,41 +75,18 @@ def _gather_outputs(t, outs: list, loader, full: bool = True) -> list:
         return outs
     cat = _concat(outs)
     full = distributed.gather_for_metrics(cat, num_padded=num_padded(loader) if full else 0, strategy=t.strategy)
-    bs = getattr(loader, "batch_size", None) or _first_len(outs[0])
+    bs = getattr(loader, "batch_size", None) or len(tree_leaves(outs[0], is_leaf=is_sample_list)[0])
     return _split(full, bs)
 
 
 def _concat(outs):
-    o = outs[0]
-    if isinstance(o, torch.Tensor):
-        return torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in outs])
-    if isinstance(o, dict):
-        return {k: _concat([x[k] for x in outs]) for k in o}
-    if is_sample_list(o):
-        return [v for x in outs for v in x]
-    return type(o)(_concat([x[i] for x in outs]) for i in range(len(o)))
-
-
-def _first_len(o):
-    if isinstance(o, torch.Tensor):
-        return o.shape[0]
-    if isinstance(o, dict):
-        return _first_len(next(iter(o.values())))
-    if is_sample_list(o):
-        return len(o)
-    return _first_len(o[0])
+    """The batch outputs joined along dim 0, leaf by leaf (per-sample lists are leaves)."""
+    flat = [tree_flatten(o, is_leaf=is_sample_list) for o in outs]
+    joined = [torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in col]) if isinstance(col[0], torch.Tensor)
+              else [v for x in col for v in x] for col in zip(*(leaves for leaves, _ in flat))]
+    return tree_unflatten(joined, flat[0][1])
 
 
 def _split(data, bs):
-    n = _first_len(data)
-    return [_slice(data, i, i + bs) for i in range(0, n, bs)]
-
-
-def _slice(data, a, b):
-    if isinstance(data, torch.Tensor):
-        return data[a:b]
-    if isinstance(data, dict):
-        return {k: _slice(v, a, b) for k, v in data.items()}
-    if is_sample_list(data):
-        return data[a:b]
-    return type(data)(_slice(v, a, b) for v in data)
+    n = len(tree_leaves(data, is_leaf=is_sample_list)[0])
+    return [tree_map(lambda x: x[i:i + bs], data, is_leaf=is_sample_list) for i in range(0, n, bs)]
