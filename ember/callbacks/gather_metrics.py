@@ -27,20 +27,6 @@ from ember.errors import MisconfigurationError, invalid_choice
 STAGES = ("validate", "test", "predict")
 
 
-def _cat(parts: list) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts])
-    if isinstance(first, dict):
-        return {k: _cat([p[k] for p in parts]) for k in first}
-    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (torch.Tensor, dict)):
-        return type(first)(_cat([p[i] for p in parts]) for i in range(len(first)))
-    out = []
-    for p in parts:  # per-sample python values (e.g. strings)
-        out.extend(p if isinstance(p, (list, tuple)) else [p])
-    return out
-
-
 class GatherMetrics(Callback):
     """Gather step outputs from every rank and compute epoch metrics exactly once.
 
@@ -111,12 +97,12 @@ class GatherMetrics(Callback):
 
     def _gathered(self, trainer, idx: int) -> Any:
         from ember.data.sampling import num_padded
-        from ember.distributed.collectives import gather_for_metrics
+        from ember.distributed.collectives import concat_outputs, gather_for_metrics
         parts = self._buf.get(idx, [])
         loader = self._loaders.get(idx)
         padding = num_padded(loader, self._batches.get(idx, 0)) if loader is not None else 0   # full passes only
         strategy = getattr(trainer, "strategy", None)
-        local = _cat(parts) if parts else None
+        local = concat_outputs(parts) if parts else None
         counts = strategy.all_gather_object(local is None) if strategy is not None else [local is None]
         if any(counts):
             if all(counts):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
 
 from ember.errors import invalid_choice
 
@@ -187,6 +187,24 @@ def is_sample_list(data: Any) -> bool:
     """A list/tuple of plain values (strings, numbers): one value per sample, gathered
     as a whole rather than element by element."""
     return isinstance(data, (list, tuple)) and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in data)
+
+
+def concat_outputs(parts: list) -> Any:
+    """Per-batch outputs (tensors, per-sample lists or values, in dicts, lists, tuples)
+    joined along dim 0, leaf by leaf."""
+    flat = [tree_flatten(p, is_leaf=is_sample_list) for p in parts]
+
+    def join(col: tuple) -> Any:
+        if isinstance(col[0], torch.Tensor):
+            return torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in col])
+        return [v for x in col for v in (x if isinstance(x, (list, tuple)) else [x])]
+    return tree_unflatten([join(col) for col in zip(*(leaves for leaves, _ in flat))], flat[0][1])
+
+
+def split_outputs(data: Any, size: int) -> list:
+    """``data`` (as :func:`concat_outputs` joins it) cut back into batches of ``size`` rows."""
+    n = len(tree_leaves(data, is_leaf=is_sample_list)[0])
+    return [tree_map(lambda x: x[i:i + size], data, is_leaf=is_sample_list) for i in range(0, n, size)]
 
 
 def first_rows(data: Any) -> int | None:

@@ -7,9 +7,7 @@ import inspect
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from ember.distributed.collectives import is_sample_list
 from ember.errors import MisconfigurationError
 from ember.trainer.data import batch_transfer, count_batches, prepare_batch, start_pass
 from ember.trainer.events import Event
@@ -73,20 +71,7 @@ def _gather_outputs(t, outs: list, loader, full: bool = True) -> list:
     from ember.data.sampling import num_padded
     if not outs or not all(isinstance(o, (torch.Tensor, dict, list, tuple)) for o in outs):
         return outs
-    cat = _concat(outs)
+    cat = distributed.concat_outputs(outs)
     full = distributed.gather_for_metrics(cat, num_padded=num_padded(loader) if full else 0, strategy=t.strategy)
-    bs = getattr(loader, "batch_size", None) or len(tree_leaves(outs[0], is_leaf=is_sample_list)[0])
-    return _split(full, bs)
-
-
-def _concat(outs):
-    """The batch outputs joined along dim 0, leaf by leaf (per-sample lists are leaves)."""
-    flat = [tree_flatten(o, is_leaf=is_sample_list) for o in outs]
-    joined = [torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in col]) if isinstance(col[0], torch.Tensor)
-              else [v for x in col for v in x] for col in zip(*(leaves for leaves, _ in flat))]
-    return tree_unflatten(joined, flat[0][1])
-
-
-def _split(data, bs):
-    n = len(tree_leaves(data, is_leaf=is_sample_list)[0])
-    return [tree_map(lambda x: x[i:i + bs], data, is_leaf=is_sample_list) for i in range(0, n, bs)]
+    bs = getattr(loader, "batch_size", None) or distributed.first_rows(outs[0])
+    return distributed.split_outputs(full, bs)
