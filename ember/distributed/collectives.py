@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from ember.errors import invalid_choice
 
@@ -223,11 +223,17 @@ def first_rows(data: Any) -> int | None:
 
 def _map(data: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] | None = None) -> Any:
     """``fn`` on every tensor of ``data``; ``leaf`` (when given) on every other value and
-    on each non-empty per-sample list, which it takes whole."""
-    if leaf is None:
-        return tree_map_only(torch.Tensor, fn, data)
-    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else leaf(x), data,
-                    is_leaf=lambda x: is_sample_list(x) and len(x) > 0)
+    on each non-empty per-sample list, which it takes whole. A dict subclass torch's pytree
+    does not know is an error (its tensors would pass unreduced)."""
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, dict):
+            raise TypeError(f"a {type(x).__qualname__} (a dict subclass torch.utils._pytree does not know) cannot "
+                            "go through a collective: pass a dict, or register the class with "
+                            "torch.utils._pytree.register_pytree_node")
+        return x if leaf is None else leaf(x)
+    return tree_map(one, data, is_leaf=None if leaf is None else lambda x: is_sample_list(x) and len(x) > 0)
 
 
 # -- public helpers ------------------------------------------------------------------
