@@ -287,17 +287,10 @@ class TrainModule(HyperparametersMixin, nn.Module):
     # -- collectives ----------------------------------------------------------------
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
         """Stack ``data`` from every rank: tensors get a leading world dim."""
+        from torch.utils._pytree import tree_map
         gather = self.trainer.strategy.all_gather
-
-        def apply(d):
-            if isinstance(d, torch.Tensor):
-                return gather(d)
-            if isinstance(d, dict):
-                return {k: apply(v) for k, v in d.items()}
-            if isinstance(d, (list, tuple)):
-                return type(d)(apply(v) for v in d)
-            return gather(torch.as_tensor(d, device=self.device))
-        return apply(data)
+        return tree_map(lambda d: gather(d if isinstance(d, torch.Tensor) else torch.as_tensor(d, device=self.device)),
+                        data)
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Gather ``data`` (tensors, dicts/lists/tuples of them, lists of strings; dim 0 =

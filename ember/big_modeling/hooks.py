@@ -6,12 +6,12 @@ forward hook puts the meta placeholders back afterwards, also when the forward r
 """
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ember.big_modeling.device_map import (DeviceMapError, check_device_map, infer_auto_device_map,
                                            owner_entry, torch_device, _device_key)
@@ -28,26 +28,9 @@ class DiskRef(NamedTuple):
 
 
 def send_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor (in nested lists, tuples, dicts, model outputs) on ``device``;
-    the same object when nothing had to move. Other objects (e.g. caches) are left alone."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        moved = [send_to_device(o, device) for o in obj]
-        if all(a is b for a, b in zip(moved, obj)):
-            return obj
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, dict):
-        moved = {k: send_to_device(v, device) for k, v in obj.items()}
-        if all(moved[k] is v for k, v in obj.items()):
-            return obj
-        if type(obj) is dict:
-            return moved
-        new = copy.copy(obj)   # ModelOutput, BatchEncoding, OrderedDict...
-        for k, v in moved.items():
-            new[k] = v
-        return new
-    return obj
+    """``obj`` with every tensor (in nested lists, tuples, dicts, model outputs) on ``device``.
+    Other objects (e.g. caches) are left alone."""
+    return tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), obj)
 
 
 def _first_device(obj: Any) -> torch.device | None:

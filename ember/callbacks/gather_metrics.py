@@ -19,35 +19,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ember.callbacks.base import Callback
 from ember.errors import MisconfigurationError, invalid_choice
 
 STAGES = ("validate", "test", "predict")
-
-
-def _detach(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, dict):
-        return {k: _detach(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detach(v) for v in x)
-    return x
-
-
-def _cat(parts: list) -> Any:
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts])
-    if isinstance(first, dict):
-        return {k: _cat([p[k] for p in parts]) for k in first}
-    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (torch.Tensor, dict)):
-        return type(first)(_cat([p[i] for p in parts]) for i in range(len(first)))
-    out = []
-    for p in parts:  # per-sample python values (e.g. strings)
-        out.extend(p if isinstance(p, (list, tuple)) else [p])
-    return out
 
 
 class GatherMetrics(Callback):
@@ -102,7 +79,7 @@ class GatherMetrics(Callback):
 
     def _collect(self, trainer, outputs, stage: str, dataloader_idx: int) -> None:
         if stage == "predict":
-            value = _detach(outputs)
+            value = tree_map_only(torch.Tensor, torch.Tensor.detach, outputs)
         else:
             if not isinstance(outputs, dict) or any(k not in outputs for k in self.keys):
                 have = sorted(outputs) if isinstance(outputs, dict) else type(outputs).__name__
@@ -110,7 +87,7 @@ class GatherMetrics(Callback):
                 raise MisconfigurationError(
                     f"GatherMetrics(keys={self.keys!r}): {hook} must return a dict holding those keys; "
                     f"it returned {have}")
-            value = tuple(_detach(outputs[k]) for k in self.keys)
+            value = tuple(tree_map_only(torch.Tensor, torch.Tensor.detach, outputs[k]) for k in self.keys)
         if dataloader_idx not in self._buf:
             self._buf[dataloader_idx] = []
             self._loaders[dataloader_idx] = getattr(trainer, "current_dataloader", None)
@@ -120,12 +97,12 @@ class GatherMetrics(Callback):
 
     def _gathered(self, trainer, idx: int) -> Any:
         from ember.data.sampling import num_padded
-        from ember.distributed.collectives import gather_for_metrics
+        from ember.distributed.collectives import concat_outputs, gather_for_metrics
         parts = self._buf.get(idx, [])
         loader = self._loaders.get(idx)
         padding = num_padded(loader, self._batches.get(idx, 0)) if loader is not None else 0   # full passes only
         strategy = getattr(trainer, "strategy", None)
-        local = _cat(parts) if parts else None
+        local = concat_outputs(parts) if parts else None
         counts = strategy.all_gather_object(local is None) if strategy is not None else [local is None]
         if any(counts):
             if all(counts):

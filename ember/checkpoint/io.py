@@ -658,8 +658,9 @@ _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_size: int | str = "10GB",
                        metadata: dict[str, str] | None = None) -> list[str]:
     """Export weights as Hugging Face-style safetensors: ``model.safetensors`` when they
-    fit in one shard, else ``model-0000i-of-0000N.safetensors`` plus
-    ``model.safetensors.index.json``. Tied tensors stay together in one shard.
+    fit in one shard, else the shards and ``model.safetensors.index.json`` of
+    ``huggingface_hub.split_torch_state_dict_into_shards`` (what transformers' ``save_pretrained``
+    writes; that package is needed then). Tied tensors stay together in one shard.
     Returns the written file names. Stale shards of an earlier export are removed when ember
     wrote them; a weights file ember did not write is never replaced (CheckpointError)."""
     limit = parse_size(max_shard_size)
@@ -669,31 +670,23 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
         if _SHARD_RE.match(name) or name == WEIGHTS_NAME:
             checks.check_replace(os.path.join(save_dir, name), f"save_model({save_dir!r})")
     tensors, aliases = _prepare_tensors(state_dict)
+    files, index = {WEIGHTS_NAME: list(tensors)}, None
+    if sum(t.numel() * t.element_size() for t in tensors.values()) > limit:
+        from ember.checkpoint.rng import import_optional
+        hub = import_optional("huggingface_hub", f"save_model(max_shard_size={max_shard_size!r})",
+                              'pip install huggingface_hub (or "ember[transformers]")')
+        split = hub.split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                                       max_shard_size=limit)
+        files = split.filename_to_tensors
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename} if split.is_sharded else None
     followers = collections.defaultdict(list)
     for alias, target in aliases.items():
         followers[target].append(alias)
-    shards: list[dict] = [{}]
-    sizes = [0]
-    total = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        total += n
-        if shards[-1] and sizes[-1] + n > limit:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = t
-        for alias in followers.get(name, ()):
-            shards[-1][alias] = t
-        sizes[-1] += n
-    names = ([WEIGHTS_NAME] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for fname, shard in zip(names, shards):
-        save_weights_file(os.path.join(save_dir, fname), shard, metadata)
-    keep = set(names)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: fname for fname, shard in zip(names, shards) for k in shard
-                                if k not in aliases}}
+    for fname, keys in files.items():
+        save_weights_file(os.path.join(save_dir, fname),
+                          {k: tensors[key] for key in keys for k in (key, *followers[key])}, metadata)
+    keep = set(files)
+    if index is not None:
         tmp = os.path.join(save_dir, INDEX_NAME + _TMP_SUFFIX)
         with open(tmp, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)

@@ -10,50 +10,26 @@ import collections
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
+from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten, tree_flatten_with_path, tree_unflatten
+
 from ember.data import resume as _resume
 from ember.data.sampling import set_epoch as _set_epoch
 
 MODES = ("min_size", "max_size_cycle", "max_size", "sequential")
 
 
-# -- a flat list of the iterables and back (dicts, lists and tuples are containers) -----------------
-def _flatten(tree: Any) -> tuple[list, Any]:
-    if isinstance(tree, dict):
-        parts = [_flatten(v) for v in tree.values()]
-        return [x for p in parts for x in p[0]], ("dict", list(tree.keys()), [p[1] for p in parts])
-    if isinstance(tree, (list, tuple)):
-        parts = [_flatten(v) for v in tree]
-        return [x for p in parts for x in p[0]], (type(tree), None, [p[1] for p in parts])
-    return [tree], None
-
-
-def _count(spec: Any) -> int:
-    return 1 if spec is None else sum(_count(s) for s in spec[2])
-
-
-def _unflatten(values: list, spec: Any) -> Any:
-    if spec is None:
-        return values[0]
-    kind, keys, children = spec
-    out, i = [], 0
-    for child in children:
-        n = _count(child)
-        out.append(_unflatten(values[i:i + n], child))
-        i += n
-    if kind == "dict":
-        return dict(zip(keys, out))
-    return kind(out) if kind is tuple else list(out)
-
-
-def _names(spec: Any, prefix: str = "") -> list[str]:
+def _names(tree: Any) -> list[str]:
     """The path of each flattened loader in the structure (``a``, ``x[1]``, ``[0]``)."""
-    if spec is None:
-        return [prefix or "[0]"]
-    kind, keys, children = spec
-    out: list[str] = []
-    for i, child in enumerate(children):
-        part = (f".{keys[i]}" if prefix else str(keys[i])) if kind == "dict" else f"[{i}]"
-        out.extend(_names(child, prefix + part))
+    out = []
+    for path, _ in tree_flatten_with_path(tree)[0]:
+        name = ""
+        for k in path:
+            if isinstance(k, SequenceKey):
+                name += f"[{k.idx}]"
+            else:
+                key = k.key if isinstance(k, MappingKey) else k.name
+                name += f".{key}" if name else str(key)
+        out.append(name or "[0]")
     return out
 
 
@@ -90,7 +66,7 @@ class CombinedLoader(Iterable):
         if mode not in MODES:
             raise ValueError(f"Unsupported mode {mode!r}, please select one of: {list(MODES)}.")
         self._iterables = iterables
-        self._flattened, self._spec = _flatten(iterables)
+        self._flattened, self._spec = tree_flatten(iterables)
         self._mode = mode
         self._limits: list | None = None
         self._iterator: _CombinedPass | None = None
@@ -118,18 +94,18 @@ class CombinedLoader(Iterable):
         if len(flattened) != len(self._flattened):
             raise ValueError(f"Mismatch in flattened length ({len(flattened)}) and existing length "
                              f"({len(self._flattened)})")
-        self._iterables = _unflatten(list(flattened), self._spec)
+        self._iterables = tree_unflatten(list(flattened), self._spec)
         self._flattened = list(flattened)
 
     @property
     def sampler(self) -> Any:
         """The loaders' samplers, in the structure of :attr:`iterables`."""
-        return _unflatten([getattr(x, "sampler", None) for x in self._flattened], self._spec)
+        return tree_unflatten([getattr(x, "sampler", None) for x in self._flattened], self._spec)
 
     @property
     def batch_sampler(self) -> Any:
         """The loaders' batch samplers, in the structure of :attr:`iterables`."""
-        return _unflatten([getattr(x, "batch_sampler", None) for x in self._flattened], self._spec)
+        return tree_unflatten([getattr(x, "batch_sampler", None) for x in self._flattened], self._spec)
 
     @property
     def limits(self) -> list | None:
@@ -185,7 +161,7 @@ class CombinedLoader(Iterable):
         out.__dict__.update(self.__dict__)
         pairs = [prepare(dl) for dl in self._flattened]
         out._flattened = [p[0] for p in pairs]
-        out._iterables = _unflatten(list(out._flattened), self._spec)
+        out._iterables = tree_unflatten(list(out._flattened), self._spec)
         out._draws = [int(p[1]) for p in pairs]
         out._iterator = None
         return out
@@ -193,7 +169,7 @@ class CombinedLoader(Iterable):
     def ember_names(self) -> list[str]:
         """The name of each loader of :attr:`flattened`, for messages: its key in a dict
         (``"a"``, ``"x[1]"`` when nested), its index in a list (``"[0]"``)."""
-        return _names(self._spec)
+        return _names(self._iterables)
 
     def ember_set_epoch(self, epoch: int) -> None:
         """The epoch of the next pass (each loader's data order and worker seeds follow it)."""
@@ -332,7 +308,7 @@ class _CombinedPass:
                 raise StopIteration
         index = self.idx
         self.idx += 1
-        return _unflatten(out, self.c._spec), index, 0
+        return tree_unflatten(out, self.c._spec), index, 0
 
     def _next_loader(self) -> None:
         self.current += 1

@@ -12,6 +12,7 @@ import os
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 def prefetch_enabled(device: torch.device) -> bool:
@@ -24,27 +25,15 @@ def prefetch_enabled(device: torch.device) -> bool:
 
 
 def _pin(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory() if batch.device.type == "cpu" and not batch.is_pinned() else batch
-    if isinstance(batch, dict):
-        return type(batch)((k, _pin(v)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)):
-        out = [_pin(v) for v in batch]
-        return type(batch)(*out) if hasattr(batch, "_fields") else type(batch)(out)
-    return batch
+    return tree_map_only(torch.Tensor, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned()
+                         else t, batch)
 
 
 def _record(batch: Any, stream) -> None:
     """Tell the caching allocator that ``stream`` uses the batch's device memory."""
-    if isinstance(batch, torch.Tensor):
-        if batch.is_cuda:
-            batch.record_stream(stream)
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            _record(v, stream)
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            _record(v, stream)
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
 
 
 class DevicePrefetch:

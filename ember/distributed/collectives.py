@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from ember.errors import invalid_choice
 
@@ -188,6 +189,24 @@ def is_sample_list(data: Any) -> bool:
     return isinstance(data, (list, tuple)) and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in data)
 
 
+def concat_outputs(parts: list) -> Any:
+    """Per-batch outputs (tensors, per-sample lists or values, in dicts, lists, tuples)
+    joined along dim 0, leaf by leaf."""
+    flat = [tree_flatten(p, is_leaf=is_sample_list) for p in parts]
+
+    def join(col: tuple) -> Any:
+        if isinstance(col[0], torch.Tensor):
+            return torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in col])
+        return [v for x in col for v in (x if isinstance(x, (list, tuple)) else [x])]
+    return tree_unflatten([join(col) for col in zip(*(leaves for leaves, _ in flat))], flat[0][1])
+
+
+def split_outputs(data: Any, size: int) -> list:
+    """``data`` (as :func:`concat_outputs` joins it) cut back into batches of ``size`` rows."""
+    n = len(tree_leaves(data, is_leaf=is_sample_list)[0])
+    return [tree_map(lambda x: x[i:i + size], data, is_leaf=is_sample_list) for i in range(0, n, size)]
+
+
 def first_rows(data: Any) -> int | None:
     """Rows (dim 0) of the first tensor in ``data``, or the length of a per-sample list."""
     if isinstance(data, torch.Tensor):
@@ -203,16 +222,18 @@ def first_rows(data: Any) -> int | None:
 
 
 def _map(data: Any, fn: Callable[[torch.Tensor], Any], leaf: Callable[[Any], Any] | None = None) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, dict):
-        return type(data)((k, _map(v, fn, leaf)) for k, v in data.items())
-    if isinstance(data, (list, tuple)):
-        if leaf is not None and data and is_sample_list(data):
-            return leaf(data)
-        out = [_map(v, fn, leaf) for v in data]
-        return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)
-    return data if leaf is None else leaf(data)
+    """``fn`` on every tensor of ``data``; ``leaf`` (when given) on every other value and
+    on each non-empty per-sample list, which it takes whole. A dict subclass torch's pytree
+    does not know is an error (its tensors would pass unreduced)."""
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if isinstance(x, dict):
+            raise TypeError(f"a {type(x).__qualname__} (a dict subclass torch.utils._pytree does not know) cannot "
+                            "go through a collective: pass a dict, or register the class with "
+                            "torch.utils._pytree.register_pytree_node")
+        return x if leaf is None else leaf(x)
+    return tree_map(one, data, is_leaf=None if leaf is None else lambda x: is_sample_list(x) and len(x) > 0)
 
 
 # -- public helpers ------------------------------------------------------------------

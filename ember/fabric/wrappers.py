@@ -2,7 +2,6 @@
 ``_unwrap_objects`` (the original objects inside a collection of set-up ones)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from ember.compat.fabric import FabricModule
@@ -29,12 +28,5 @@ def _unwrap_one(obj: Any) -> Any:
 def _unwrap_objects(collection: Any) -> Any:
     """``collection`` (an object, or dicts/lists/tuples of them) with each set-up model,
     optimizer or dataloader replaced by the object inside it (as Lightning Fabric's)."""
-    if isinstance(collection, Mapping):
-        items = {k: _unwrap_objects(v) for k, v in collection.items()}
-        try:
-            return type(collection)(items)
-        except TypeError:
-            return items
-    if isinstance(collection, (list, tuple)) and not hasattr(collection, "_fields"):
-        return type(collection)(_unwrap_objects(v) for v in collection)
-    return _unwrap_one(collection)
+    from torch.utils._pytree import tree_map
+    return tree_map(_unwrap_one, collection)

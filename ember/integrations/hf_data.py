@@ -6,6 +6,7 @@ Public names are re-exported by :mod:`ember.integrations.transformers`.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import warnings
@@ -91,7 +92,6 @@ def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[i
 # ---------------------------------------------------------------------------------- tokenising in processes
 #: from this many texts on, a split is tokenised by several processes (``num_proc=None``)
 PARALLEL_MIN_TEXTS = 100_000
-_WORKER_TOKENIZER: list = []
 
 
 def _encode_chunk(tokenizer, texts: list[str], pairs: list[str] | None, kw: dict) -> dict[str, list[list[int]]]:
@@ -102,45 +102,16 @@ def _encode_chunk(tokenizer, texts: list[str], pairs: list[str] | None, kw: dict
     return out
 
 
-def _worker_init(tokenizer) -> None:
-    _WORKER_TOKENIZER[:] = [tokenizer]
-
-
-def _worker_encode(job) -> dict[str, list[list[int]]]:
-    texts, pairs, kw = job
-    return _encode_chunk(_WORKER_TOKENIZER[0], texts, pairs, kw)
-
-
 def _encode_in_processes(tokenizer, texts: list[str], pairs: list[str] | None, kw: dict,
                          procs: int) -> dict[str, list[list[int]]]:
-    """Tokenise in ``procs`` processes, in order: the same token ids as one process.
-
-    A fast tokenizer already encodes a batch on several threads in Rust; what one process
-    cannot spread is turning the encodings into Python lists, most of the time for short
-    texts. Workers are forked where the platform allows it (the tokenizer is not pickled),
-    with the tokenizers library's own threads off in them (TOKENIZERS_PARALLELISM=false:
-    one thread per process, and no warning about forking after its threads ran)."""
-    import multiprocessing as mp
-    n = len(texts)
-    step = -(-n // (procs * 4))
-    jobs = [(texts[i:i + step], pairs[i:i + step] if pairs is not None else None, kw) for i in range(0, n, step)]
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    old = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        pool = mp.get_context(method).Pool(procs, initializer=_worker_init, initargs=(tokenizer,))
-    finally:
-        if old is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = old
-    with pool:
-        parts = pool.map(_worker_encode, jobs, chunksize=1)
-    out: dict[str, list[list[int]]] = {k: [] for k in parts[0]} if parts else {"input_ids": []}
-    for part in parts:
-        for k, v in part.items():
-            out[k].extend(v)
-    return out
+    """Tokenise with ``datasets.Dataset.map(num_proc=procs)``, in order: the token ids of one process."""
+    from ember.checkpoint.rng import import_optional
+    datasets = import_optional("datasets", f"num_proc={procs}", "pip install datasets")
+    cols = {"text": texts} if pairs is None else {"text": texts, "pair": pairs}
+    out = datasets.Dataset.from_dict(cols).map(
+        lambda batch: _encode_chunk(tokenizer, batch["text"], batch.get("pair"), kw), batched=True,
+        num_proc=procs, remove_columns=list(cols), new_fingerprint="ember-tokenise")   # no hashing of the tokenizer
+    return {k: out[k][:] for k in out.column_names}
 
 
 # ---------------------------------------------------------------------------------- base DataModule
@@ -159,6 +130,9 @@ class _HFTextData(DataModule):
         super().__init__()
         if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
             raise MisconfigurationError(f"num_proc={num_proc!r} is not valid; use an int >= 1 or None (automatic)")
+        if num_proc is not None and num_proc > 1:
+            from ember.checkpoint.rng import require_package
+            require_package("datasets", f"num_proc={num_proc}", "pip install datasets", MisconfigurationError)
         self.num_proc = num_proc
         for name, v in (("max_length", max_length), ("batch_size", batch_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -251,10 +225,11 @@ class _HFTextData(DataModule):
 
     def _processes(self, n: int) -> int:
         """How many processes tokenise ``n`` texts: ``num_proc``, or automatically up to 8
-        (the CPUs this process may use) from :data:`PARALLEL_MIN_TEXTS` texts on."""
+        (the CPUs this process may use) from :data:`PARALLEL_MIN_TEXTS` texts on where
+        ``datasets`` is installed."""
         if self.num_proc is not None:
             return max(1, min(self.num_proc, n // 1000 or 1))
-        if n < PARALLEL_MIN_TEXTS:
+        if n < PARALLEL_MIN_TEXTS or importlib.util.find_spec("datasets") is None:
             return 1
         try:
             cpus = len(os.sched_getaffinity(0))

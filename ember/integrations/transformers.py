@@ -91,28 +91,6 @@ def _task_of_class(name: str) -> str | None:
     return None
 
 
-def _lr_lambda(kind: str, warmup_steps: int | None, warmup_ratio: float, total_steps):
-    """LambdaLR factor: linear warmup, then linear/cosine decay to 0 (or constant).
-    ``total_steps`` is a callable, read at the first step (when the Trainer knows its data)."""
-    cache: dict[str, int] = {}
-
-    def fn(step: int) -> float:
-        if "total" not in cache:
-            total = total_steps()
-            if total is None:   # not known yet (scheduler construction): the first step's factor
-                return 0.0 if (warmup_steps or (warmup_steps is None and warmup_ratio > 0)) else 1.0
-            cache["total"] = max(1, int(total))
-            cache["warmup"] = warmup_steps if warmup_steps is not None else math.ceil(warmup_ratio * cache["total"])
-        total, warmup = cache["total"], cache["warmup"]
-        if step < warmup:
-            return step / max(1, warmup)
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    return fn
-
-
 def _no_decay(module: nn.Module, name: str) -> bool:
     return name.endswith("bias") or "norm" in type(module).__name__.lower() or "norm" in name.lower()
 
@@ -756,16 +734,23 @@ class TransformersModule(TrainModule):
             raise MisconfigurationError("no trainable parameters (is everything frozen?)")
         fused = {"fused": True} if self._fused_ok(decay + no_decay) else {}
         opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **fused)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self._schedule(opt), "interval": "step", "frequency": 1}}
 
-        def total_steps():
+    def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """transformers' ``get_scheduler``, sized by the Trainer's ``estimated_stepping_batches``."""
+        from transformers import get_scheduler
+        warmup, total = self.warmup_steps, None
+        if self.scheduler != "constant" or warmup is None:
             t = self._trainer
             if t is None or not t.num_training_batches:
-                return None
-            return t.estimated_stepping_batches
-
-        fn = _lr_lambda(self.scheduler, self.warmup_steps, self.warmup_ratio, total_steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, fn)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+                raise MisconfigurationError(
+                    f"TransformersModule(scheduler={self.scheduler!r}, warmup_steps={self.warmup_steps!r}) is sized "
+                    "from the Trainer's data (estimated_stepping_batches): call configure_optimizers inside "
+                    "Trainer.fit, or pass scheduler=\"constant\" and warmup_steps=N, which need no total")
+            total = t.estimated_stepping_batches
+            warmup = warmup if warmup is not None else math.ceil(self.warmup_ratio * total)
+        name = "constant_with_warmup" if self.scheduler == "constant" else self.scheduler
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
     # ------------------------------------------------------------------ export
     @classmethod

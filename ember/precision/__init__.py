@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from ember.errors import invalid_choice
@@ -71,14 +72,7 @@ def clear_grads(optimizer: Any) -> None:
 
 
 def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, dict):
-        return type(data)((k, _cast_floats(v, dtype)) for k, v in data.items())
-    if isinstance(data, (list, tuple)):
-        out = [_cast_floats(v, dtype) for v in data]
-        return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)
-    return data
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, data)
 
 
 class Precision:

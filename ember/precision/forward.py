@@ -6,22 +6,12 @@ import types
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 
 # -- forward under the precision -----------------------------------------------------------------
 def _to_float32(x: Any, low: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.float() if x.dtype == low else x
-    if isinstance(x, dict):
-        if type(x) is dict:
-            return {k: _to_float32(v, low) for k, v in x.items()}
-        for k in list(x.keys()):  # OrderedDict subclasses such as transformers' ModelOutput
-            x[k] = _to_float32(x[k], low)
-        return x
-    if isinstance(x, (list, tuple)):
-        out = [_to_float32(v, low) for v in x]
-        return type(x)(*out) if hasattr(x, "_fields") else type(x)(out)
-    return x
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype == low else t, x)
 
 
 def wrap_forward(module: torch.nn.Module, precision: Any, outputs_to_fp32: bool = False) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ember.errors import MisconfigurationError
 from ember.precision import NULL_CONTEXT, Precision
@@ -20,20 +21,19 @@ from ember.precision import NULL_CONTEXT, Precision
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return type(batch)((k, move_to_device(v, device, non_blocking)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)):
-        out = [move_to_device(v, device, non_blocking) for v in batch]
-        return type(batch)(*out) if hasattr(batch, "_fields") else type(batch)(out)
-    if hasattr(batch, "to") and callable(batch.to) and not isinstance(batch, nn.Module):
-        try:  # e.g. transformers' BatchEncoding
-            return batch.to(device)
-        except TypeError:
-            return batch
-    return batch
+    """Move every tensor in a batch (the containers torch's pytree knows: dicts, lists,
+    tuples, namedtuples, transformers' ModelOutput) to ``device``; other objects with a
+    ``.to`` (transformers' BatchEncoding) move themselves."""
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device, non_blocking=non_blocking)
+        if callable(getattr(x, "to", None)) and not isinstance(x, nn.Module):
+            try:
+                return x.to(device)
+            except TypeError:
+                return x
+        return x
+    return tree_map(move, batch)
 
 
 class Strategy:

@@ -132,7 +132,8 @@ class DDPStrategy(Strategy):
         self._launcher: launchers.SubprocessLauncher | None = None
         self._ops: ProcessGroupOps | None = None
         self._configure_topology(devices)
-        if self._single and not self.cluster_environment.creates_processes_externally and self._devices_explicit:
+        if self.name == "ddp" and self._single and not self.cluster_environment.creates_processes_externally \
+                and self._devices_explicit:   # FSDP and DeepSpeed run one process as they are
             warnings.warn(f"strategy='ddp' with devices={devices!r} means one process: running it without "
                           "DistributedDataParallel (pass devices=N for N processes)", UserWarning, stacklevel=3)
 

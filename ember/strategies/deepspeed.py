@@ -195,11 +195,9 @@ class DeepSpeedStrategy(DDPStrategy):
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
                  start_method: str = "popen", cluster_environment: Any = None, async_save: bool = False,
                  **kwargs: Any) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
-            super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
-                             timeout=timeout, start_method=start_method, accelerator=accelerator,
-                             cluster_environment=cluster_environment)
+        super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, accelerator=accelerator,
+                         cluster_environment=cluster_environment)
         self.ddp_kwargs = {}
         self._user_config = _load_config(config)
         zero = self._user_config.get("zero_optimization") or {}

@@ -129,11 +129,9 @@ class FSDPStrategy(DDPStrategy):
                  process_group_backend: str | None = None,
                  timeout: "timedelta | float" = timedelta(minutes=30), accelerator: str | None = None,
                  start_method: str = "popen", cluster_environment: Any = None, **kwargs: Any) -> None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="strategy='ddp' with devices=")
-            super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
-                             timeout=timeout, start_method=start_method, accelerator=accelerator,
-                             cluster_environment=cluster_environment)
+        super().__init__(devices=devices, num_nodes=num_nodes, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, accelerator=accelerator,
+                         cluster_environment=cluster_environment)
         self.ddp_kwargs = {}
         if state_dict_type not in _STATE_DICT_TYPES:
             raise invalid_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)

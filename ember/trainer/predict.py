@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from ember.distributed.collectives import is_sample_list
 from ember.errors import MisconfigurationError
 from ember.trainer.data import batch_transfer, count_batches, prepare_batch, start_pass
 from ember.trainer.events import Event
@@ -72,43 +71,7 @@ def _gather_outputs(t, outs: list, loader, full: bool = True) -> list:
     from ember.data.sampling import num_padded
     if not outs or not all(isinstance(o, (torch.Tensor, dict, list, tuple)) for o in outs):
         return outs
-    cat = _concat(outs)
+    cat = distributed.concat_outputs(outs)
     full = distributed.gather_for_metrics(cat, num_padded=num_padded(loader) if full else 0, strategy=t.strategy)
-    bs = getattr(loader, "batch_size", None) or _first_len(outs[0])
-    return _split(full, bs)
-
-
-def _concat(outs):
-    o = outs[0]
-    if isinstance(o, torch.Tensor):
-        return torch.cat([x.reshape(-1) if x.ndim == 0 else x for x in outs])
-    if isinstance(o, dict):
-        return {k: _concat([x[k] for x in outs]) for k in o}
-    if is_sample_list(o):
-        return [v for x in outs for v in x]
-    return type(o)(_concat([x[i] for x in outs]) for i in range(len(o)))
-
-
-def _first_len(o):
-    if isinstance(o, torch.Tensor):
-        return o.shape[0]
-    if isinstance(o, dict):
-        return _first_len(next(iter(o.values())))
-    if is_sample_list(o):
-        return len(o)
-    return _first_len(o[0])
-
-
-def _split(data, bs):
-    n = _first_len(data)
-    return [_slice(data, i, i + bs) for i in range(0, n, bs)]
-
-
-def _slice(data, a, b):
-    if isinstance(data, torch.Tensor):
-        return data[a:b]
-    if isinstance(data, dict):
-        return {k: _slice(v, a, b) for k, v in data.items()}
-    if is_sample_list(data):
-        return data[a:b]
-    return type(data)(_slice(v, a, b) for v in data)
+    bs = getattr(loader, "batch_size", None) or distributed.first_rows(outs[0])
+    return distributed.split_outputs(full, bs)

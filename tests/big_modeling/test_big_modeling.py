@@ -417,3 +417,20 @@ def test_trainer_predict_with_a_dispatched_causal_lm(tmp_path):
     got = torch.cat(trainer.predict(module, loader))
     want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)[:, 6:]
     assert torch.equal(got, want)
+
+
+def test_a_sharded_export_is_the_layout_transformers_writes_and_loads(tmp_path):
+    from transformers import GPT2LMHeadModel
+    from ember.checkpoint.io import save_model_sharded
+    cfg, ref = _gpt2(tmp_path)
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="150KB")
+    files = save_model_sharded(ref.state_dict(), tmp_path / "ember", max_shard_size="150KB")
+    assert files == sorted(f for f in os.listdir(tmp_path / "hf") if "safetensors" in f)
+    theirs, ours = (json.loads((tmp_path / d / "model.safetensors.index.json").read_text()) for d in ("hf", "ember"))
+    assert ours["weight_map"] == theirs["weight_map"]
+    assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"]
+    cfg.save_pretrained(tmp_path / "ember")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "ember").eval()
+    ids = torch.randint(2, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref(ids).logits)

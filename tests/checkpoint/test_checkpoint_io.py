@@ -409,6 +409,14 @@ def test_sharded_save_and_load(tmp_path):
     _assert_same(cio.load_model_sharded(tmp_path), sd)
 
 
+def test_sharding_needs_huggingface_hub_and_one_file_does_not(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)   # not installed
+    sd = {"a": torch.zeros(100), "b": torch.zeros(100)}
+    assert cio.save_model_sharded(sd, tmp_path, max_shard_size="1MB") == ["model.safetensors"]
+    with pytest.raises(ModuleNotFoundError, match=r"max_shard_size=500.*huggingface_hub.*pip install"):
+        cio.save_model_sharded(sd, tmp_path, max_shard_size=500)
+
+
 def test_parse_size():
     assert cio.parse_size("500MB") == 500 * 10**6
     assert cio.parse_size("2GB") == 2 * 10**9

@@ -49,6 +49,8 @@ def test_same_batches_as_lightnings_combined_loader(mode, structure, limits):
     shape = (lambda t: {k: shape(v) for k, v in t.items()} if isinstance(t, dict) else    # noqa: E731
              [shape(v) for v in t] if isinstance(t, (list, tuple)) else type(t).__name__)
     assert shape(ours.sampler) == shape(theirs.sampler)
+    assert ours.ember_names() == {"dict": ["a", "b"], "list": ["[0]", "[1]", "[2]"], "nested": ["x[0]", "x[1]", "y"],
+                                  "one": ["[0]"]}[structure]   # the names resume states record
 
 
 def test_importable_where_lightning_users_find_it():

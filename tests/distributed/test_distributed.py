@@ -25,6 +25,19 @@ def test_single_process_helpers():
     assert ed.all_gather_object(3) == [3]
 
 
+def test_collectives_keep_namedtuples_and_refuse_a_dict_subclass_pytree_does_not_know():
+    from collections import namedtuple
+    Pair = namedtuple("Pair", "x y")
+    out = ed.gather({"p": Pair(torch.tensor(1.0), [torch.ones(2), "s"])})
+    assert isinstance(out["p"], Pair) and out["p"].x.shape == (1,) and out["p"].y[1] == "s"
+
+    class Batch(dict):
+        pass
+
+    with pytest.raises(TypeError, match="Batch.*register_pytree_node"):   # its tensors would pass ungathered
+        ed.gather(Batch(x=torch.ones(1)))
+
+
 def test_gather_for_metrics_drops_padding_in_one_process():
     data = {"p": torch.arange(5), "nested": [torch.ones(5, 2)], "names": list("abcde")}
     out = ed.gather_for_metrics(data, num_padded=2)

@@ -59,7 +59,8 @@ def clone(sd):
 def test_lora_on_a_classifier_trains_adapters_and_head_only(tmp_path):
     base = hf_tiny.tiny_bert()
     start = clone(base.state_dict())
-    module = TransformersModule(base, lr=5e-3, peft_config=pc.lora(["query", "value"], task_type="SEQ_CLS"))
+    module = TransformersModule(base, lr=5e-3, scheduler="constant", warmup_steps=0,
+                                peft_config=pc.lora(["query", "value"], task_type="SEQ_CLS"))
     assert isinstance(module.model, peft.PeftModelForSequenceClassification)
     names = trainable(module)
     assert names and all(".lora_A." in n or ".lora_B." in n or ".modules_to_save." in n for n in names)

@@ -46,3 +46,11 @@ def test_automatic_process_count():
     assert TextClassificationData(tok, train=hf_tiny.sentiment_rows(10), num_proc=4)._processes(10) == 1
     with pytest.raises(MisconfigurationError, match="num_proc"):
         TextClassificationData(tok, train=hf_tiny.sentiment_rows(10), num_proc=0)
+
+
+def test_without_datasets_one_process_and_num_proc_names_the_package(monkeypatch):
+    tok = hf_tiny.make_tokenizer()
+    monkeypatch.setitem(sys.modules, "datasets", None)   # not installed
+    assert TextClassificationData(tok, train=hf_tiny.sentiment_rows(10))._processes(200_000) == 1
+    with pytest.raises(MisconfigurationError, match=r"num_proc=2 needs the `datasets` package.*pip install datasets"):
+        TextClassificationData(tok, train=hf_tiny.sentiment_rows(10), num_proc=2)

@@ -190,9 +190,20 @@ def test_export_best_checkpoint_gpt2_tied_weights(tmp_path):
 
 
 # ------------------------------------------------------------------------------- optimization
-def test_schedule_warmup_then_linear_decay_sized_from_the_data(tmp_path):
+def _former_factor(kind, step, warm, total):
+    """ember's own schedule before it used transformers' get_scheduler."""
+    if step < warm:
+        return step / max(1, warm)
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant"])
+def test_schedule_warmup_then_decay_sized_from_the_data(tmp_path, kind):
     data = TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(40), batch_size=4)
-    module = TransformersModule(hf_tiny.tiny_bert(), lr=1e-3, warmup_ratio=0.2)
+    module = TransformersModule(hf_tiny.tiny_bert(), lr=1e-3, warmup_ratio=0.2, scheduler=kind)
     lrs = []
 
     class Watch(ember.callbacks.Callback):
@@ -204,20 +215,20 @@ def test_schedule_warmup_then_linear_decay_sized_from_the_data(tmp_path):
     total = trainer.estimated_stepping_batches
     assert total == 10 == len(lrs)
     warm = math.ceil(0.2 * total)
-    expected = [s / warm if s < warm else (total - s) / (total - warm) for s in range(total)]
-    assert lrs == pytest.approx([1e-3 * e for e in expected])
+    assert lrs == pytest.approx([1e-3 * _former_factor(kind, s, warm, total) for s in range(total)], rel=1e-12)
 
 
-def test_cosine_and_constant_schedules():
-    from ember.integrations.transformers import _lr_lambda
-    cos = _lr_lambda("cosine", 2, 0.0, lambda: 10)
-    assert [cos(s) for s in (0, 1, 2, 6, 10)] == pytest.approx([0, 0.5, 1.0, 0.5, 0.0])
-    const = _lr_lambda("constant", None, 0.1, lambda: 20)
-    assert [const(s) for s in (0, 1, 2, 19)] == pytest.approx([0, 0.5, 1.0, 1.0])
+def test_schedule_without_a_trainer():
+    module = TransformersModule(hf_tiny.tiny_bert(), lr=1.0, scheduler="constant", warmup_steps=4)
+    sched = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert [sched.lr_lambdas[0](s) for s in (0, 2, 4, 100)] == [0.0, 0.5, 1.0, 1.0]
+    with pytest.raises(MisconfigurationError, match="estimated_stepping_batches"):
+        TransformersModule(hf_tiny.tiny_bert(), scheduler="cosine").configure_optimizers()
 
 
 def test_no_weight_decay_on_biases_and_norms_and_freeze_base():
-    module = TransformersModule(hf_tiny.tiny_bert(), weight_decay=0.1)
+    no_total = dict(scheduler="constant", warmup_steps=0)   # no Trainer sizes the schedule here
+    module = TransformersModule(hf_tiny.tiny_bert(), weight_decay=0.1, **no_total)
     opt = module.configure_optimizers()["optimizer"]
     names = {id(p): n for n, p in module.model.named_parameters()}
     decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
@@ -226,7 +237,7 @@ def test_no_weight_decay_on_biases_and_norms_and_freeze_base():
     assert "bert.embeddings.LayerNorm.weight" in plain and "classifier.bias" in plain
     assert not any(n.endswith("bias") or "LayerNorm" in n for n in decayed)
     assert opt.defaults["fused"] is True   # one fused AdamW kernel per step, as transformers' Trainer
-    frozen = TransformersModule(hf_tiny.tiny_bert(), freeze_base=True)
+    frozen = TransformersModule(hf_tiny.tiny_bert(), freeze_base=True, **no_total)
     params = [p for g in frozen.configure_optimizers()["optimizer"].param_groups for p in g["params"]]
     assert {id(p) for p in params} == {id(p) for p in frozen.model.classifier.parameters()}
 

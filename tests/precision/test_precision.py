@@ -265,3 +265,39 @@ def test_16_mixed_with_several_optimizers_unscales_each_once(make_trainer, data)
     # fp16 autocast changes the numbers a little, a wrong unscale by a factor of 64 a lot
     assert (flat(mixed.head) - flat(full.head)).norm() < 0.02 * flat(full.head).norm()
     assert (flat(mixed.net) - flat(full.net)).norm() < 0.02 * flat(full.net).norm()
+
+
+def test_batch_walks_keep_namedtuples_mappings_model_outputs_and_to_objects():
+    """Moving, casting and the float32 cast of outputs walk the same containers (torch's pytree)."""
+    from collections import OrderedDict, namedtuple
+    from torch.utils._pytree import tree_leaves
+    from transformers.modeling_outputs import BaseModelOutput
+    from ember.big_modeling import send_to_device
+    from ember.precision import _cast_floats
+    from ember.precision.forward import _to_float32
+    from ember.strategies.base import move_to_device
+
+    Pair = namedtuple("Pair", "x n")
+
+    class Encoding:   # transformers' BatchEncoding: not a container, moves itself
+        def to(self, device):
+            self.device = device
+            return self
+
+    def batch():
+        return {"a": [torch.zeros(2, dtype=torch.bfloat16), (torch.arange(3), "text")], "p": Pair(torch.zeros(1), 3),
+                "o": OrderedDict(t=torch.zeros(1)), "m": BaseModelOutput(last_hidden_state=torch.zeros(1, 2)),
+                "e": Encoding()}
+
+    def check(out, ok):
+        assert isinstance(out["p"], Pair) and out["p"].n == 3 and out["a"][1][1] == "text"
+        assert type(out["o"]) is OrderedDict and type(out["m"]) is BaseModelOutput
+        assert all(ok(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+    meta = torch.device("meta")
+    moved = move_to_device(batch(), meta)
+    check(moved, lambda t: t.is_meta)
+    assert moved["e"].device == meta
+    check(send_to_device(batch(), meta), lambda t: t.is_meta)
+    check(_cast_floats(batch(), torch.float16), lambda t: t.dtype in (torch.float16, torch.long))
+    check(_to_float32(batch(), torch.bfloat16), lambda t: t.dtype in (torch.float32, torch.long))
