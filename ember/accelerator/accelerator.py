@@ -21,7 +21,7 @@ from ember.data import sampling as edata
 from ember.data.loader import DataLoaderShard
 from ember.distributed import collectives as _dist
 from ember.distributed.debug import check_collective
-from ember.distributed.processes import Topology, _InOrder, _Islice, _Yield, _only, split_inputs
+from ember.distributed.processes import Topology, _Islice, _Yield, _only, split_inputs
 from ember.distributed.processes import share_strategy
 from ember.errors import DistributedOperationError, MisconfigurationError, invalid_choice
 from ember.loggers.trackers import check_log_with
@@ -477,19 +477,6 @@ class Accelerator(Topology):
         return hit
 
     # -- processes --------------------------------------------------------------------------
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    def main_process_first(self) -> ContextManager[None]:
-        """Context: the main process runs the body first, the others after it finished."""
-        return _InOrder(self, self.is_main_process)
-
-    def local_main_process_first(self) -> ContextManager[None]:
-        """Context: each node's local main process runs the body before the node's others."""
-        return _InOrder(self, self.is_local_main_process)
-
     def on_main_process(self, function: Callable) -> Callable:
         """Decorator: run ``function`` on the main process only (the others get None)."""
         return self.on_process(function, 0)

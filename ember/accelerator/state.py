@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager
 
 from ember.accelerator.config import distributed_type_of
-from ember.distributed.processes import Topology, _InOrder, _Yield, share_strategy, shared_strategy, split_inputs
+from ember.distributed.processes import Topology, _Yield, share_strategy, shared_strategy, split_inputs
 
 __all__ = ["PartialState", "AcceleratorState", "GradientState"]
 
@@ -47,19 +47,6 @@ class PartialState(Topology):
     def wait_for_everyone(self) -> None:
         """Barrier: wait until every process arrives."""
         self.strategy.barrier("wait_for_everyone")
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    def main_process_first(self) -> ContextManager[None]:
-        """Context manager: the main process runs the block first, then the others."""
-        return _InOrder(self, self.is_main_process)
-
-    def local_main_process_first(self) -> ContextManager[None]:
-        """Context manager: each machine's local main process runs the block first."""
-        return _InOrder(self, self.is_local_main_process)
 
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> ContextManager[Any]:
         """Context manager yielding this process's part of ``inputs`` (list, tuple, dict, tensor)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -25,6 +25,19 @@ class Topology:
     is_last_process = property(lambda self: self.process_index == self.num_processes - 1,
                                doc="bool: the highest global rank")
     use_distributed = property(lambda self: self.num_processes > 1, doc="bool: more than one process")
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def main_process_first(self) -> ContextManager[None]:
+        """Context manager: the main process runs the block first, then the others."""
+        return _InOrder(self, self.is_main_process)
+
+    def local_main_process_first(self) -> ContextManager[None]:
+        """Context manager: each machine's local main process runs the block first."""
+        return _InOrder(self, self.is_local_main_process)
 
 
 # -- the process's shared strategy ----------------------------------------------------------------
