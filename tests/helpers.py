@@ -11,7 +11,7 @@
   every process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
   (a job of several processes, output in files, stacks shown and all killed on a hang or
   when a process it started outlives it); ``in_process_cli`` (``ember.cli.main`` in the
-  test's process, for a ``cli`` fixture) and ``one_line_error`` (a run that ended in one
+  test's process: conftest.py's ``cli`` fixture) and ``one_line_error`` (a run that ended in one
   ``ember: error:`` line);
 - ``compare_finals`` (a full run's and a resumed run's final state, bit for bit);
   ``passes_left_early`` (the batches of passes over a loader that a loop leaves early);
@@ -210,22 +210,22 @@ def run_ember(*args, env: dict[str, str], timeout: float = 90, **kw) -> subproce
 
 
 # -- resumed runs -------------------------------------------------------------------------------
-def in_process_cli(tmp_path: Path, monkeypatch, capsys, *, path=(), xdg: bool = False, prefix=()):
-    """``run(*args)`` -> ``ember.cli.main([*prefix, *args])`` in this process (fast; what the
-    ``ember`` console script and ``python -m ember`` run) as a ``CompletedProcess`` with its exit
-    code and captured output. For the test: the working directory is ``tmp_path``, ``path``
-    (such as ``examples/cli`` for toy.py, as PYTHONPATH does) comes first on ``sys.path``, no
-    ``EMBER_`` setting, and with ``xdg`` a private config folder (``tmp_path/xdg``)."""
+def in_process_cli(tmp_path: Path, monkeypatch, capsys, *, path=()):
+    """``run(*args)`` -> ``ember.cli.main(args)`` in this process (fast; what the ``ember``
+    console script and ``python -m ember`` run) as a ``CompletedProcess`` with its exit code
+    and captured output. For the test: the working directory is ``tmp_path``, ``path`` (such
+    as ``examples/cli`` for toy.py, as PYTHONPATH does) comes first on ``sys.path``, a private
+    config folder (``tmp_path/xdg``), and no ``EMBER_`` setting, SLURM, torchelastic or
+    process-group variable (``RANK_VARS``). conftest.py's ``cli`` fixture is this runner."""
     from ember.cli import main
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [*map(str, path), *sys.path])
-    if xdg:
-        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for key in [k for k in os.environ if k.startswith("EMBER_")]:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for key in [k for k in os.environ if k.startswith(("EMBER_", "SLURM_", "TORCHELASTIC_")) or k in RANK_VARS]:
         monkeypatch.delenv(key)
 
     def run(*args):
-        code = main([*prefix, *[str(a) for a in args]])
+        code = main([str(a) for a in args])
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, out, err)
     return run
