@@ -7,8 +7,9 @@
   variable; ``quiet_env``: the same without Python's warnings), ``child_env`` (the test's ``EMBER_`` settings kept, the variables of a running
   process group or of ember's launcher removed);
 - subprocess runners: ``run_python`` (a Python script from the repository root, exit 0
-  asserted) and ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``,
-  every process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
+  asserted), ``run_ranks`` and ``rank_results`` (a script that starts its own ranks, and
+  what each rank wrote), ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``, every
+  process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
   (a job of several processes, output in files, stacks shown and all killed on a hang or
   when a process it started outlives it); ``in_process_cli`` (``ember.cli.main`` in the
   test's process: conftest.py's ``cli`` fixture) and ``one_line_error`` (a run that ended in one
@@ -92,6 +93,21 @@ def run_python(*args, timeout: float = 180, **env: str) -> subprocess.CompletedP
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
+
+
+def run_ranks(script: str, out: Path, *args, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+    """``python tests/scripts/SCRIPT OUT ARGS`` (a script that starts its own ranks) in ``out``
+    under ``child_env(**env)``; asserts exit 0 (stderr's tail shown otherwise)."""
+    p = subprocess.run([sys.executable, str(SCRIPTS / script), str(out), *map(str, args)], cwd=out,
+                       env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def rank_results(out: Path, ranks: int = 2) -> list[dict]:
+    """What each of ``ranks`` processes wrote to ``out/result_<rank>.json`` (scripts/common.py's
+    ``write_result``)."""
+    return [json.loads((Path(out) / f"result_{r}.json").read_text()) for r in range(ranks)]
 
 
 def launch_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -15,7 +15,9 @@ elastic_train.py, and the two-process scripts): ``out_tag_parser`` (its OUT fold
 run TAG), ``restart_count`` (which attempt the launcher's agent started), ``ddp_trainer``
 (a quiet Trainer on CPU whose process group times out in seconds), ``AttemptLog`` (rank 0
 records the step each attempt starts from), ``wait_for_signal`` (compute until the
-launcher or SLURM signals) and ``save_weights`` (rank 0 writes the final weights).
+launcher or SLURM signals), ``save_weights`` (rank 0 writes the final weights) and
+``write_result`` (a rank's results as JSON for the test; tests/helpers.py's
+``rank_results`` reads them).
 
 A script imports it as ``from common import Regressor, loader``: Python puts the
 script's own folder first on ``sys.path``, also in the processes that ember's launcher,
@@ -25,6 +27,7 @@ on ``sys.path``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -206,3 +209,10 @@ def save_weights(trainer: ember.Trainer, module: nn.Module, path: str) -> None:
              for k, v in module.state_dict().items()}
     if trainer.is_global_zero:
         save_file(state, path)
+
+
+def write_result(folder: str, name: str, result) -> None:
+    """``result`` as JSON in ``folder/NAME.json``: what a rank hands the test that started it
+    (by default named ``result_<rank>``, which tests/helpers.py's ``rank_results`` reads)."""
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
+        json.dump(result, f)
