@@ -8,7 +8,7 @@
   process group or of ember's launcher removed);
 - subprocess runners: ``run_python`` (a Python script from the repository root, exit 0
   asserted), ``run_ranks`` and ``rank_results`` (a script that starts its own ranks, and
-  what each rank wrote), ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``, every
+  what each rank wrote), ``import_script`` (a script's module in the test's process), ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``, every
   process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
   (a job of several processes, output in files, stacks shown and all killed on a hang or
   when a process it started outlives it); ``in_process_cli`` (``ember.cli.main`` in the
@@ -95,6 +95,18 @@ def run_python(*args, timeout: float = 180, **env: str) -> subprocess.CompletedP
     return out
 
 
+def import_script(name: str):
+    """Module ``name`` of tests/scripts/ imported in this process (its functions and classes
+    run here too), ``SCRIPTS`` on ``sys.path`` only while it is imported (its own ``from common
+    import ...`` included)."""
+    import importlib
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
 def run_ranks(script: str, out: Path, *args, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
     """``python tests/scripts/SCRIPT OUT ARGS`` (a script that starts its own ranks) in ``out``
     under ``child_env(**env)``; asserts exit 0 (stderr's tail shown otherwise)."""
@@ -104,10 +116,10 @@ def run_ranks(script: str, out: Path, *args, timeout: float = 180, **env: str) -
     return p
 
 
-def rank_results(out: Path, ranks: int = 2) -> list[dict]:
-    """What each of ``ranks`` processes wrote to ``out/result_<rank>.json`` (scripts/common.py's
-    ``write_result``)."""
-    return [json.loads((Path(out) / f"result_{r}.json").read_text()) for r in range(ranks)]
+def rank_results(out: Path, ranks: int = 2, name: str = "result_{}") -> list[dict]:
+    """What each of ``ranks`` processes wrote to ``out/NAME.json``, ``{}`` in ``name`` standing
+    for the rank (by default ``result_<rank>.json``: scripts/common.py's ``write_result``)."""
+    return [json.loads((Path(out) / f"{name.format(r)}.json").read_text()) for r in range(ranks)]
 
 
 def launch_env(tmp_path: Path, **extra: str) -> dict[str, str]:
