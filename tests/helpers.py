@@ -16,8 +16,9 @@
   ``ember: error:`` line);
 - ``compare_finals`` (a full run's and a resumed run's final state, bit for bit);
   ``passes_left_early`` (the batches of passes over a loader that a loop leaves early);
-- readers of what loggers wrote: ``wandb_records`` and ``wandb_history`` / ``wandb_config``
-  / ``wandb_artifacts`` (an offline W&B run file), and ``CaptureLogger`` (a real Logger that
+- W&B offline in a test's folder (``wandb_offline``); readers of what loggers wrote:
+  ``wandb_records`` and ``wandb_history`` / ``wandb_config`` / ``wandb_artifacts`` (an
+  offline W&B run file), and ``CaptureLogger`` (a real Logger that
   keeps what the Trainer sends it);
 - the small data sets and modules (also re-exported by ``conftest.py``):
   ``regression_data``, ``LinearModule``, and ``reseal`` for crafted checkpoints.
@@ -295,6 +296,18 @@ def compare_finals(out: Path) -> dict:
 
 
 # -- what loggers wrote ---------------------------------------------------------------------------
+def wandb_offline(monkeypatch, root: Path) -> None:
+    """W&B for the test (through ``monkeypatch``): offline, silent, no console capture, no API
+    key, and its run, data, cache and config folders under ``root``."""
+    for var, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_DATA_DIR", "data"),
+                     ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
+        monkeypatch.setenv(var, str(root / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
 def wandb_records(run_dir) -> list:
     """Every record of an offline run's ``run-*.wandb`` file (W&B's
     LevelDB-style log: 7-byte file header, 32 KiB blocks, 7-byte chunk
