@@ -44,16 +44,6 @@ def tiny_bert(num_labels: int = 2, seed: int = 0):
     return BertForSequenceClassification(cfg)
 
 
-def tiny_bert_token(num_labels: int = 3, seed: int = 0):
-    import torch
-    from transformers import BertConfig, BertForTokenClassification
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=37, max_position_embeddings=128, num_labels=num_labels, pad_token_id=0,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return BertForTokenClassification(cfg)
-
-
 def tiny_gpt2(seed: int = 0):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
