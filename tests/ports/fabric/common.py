@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +14,11 @@ import torch
 from torch.utils.data import Dataset
 
 from ember.strategies import DDPStrategy  # (from lightning.fabric.strategies import DDPStrategy)
+
+# tests/ports/ on the path (after everything else): the stand-ins for lightning.pytorch.demos in demos.py
+PORTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if PORTS not in sys.path:
+    sys.path.append(PORTS)
 
 DEVICES = int(os.environ.get("PORT_DEVICES", "1"))
 # the training loaders shuffle as the originals do: ember's order (and the global random stream

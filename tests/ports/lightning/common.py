@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -13,6 +14,11 @@ import torch
 
 from ember import Trainer  # (from lightning.pytorch import Trainer)
 from ember.strategies import DDPStrategy  # (from lightning.pytorch.strategies import DDPStrategy)
+
+# tests/ports/ on the path (after everything else): the stand-ins for lightning.pytorch.demos in demos.py
+PORTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if PORTS not in sys.path:
+    sys.path.append(PORTS)
 
 DEVICES = int(os.environ.get("PORT_DEVICES", "1"))
 # Under DDP, Lightning replaces a training DataLoader's sampler by
