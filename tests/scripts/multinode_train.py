@@ -22,14 +22,13 @@ Options:
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 from torch.utils.data import DataLoader
 
 from common import AttemptLog, SineNet, ddp_trainer, out_tag_parser, restart_count, save_weights, sine_data, \
-    wait_for_signal
+    wait_for_signal, write_result
 import ember
 from ember.callbacks import ModelCheckpoint
 from ember.loggers import CSVLogger
@@ -59,9 +58,9 @@ class Events(AttemptLog):
         self.a = a
 
     def on_fit_start(self, trainer, module):
-        with open(os.path.join(os.environ["NODE_DIR"], f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump({"attempt": restart_count(), "agent_restarts": os.environ.get("EMBER_AGENT_RESTART_COUNT"),
-                       "node": os.environ.get("GROUP_RANK"), "world": trainer.world_size}, f)
+        write_result(os.environ["NODE_DIR"], f"rank{trainer.global_rank}", {
+            "attempt": restart_count(), "agent_restarts": os.environ.get("EMBER_AGENT_RESTART_COUNT"),
+            "node": os.environ.get("GROUP_RANK"), "world": trainer.world_size})
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         # after optimizer step `global_step` and everything at its end (the checkpoint included)
