@@ -1,5 +1,6 @@
 """Shared fixtures for the tests: quiet Trainer arguments, a Trainer factory, the tiny
-module and data loaders (from helpers.py, re-exported here), and the process-wide torch
+module and data loaders (from helpers.py, re-exported here), one torch thread
+(``one_thread``), the in-process ``ember`` command (``cli``), and the process-wide torch
 state put back after every test. Kept small and generic on purpose."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import ember  # noqa: E402
 # the small modules and data sets live in helpers.py; `from conftest import LinearModule` keeps working
-from helpers import LinearModule, regression_data, reseal  # noqa: E402,F401
+from helpers import EXAMPLES, LinearModule, in_process_cli, regression_data, reseal  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -56,6 +57,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capsys):
+    """``cli(*args)`` -> ``ember.cli.main(args)`` in this process as a ``CompletedProcess``
+    (``helpers.in_process_cli``: working directory ``tmp_path``, a private config folder, no
+    ``EMBER_`` or launcher variable), with examples/cli (toy.py) importable as PYTHONPATH in
+    the docs makes it. A file that needs more (another folder on ``sys.path``, fixed leading
+    arguments) wraps it in its own ``cli(cli, ...)`` fixture."""
+    return in_process_cli(tmp_path, monkeypatch, capsys, path=[EXAMPLES / "cli"])
 
 
 @pytest.fixture

@@ -7,16 +7,18 @@
   variable; ``quiet_env``: the same without Python's warnings), ``child_env`` (the test's ``EMBER_`` settings kept, the variables of a running
   process group or of ember's launcher removed);
 - subprocess runners: ``run_python`` (a Python script from the repository root, exit 0
-  asserted) and ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``,
-  every process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
+  asserted), ``run_ranks`` and ``rank_results`` (a script that starts its own ranks, and
+  what each rank wrote), ``import_script`` (a script's module in the test's process), ``run_ember`` / ``start_ember`` / ``finish`` (``python -m ember ...``, every
+  process's stacks shown and all killed on a hang), with ``launch_env``; ``run_job``
   (a job of several processes, output in files, stacks shown and all killed on a hang or
   when a process it started outlives it); ``in_process_cli`` (``ember.cli.main`` in the
-  test's process, for a ``cli`` fixture) and ``one_line_error`` (a run that ended in one
+  test's process: conftest.py's ``cli`` fixture) and ``one_line_error`` (a run that ended in one
   ``ember: error:`` line);
 - ``compare_finals`` (a full run's and a resumed run's final state, bit for bit);
   ``passes_left_early`` (the batches of passes over a loader that a loop leaves early);
-- readers of what loggers wrote: ``wandb_records`` and ``wandb_history`` / ``wandb_config``
-  / ``wandb_artifacts`` (an offline W&B run file), and ``CaptureLogger`` (a real Logger that
+- W&B offline in a test's folder (``wandb_offline``); readers of what loggers wrote:
+  ``wandb_records`` and ``wandb_history`` / ``wandb_config`` / ``wandb_artifacts`` (an
+  offline W&B run file), and ``CaptureLogger`` (a real Logger that
   keeps what the Trainer sends it);
 - the small data sets and modules (also re-exported by ``conftest.py``):
   ``regression_data``, ``LinearModule``, and ``reseal`` for crafted checkpoints.
@@ -92,6 +94,33 @@ def run_python(*args, timeout: float = 180, **env: str) -> subprocess.CompletedP
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
+
+
+def import_script(name: str):
+    """Module ``name`` of tests/scripts/ imported in this process (its functions and classes
+    run here too), ``SCRIPTS`` on ``sys.path`` only while it is imported (its own ``from common
+    import ...`` included)."""
+    import importlib
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def run_ranks(script: str, out: Path, *args, timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+    """``python tests/scripts/SCRIPT OUT ARGS`` (a script that starts its own ranks) in ``out``
+    under ``child_env(**env)``; asserts exit 0 (stderr's tail shown otherwise)."""
+    p = subprocess.run([sys.executable, str(SCRIPTS / script), str(out), *map(str, args)], cwd=out,
+                       env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def rank_results(out: Path, ranks: int = 2, name: str = "result_{}") -> list[dict]:
+    """What each of ``ranks`` processes wrote to ``out/NAME.json``, ``{}`` in ``name`` standing
+    for the rank (by default ``result_<rank>.json``: scripts/common.py's ``write_result``)."""
+    return [json.loads((Path(out) / f"{name.format(r)}.json").read_text()) for r in range(ranks)]
 
 
 def launch_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -210,22 +239,22 @@ def run_ember(*args, env: dict[str, str], timeout: float = 90, **kw) -> subproce
 
 
 # -- resumed runs -------------------------------------------------------------------------------
-def in_process_cli(tmp_path: Path, monkeypatch, capsys, *, path=(), xdg: bool = False, prefix=()):
-    """``run(*args)`` -> ``ember.cli.main([*prefix, *args])`` in this process (fast; what the
-    ``ember`` console script and ``python -m ember`` run) as a ``CompletedProcess`` with its exit
-    code and captured output. For the test: the working directory is ``tmp_path``, ``path``
-    (such as ``examples/cli`` for toy.py, as PYTHONPATH does) comes first on ``sys.path``, no
-    ``EMBER_`` setting, and with ``xdg`` a private config folder (``tmp_path/xdg``)."""
+def in_process_cli(tmp_path: Path, monkeypatch, capsys, *, path=()):
+    """``run(*args)`` -> ``ember.cli.main(args)`` in this process (fast; what the ``ember``
+    console script and ``python -m ember`` run) as a ``CompletedProcess`` with its exit code
+    and captured output. For the test: the working directory is ``tmp_path``, ``path`` (such
+    as ``examples/cli`` for toy.py, as PYTHONPATH does) comes first on ``sys.path``, a private
+    config folder (``tmp_path/xdg``), and no ``EMBER_`` setting, SLURM, torchelastic or
+    process-group variable (``RANK_VARS``). conftest.py's ``cli`` fixture is this runner."""
     from ember.cli import main
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [*map(str, path), *sys.path])
-    if xdg:
-        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    for key in [k for k in os.environ if k.startswith("EMBER_")]:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for key in [k for k in os.environ if k.startswith(("EMBER_", "SLURM_", "TORCHELASTIC_")) or k in RANK_VARS]:
         monkeypatch.delenv(key)
 
     def run(*args):
-        code = main([*prefix, *[str(a) for a in args]])
+        code = main([str(a) for a in args])
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, out, err)
     return run
@@ -267,6 +296,18 @@ def compare_finals(out: Path) -> dict:
 
 
 # -- what loggers wrote ---------------------------------------------------------------------------
+def wandb_offline(monkeypatch, root: Path) -> None:
+    """W&B for the test (through ``monkeypatch``): offline, silent, no console capture, no API
+    key, and its run, data, cache and config folders under ``root``."""
+    for var, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_DATA_DIR", "data"),
+                     ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
+        monkeypatch.setenv(var, str(root / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
 def wandb_records(run_dir) -> list:
     """Every record of an offline run's ``run-*.wandb`` file (W&B's
     LevelDB-style log: 7-byte file header, 32 KiB blocks, 7-byte chunk

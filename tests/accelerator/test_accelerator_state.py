@@ -18,7 +18,8 @@ from ember.checkpoint import io as cio
 from ember.errors import CheckpointError, MisconfigurationError
 from ember.loggers import CSVLogger, TensorBoardLogger
 
-from helpers import ROOT, SCRIPTS, compare_finals, run_python, wandb_config, wandb_history, wandb_records
+from helpers import (ROOT, SCRIPTS, compare_finals, run_python, wandb_config, wandb_history, wandb_offline,
+                     wandb_records)
 
 
 @pytest.mark.parametrize("precision", ["16-mixed"])
@@ -194,13 +195,7 @@ def test_docs_examples_run(tmp_path, monkeypatch, capsys):
 
 
 def test_wandb_tracker_offline(tmp_path, monkeypatch):
-    for var, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_DATA_DIR", "data"),
-                     ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
-        monkeypatch.setenv(var, str(tmp_path / sub))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_CONSOLE", "off")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    wandb_offline(monkeypatch, tmp_path)
     acc = Accelerator(log_with="wandb", project_dir=tmp_path / "proj")
     acc.init_trackers("acc-project", config={"lr": 0.1}, init_kwargs={"wandb": {"offline": True, "name": "r1"}})
     acc.log({"loss": torch.tensor(0.5)}, step=1)

@@ -17,7 +17,7 @@ from ember.big_modeling import (DeviceMapError, check_device_map, compute_module
                                 find_tied_parameters, infer_auto_device_map, init_empty_weights,
                                 load_checkpoint_and_dispatch)
 from ember.errors import CheckpointError
-from helpers import ROOT, SCRIPTS
+from helpers import ROOT, SCRIPTS, import_script
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -299,12 +299,7 @@ def test_peak_memory_stays_under_budget_plus_one_block(tmp_path):
     baseline stays below 64 MiB + one 8 MiB block + 32 MiB (allocator and activations)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     ckpt = str(tmp_path / "w.safetensors")
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bigmodel_rss
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    bigmodel_rss.make(ckpt)         # here: the weights are in this process only while written
+    import_script("bigmodel_rss").make(ckpt)         # here: the weights are in this process only while written
     cap = 64 * 2**20
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bigmodel_rss.py"), "run", ckpt, str(tmp_path / "off"),
                            str(cap)], capture_output=True, text=True, env=env, timeout=280)

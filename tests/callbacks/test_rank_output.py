@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import SCRIPTS, child_env
+from helpers import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -46,10 +46,7 @@ def screen(stream: str) -> list[str]:
 
 @pytest.mark.timeout(150)
 def test_other_ranks_print_above_rank0_live_bar(tmp_path):
-    env = child_env()
-    p = subprocess.run([sys.executable, str(SCRIPTS / "rank_output_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=140)
-    assert p.returncode == 0, p.stderr[-4000:]
+    p = run_ranks("rank_output_ddp.py", tmp_path, timeout=140)
     # both ranks got their own stdout back at the end
     assert "rank 1 done; stdout restored: True" in p.stdout and "rank 0 done; stdout restored: True" in p.stdout
     # rank 1 wrote nothing of it to its own streams, and no rank drew a bar there

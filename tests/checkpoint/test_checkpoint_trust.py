@@ -18,7 +18,6 @@ from conftest import LinearModule, regression_data, reseal
 from ember.checkpoint import io as cio
 from ember.callbacks import ModelCheckpoint
 from ember.errors import CheckpointError
-from helpers import EXAMPLES, in_process_cli
 
 
 class Marker:
@@ -211,12 +210,6 @@ def _fresh(tmp_path: Path) -> Path:
     d = tmp_path / f"c{_n[0]}"
     d.mkdir()
     return d
-
-
-@pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
-    """``ember.cli.main`` in this process, toy.py importable (as PYTHONPATH=examples/cli does)."""
-    return in_process_cli(tmp_path, monkeypatch, capsys, path=[EXAMPLES / "cli"])
 
 
 def test_cli_checks_class_paths_before_building_and_never_imports_from_the_config_folder(tmp_path, cli):

@@ -3,7 +3,6 @@ checkpoint that one rank refuses is refused by every rank within seconds, with t
 same error naming that rank, instead of the others waiting in the next collective
 until the process-group timeout. Two real gloo processes (tests/scripts/resume_agree_ddp.py)
 resume under a 20 s process-group timeout, so waiting for it shows as a failure."""
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SCRIPTS, child_env
+from helpers import SCRIPTS, child_env, rank_results
 
 
 # the Trainer modes run together in one start of the two processes (each start costs seconds),
@@ -29,9 +28,9 @@ def _run(mode, tmp_path, timeout=150, launch=False):
             _together["stderr"] = _start("many", root, 300, False, [",".join(TOGETHER)])
             _together["root"] = root
         root = _together["root"] / mode
-        return [json.loads((root / f"{mode}_{r}.json").read_text()) for r in (0, 1)], _together["stderr"]
+        return rank_results(root, name=f"{mode}_{{}}"), _together["stderr"]
     err = _start(mode, tmp_path, timeout, launch)
-    return [json.loads((tmp_path / f"{mode}_{r}.json").read_text()) for r in (0, 1)], err
+    return rank_results(tmp_path, name=f"{mode}_{{}}"), err
 
 
 def _start(mode, tmp_path, timeout, launch, extra=()):
@@ -53,20 +52,29 @@ def _same_refusal(r0, r1, rank, *needles):
     assert r0["error"] == r1["error"]
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_dataset_changed_on_rank1_only_is_refused_by_every_rank(tmp_path):
-    (r0, r1), _ = _run("data_len", tmp_path)
-    _same_refusal(r0, r1, 1, "was saved mid-epoch", "dataset len 32 -> 48", "EMBER_ALLOW_DATA_CHANGE=1")
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_checkpoint_missing_on_rank1_only_is_refused_by_every_rank(tmp_path):
+# what one rank alone refuses: (script mode, started by `ember launch`, the refusing rank, what its error names)
+REFUSED = {
+    "dataset_changed_on_rank1": ("data_len", False, 1,
+                                 ("was saved mid-epoch", "dataset len 32 -> 48", "EMBER_ALLOW_DATA_CHANGE=1")),
     # the pre-load check leaves a path a rank does not see to the strategy's load (FSDP's
     # full-weights load reads on rank 0 only); DDP's load fails there and is agreed after it
-    (r0, r1), _ = _run("missing_rank1", tmp_path)
-    _same_refusal(r0, r1, 1, "not_on_rank1")
+    "checkpoint_missing_on_rank1": ("missing_rank1", False, 1, ("not_on_rank1",)),
+    # EMBER_ALLOW_DATA_CHANGE=1 on rank 1 only does not accept the change: rank 0 refuses it
+    "allow_data_change_on_rank1_only": ("allow_rank1", False, 0, ("dataset len 32 -> 48",)),
+    "trainer_state_corrupted_on_rank1": ("swapped_state", False, 1,
+                                         (os.path.join("ckpt_rank1", "trainer_state.pt"), "does not hold the content")),
+    "accelerator_load_state_corrupted_on_rank1": ("acc_swapped", True, 1, (
+        os.path.join("state_rank1", "model.safetensors"), "does not hold the content")),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_one_rank_refuses_is_refused_by_every_rank(tmp_path, case):
+    mode, launch, rank, needles = REFUSED[case]
+    (r0, r1), _ = _run(mode, tmp_path, launch=launch)
+    _same_refusal(r0, r1, rank, *needles)
 
 
 @pytest.mark.multiproc
@@ -76,27 +84,6 @@ def test_rank0s_allow_data_change_decides_for_every_rank(tmp_path):
     assert r0["error"] is None and r1["error"] is None, (r0, r1)
     assert r0["global_step"] == r1["global_step"] == 2 + 4 + 6   # epoch 0 goes on after 2 batches of the 6 new ones; epoch 1
     assert "accepted because EMBER_ALLOW_DATA_CHANGE=1" in err
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_allow_data_change_on_rank1_only_does_not_accept(tmp_path):
-    (r0, r1), _ = _run("allow_rank1", tmp_path)
-    _same_refusal(r0, r1, 0, "dataset len 32 -> 48")
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_trainer_state_corrupted_on_rank1_only_is_refused_by_every_rank(tmp_path):
-    (r0, r1), _ = _run("swapped_state", tmp_path)
-    _same_refusal(r0, r1, 1, os.path.join("ckpt_rank1", "trainer_state.pt"), "does not hold the content")
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_accelerator_load_state_corrupted_on_rank1_only_is_refused_by_every_rank(tmp_path):
-    (r0, r1), _ = _run("acc_swapped", tmp_path, launch=True)
-    _same_refusal(r0, r1, 1, os.path.join("state_rank1", "model.safetensors"), "does not hold the content")
 
 
 @pytest.mark.multiproc

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import EXAMPLES, in_process_cli, one_line_error
+from helpers import EXAMPLES, one_line_error
 
 EXAMPLE = EXAMPLES / "cli"
 CONFIG = EXAMPLE / "config.yaml"
@@ -21,14 +21,6 @@ def ember(*args, cwd, input=None, timeout=120, **env_extra):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE), env.get("PYTHONPATH")) if p)   # toy.py
     return subprocess.run([sys.executable, "-m", "ember", *map(str, args)], cwd=cwd, env=env,
                           input=input, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
-    """``ember.cli.main`` in this process (fast; the error cases). The same function is
-    what the ``ember`` console script and ``python -m ember`` run."""
-    # toy.py is importable (PYTHONPATH in the docs)
-    return in_process_cli(tmp_path, monkeypatch, capsys, path=[EXAMPLE], xdg=True)
 
 
 def print_config(cli, *args) -> dict:

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import in_process_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
-    """``ember.cli.main`` in this process, toy.py importable (as PYTHONPATH=examples/cli does)."""
-    return in_process_cli(tmp_path, monkeypatch, capsys, path=[ROOT / "examples" / "cli", tmp_path])
+def cli(cli, tmp_path, monkeypatch):
+    """conftest.py's ``cli``, the test's own modules (written to ``tmp_path``) importable too."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return cli
 
 
 def _popen(marker: Path) -> str:

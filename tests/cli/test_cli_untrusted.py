@@ -10,9 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from helpers import EXAMPLES, in_process_cli, one_line_error
+from helpers import EXAMPLES, one_line_error
 
 EXAMPLE = EXAMPLES / "cli"
 
@@ -31,11 +29,6 @@ def ember(*args, cwd, timeout=60, pythonpath=str(EXAMPLE)):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "ember", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
-    return in_process_cli(tmp_path, monkeypatch, capsys, path=[EXAMPLE], xdg=True)
 
 
 # --------------------------------------------------------------------------- YAML bounds

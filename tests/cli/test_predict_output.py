@@ -14,7 +14,6 @@ from conftest import LinearModule, regression_data
 from ember.callbacks import BasePredictionWriter
 from ember.checkpoint import io as cio
 from ember.errors import MisconfigurationError
-from helpers import in_process_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,12 +34,14 @@ class Marked(ToyRegressor):
 
 
 @pytest.fixture
-def cli(tmp_path, monkeypatch, capsys):
+def cli(cli, tmp_path, monkeypatch):
+    """``cli(*args)`` -> conftest.py's ``cli("predict", ...)`` of the marked model (written to
+    ``tmp_path``, importable) with examples/cli's config and no logger, then ``args``."""
     (tmp_path / "marked_model.py").write_text(MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
     base = ["-c", str(ROOT / "examples" / "cli" / "config.yaml"), "--trainer.logger", "false",
             "--model", "marked_model.Marked", "--model.hidden", "8"]
-    return in_process_cli(tmp_path, monkeypatch, capsys, path=[ROOT / "examples" / "cli", tmp_path],
-                          prefix=["predict", *base])
+    return lambda *args: cli("predict", *base, *args)
 
 
 def _predicted(tmp_path) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ember.strategies.environments import find_free_port
-from helpers import SCRIPTS, child_env
+from helpers import SCRIPTS, child_env, import_script
 
 pytestmark = pytest.mark.multiproc
 
@@ -19,12 +19,7 @@ TIMEOUT = 150   # the scripts set a 45 s process-group timeout; this guards the 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import data_ddp
-        yield data_ddp
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return import_script("data_ddp")
 
 
 def torchrun(scenario, out):

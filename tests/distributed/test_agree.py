@@ -1,24 +1,18 @@
 """Every cross-rank decision is made once and agreed (issue 12 items 1, 2, 3, 5): two real
 gloo processes (tests/scripts/agree_ddp.py) with a 30 s process-group timeout, so a
 disagreement fails in seconds instead of hanging."""
-import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import SCRIPTS, child_env
+from helpers import rank_results, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.mark.timeout(200)
 def test_ranks_agree_on_stop_checkpoint_run_folder_and_resume_path(tmp_path):
-    env = child_env(EMBER_CHECKPOINT_FSYNC="0")
-    p = subprocess.run([sys.executable, str(SCRIPTS / "agree_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
+    run_ranks("agree_ddp.py", tmp_path, EMBER_CHECKPOINT_FSYNC="0")
+    r0, r1 = rank_results(tmp_path)
     # 1. rank 0's request stops both ranks at the next log point (step 4), mid-epoch
     assert r0["should_stop"] == r1["should_stop"] == ["should_stop", 4, 0, 4]
     # 2. max_time with one slow rank: same step on both, no hang

@@ -35,12 +35,11 @@ def ddp_run(tmp_path_factory):
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_token_exact_accumulation_across_ranks(ddp_run, tmp_path):
+def test_token_exact_accumulation_across_ranks(ddp_run, tmp_path, one_thread):
     out, _ = ddp_run
     grads = [torch.load(out / f"exact_grads_rank{r}.pt", weights_only=True) for r in range(2)]
     assert hf_tiny.max_rel_diff(grads[0], grads[1]) == 0.0
-    # one process, one batch of all 12 samples, the model's own mean loss
-    torch.set_num_threads(1)
+    # one process (one torch thread), one batch of all 12 samples, the model's own mean loss
     module = hf_tiny.grad_recorder("causal-lm")
     items = hf_tiny.token_items("causal-lm", 12)
     trainer = ember.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

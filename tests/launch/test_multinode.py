@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import SCRIPTS, descendants
+from helpers import SCRIPTS, descendants, import_script
 
 pytestmark = pytest.mark.multiproc
 
@@ -143,11 +143,7 @@ def ranks(out) -> dict[int, dict]:
 
 def one_process(tmp_path, monkeypatch) -> dict:
     """The same fit in this process (one rank, the global batch of 16)."""
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import multinode_train as mt
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    mt = import_script("multinode_train")
     import ember
     tmp_path.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("NODE_DIR", str(tmp_path))

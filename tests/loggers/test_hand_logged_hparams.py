@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 import ember
 from ember.loggers import CSVLogger, TensorBoardLogger
 from tests.conftest import LinearModule, regression_data
-from helpers import wandb_config as _config, wandb_records
+from helpers import wandb_config as _config, wandb_offline, wandb_records
 from helpers import tensorboard_events as _accumulator, tensorboard_hparams as _session_hparams
 
 BY_HAND = {"model": {"net": "mlp", "params/total": 5}, "seed": 12, "tags": ["dev"]}
@@ -70,13 +70,7 @@ def test_default_logger_and_during_fit(tmp_path):
 def test_wandb_config_keeps_both(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from ember.loggers import WandbLogger
-    for var, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_DATA_DIR", "data"), ("WANDB_CACHE_DIR", "cache"),
-                     ("WANDB_CONFIG_DIR", "config")):
-        monkeypatch.setenv(var, str(tmp_path / sub))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_CONSOLE", "off")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    wandb_offline(monkeypatch, tmp_path)
     t = _trainer(tmp_path, logger=WandbLogger(project="ember-test", save_dir=tmp_path / "save",
                                                version="handlogged1", offline=True))
     t.logger.log_hyperparams(BY_HAND)

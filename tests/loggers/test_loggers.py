@@ -16,7 +16,7 @@ import yaml
 from ember.errors import MisconfigurationError
 from ember.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger, build_logger
 from ember.loggers.base import flatten_params, sanitize_params
-from helpers import ROOT, wandb_artifacts, wandb_config, wandb_history, wandb_records
+from helpers import ROOT, wandb_artifacts, wandb_config, wandb_history, wandb_offline, wandb_records
 from helpers import tensorboard_events as _accumulator  # noqa: E402
 from helpers import tensorboard_hparams as _session_hparams  # noqa: E402
 from helpers import tensorboard_scalars as _scalars  # noqa: E402
@@ -242,13 +242,7 @@ def wandb_runs(tmp_path_factory):
 
     runs = {}
     with pytest.MonkeyPatch.context() as mp:
-        for var, sub in (("WANDB_DIR", "wandb_dir"), ("WANDB_DATA_DIR", "data"),
-                         ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
-            mp.setenv(var, str(root / sub))
-        mp.setenv("WANDB_MODE", "offline")
-        mp.setenv("WANDB_SILENT", "true")
-        mp.setenv("WANDB_CONSOLE", "off")
-        mp.delenv("WANDB_API_KEY", raising=False)
+        wandb_offline(mp, root)
 
         all_ = WandbLogger(project="ember-test", name="all", save_dir=root / "save", version="emberall1",
                            log_model="all", offline=True)

@@ -58,7 +58,6 @@ def _fit(tmp_path, precision):
     hf_tiny = _hf()
     import ember
     from ember.integrations.transformers import TextClassificationData, TransformersModule
-    torch.set_num_threads(1)
     data = TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(16), batch_size=8)
     trainer = ember.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=False, default_root_dir=tmp_path, precision=precision)
@@ -89,7 +88,7 @@ def test_native_bf16_by_device(cpu_has_bf16):
         assert hardware.native_bf16("cuda:0") == (f"cuda sm_{major}{minor}" if major >= 8 else None)
 
 
-def test_transformers_fit_given_no_precision_runs_bf16_where_the_cpu_has_it(tmp_path, cpu_has_bf16):
+def test_transformers_fit_given_no_precision_runs_bf16_where_the_cpu_has_it(tmp_path, cpu_has_bf16, one_thread):
     cpu_has_bf16(True)
     trainer, said = _fit(tmp_path, None)
     assert trainer.precision == "bf16-mixed" and said == []   # chosen, so nothing to suggest
@@ -132,7 +131,7 @@ def test_transformers_model_given_by_name_is_not_read_to_choose(tmp_path, cpu_ha
                               ).configure_precision(cpu) == "bf16-mixed"
 
 
-def test_transformers_fit_start_in_float32_suggests_bf16_once(tmp_path):
+def test_transformers_fit_start_in_float32_suggests_bf16_once(tmp_path, one_thread):
     expected = int(hardware.cpu_bf16_feature() is not None)
     assert len(_fit(tmp_path, "bf16-mixed")[1]) == 0
     assert len(_fit(tmp_path, "32-true")[1]) == expected

@@ -13,20 +13,18 @@ timeout so a disagreement fails fast instead of hanging), run by tests/distribut
 5. ckpt_path="last" restores the same checkpoint on both ranks (rank 0's resolution).
 Every rank writes ROOT/result_<rank>.json.
 """
-import json
+import functools
 import os
 import sys
 import time
 
 from torch.nn import functional as F
 
-import ember
 from ember.callbacks import Callback, ModelCheckpoint
 from ember.loggers import CSVLogger
-from ember.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Regressor, loader  # noqa: E402
+from common import Regressor, ddp_trainer, loader, write_result  # noqa: E402
 
 
 class Net(Regressor):
@@ -52,39 +50,35 @@ class LateSetup(Callback):
             time.sleep(1.0)
 
 
-def trainer(root, callbacks=(), logger=False, **kw):
-    args = dict(max_epochs=2, log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
-                num_sanity_val_steps=0, default_root_dir=root, logger=logger)
-    args.update(kw)
-    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=30), callbacks=list(callbacks), **args)
+# two processes, a 30 s process-group timeout, two epochs, a log point every 2 steps
+trainer = functools.partial(ddp_trainer, devices=2, timeout=30, max_epochs=2, log_every_n_steps=2)
 
 
 def main(root):
     out = {}
     # 1. should_stop on rank 0 only, at epoch 0 batch 2 (log points: every 2 steps)
-    t = trainer(os.path.join(root, "s"), [OnRank(0, lambda t: setattr(t, "should_stop", True), (0, 2))],
+    t = trainer(os.path.join(root, "s"), callbacks=[OnRank(0, lambda t: setattr(t, "should_stop", True), (0, 2))],
                 enable_checkpointing=False)
     t.fit(Net(), loader(64))
     out["should_stop"] = [t.stop_reason, t.global_step, t.current_epoch, t.batches_done]
     # 2. max_time, rank 1 slower on every batch
-    t = trainer(os.path.join(root, "t"), [OnRank(1, lambda t: time.sleep(0.05))], max_time=0.5,
+    t = trainer(os.path.join(root, "t"), callbacks=[OnRank(1, lambda t: time.sleep(0.05))], max_time=0.5,
                 max_epochs=50, enable_checkpointing=False)
     t.fit(Net(), loader(64))
     out["max_time"] = [t.stop_reason, t.global_step]
     # 3. top-k on a metric that differs per rank; 4. the run folder; 5. ckpt_path="last"
     root3 = os.path.join(root, "k")
     ck = ModelCheckpoint(monitor="val_own", save_top_k=2, save_last=True)
-    t = trainer(root3, [LateSetup(), ck], logger=CSVLogger(root3), max_epochs=4, val_check_interval=4)
+    t = trainer(root3, callbacks=[LateSetup(), ck], logger=CSVLogger(root3), max_epochs=4, val_check_interval=4)
     t.fit(Net(), loader(64), loader(16))
     out["topk"] = sorted(os.path.basename(p) for p in ck.best_k_models)
     out["best"] = os.path.basename(ck.best_model_path)
     out["log_dir"] = t.log_dir
-    t2 = trainer(root3, [ModelCheckpoint(monitor="val_own", save_top_k=2, save_last=True)],
+    t2 = trainer(root3, callbacks=[ModelCheckpoint(monitor="val_own", save_top_k=2, save_last=True)],
                  logger=CSVLogger(root3, version=0), max_epochs=5, val_check_interval=4)
     t2.fit(Net(), loader(64), loader(16), ckpt_path="last")
     out["resumed"] = t2.ckpt_path
-    with open(os.path.join(root, f"result_{t.global_rank}.json"), "w") as f:
-        json.dump(out, f)
+    write_result(root, f"result_{t.global_rank}", out)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ Every rank writes ROOT/<MODE>_<rank>.json. ``python agree_paths_ddp.py many ROOT
 several modes that end normally in the same two processes, each in ROOT/<mode>/.
 """
 import errno
-import json
+import functools
 import os
 import sys
 import time
@@ -58,7 +58,7 @@ from ember.callbacks import EarlyStopping, ModelCheckpoint
 from ember.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Regressor, loader  # noqa: E402
+from common import Regressor, ddp_trainer, loader, write_result  # noqa: E402
 
 
 class Net(Regressor):
@@ -76,11 +76,8 @@ class Net(Regressor):
             self.log("val_loss", loss, sync_dist=True)
 
 
-def trainer(root, timeout=20, **kw):
-    args = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                default_root_dir=root, logger=False, enable_checkpointing=False)
-    args.update(kw)
-    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=timeout), **args)
+# two processes, a 20 s process-group timeout, two epochs, no checkpoint unless a case asks
+trainer = functools.partial(ddp_trainer, devices=2, timeout=20, max_epochs=2, enable_checkpointing=False)
 
 
 def _fit(t, module, *loaders, **kw):
@@ -326,8 +323,7 @@ def run_mode(mode, root):
         for name, fn in patched.items():
             setattr(cio, name, fn)
         lock.DirLock._write = lock_write
-    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
-        json.dump(out, f)
+    write_result(root, f"{mode}_{out['rank']}", out)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ timeout), run by tests/strategies/test_async_save.py.
    name it, until the new one is committed.
 Every rank writes ROOT/result_<rank>.json.
 """
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_result  # noqa: E402
 from resume_common import fit  # noqa: E402
 from shard_common import CommittedWatch, committed_steps, last_step  # noqa: E402
 
@@ -93,8 +93,7 @@ def main(root):
     torch.distributed.barrier()   # rank 0 (the writer) has finished its deletions before anyone lists the folder
     out["topk"] = {"seen": watch.seen, "final": committed_steps(ckdir), "last": last_step(ckdir)}
     rank = int(os.environ.get("RANK", 0))
-    with open(os.path.join(root, f"result_{rank}.json"), "w") as f:
-        json.dump(out, f)
+    write_result(root, f"result_{rank}", out)
     torch.distributed.barrier()
 
 

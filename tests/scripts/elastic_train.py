@@ -10,51 +10,39 @@ appends the attempt's first step to OUT/TAG.attempts.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
-from common import SineNet, sine_data
+from common import AttemptLog, SineNet, ddp_trainer, out_tag_parser, restart_count, save_weights, sine_data
 import ember
-from ember.strategies import DDPStrategy
-from ember.callbacks import Callback, ModelCheckpoint
+from ember.callbacks import ModelCheckpoint
 
 
-class KillAt(Callback):
+class KillAt(AttemptLog):
     def __init__(self, step: int, out: str, tag: str):
-        self.step, self.out, self.tag, self.first = step, out, tag, True
+        super().__init__(out, tag)
+        self.step = step
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if self.first and trainer.is_global_zero:
-            with open(os.path.join(self.out, f"{self.tag}.attempts"), "a") as f:
-                f.write(f"{trainer.global_step}\n")
-        self.first = False
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restarts == 0 and trainer.global_step == self.step and trainer.global_rank == 1:
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+        if restart_count() == 0 and trainer.global_step == self.step and trainer.global_rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("out")
-    p.add_argument("tag")
+    p = out_tag_parser()
     p.add_argument("--kill-at", type=int, default=-1)
     a = p.parse_args()
     ember.seed_everything(0)
     loader = DataLoader(sine_data(), batch_size=4, shuffle=True)
     ckpt = ModelCheckpoint(dirpath=os.path.join(a.out, a.tag), every_n_train_steps=2, save_top_k=-1)
-    trainer = ember.Trainer(max_epochs=2, devices="cpu", strategy=DDPStrategy(timeout=60),
-                            callbacks=[ckpt, KillAt(a.kill_at, a.out, a.tag)], logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            default_root_dir=os.path.join(a.out, a.tag))
+    trainer = ddp_trainer(os.path.join(a.out, a.tag), timeout=60, max_epochs=2,
+                          callbacks=[ckpt, KillAt(a.kill_at, a.out, a.tag)])
     module = SineNet()
     trainer.fit(module, loader)
-    if trainer.is_global_zero:
-        save_file({k: v.contiguous() for k, v in module.state_dict().items()},
-                  os.path.join(a.out, f"{a.tag}.safetensors"))
+    save_weights(trainer, module, os.path.join(a.out, f"{a.tag}.safetensors"))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ MODE ``ckpt_last``: ``ckpt_path="last"`` where rank 1's view of the run folder (
 Every rank writes ROOT/<MODE>_<rank>.json.
 """
 import errno
-import json
+import functools
 import os
 import signal
 import sys
@@ -41,14 +41,10 @@ import ember
 from ember.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Regressor, loader  # noqa: E402
+from common import Regressor, ddp_trainer, loader, write_result  # noqa: E402
 
-
-def trainer(root, timeout=60, **kw):
-    args = dict(max_epochs=1, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                default_root_dir=root, logger=False, enable_checkpointing=False)
-    args.update(kw)
-    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=timeout), **args)
+# two processes, a 60 s process-group timeout, one epoch, no checkpoint unless a case asks
+trainer = functools.partial(ddp_trainer, devices=2, timeout=60, max_epochs=1, enable_checkpointing=False)
 
 
 def save_enospc(root):
@@ -238,5 +234,4 @@ if __name__ == "__main__":
     out = {"save_enospc": save_enospc, "ckpt_last": ckpt_last, "agree_timeout": agree_timeout,
            "no_sync_exception": no_sync_exception, "collective_timeout": collective_timeout,
            "peer_fails": peer_fails, "peer_killed": peer_killed, "precision_differs": precision_differs}[mode](root)
-    with open(os.path.join(root, f"{mode}_{out['rank']}.json"), "w") as f:
-        json.dump(out, f)
+    write_result(root, f"{mode}_{out['rank']}", out)

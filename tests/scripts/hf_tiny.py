@@ -34,24 +34,21 @@ def vocab_size() -> int:
     return len(SPECIALS) + len(WORDS) + len(POSITIVE) + len(NEGATIVE)
 
 
-def tiny_bert(num_labels: int = 2, seed: int = 0):
+def tiny_bert(num_labels: int = 2, seed: int = 0, head: str = "SequenceClassification"):
+    """A 2-layer BERT of width 32 over the tiny vocabulary, dropout off, its weights drawn
+    from ``torch.manual_seed(seed)``, with transformers' ``BertFor<head>`` on top."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    import transformers
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=37, max_position_embeddings=128, num_labels=num_labels, pad_token_id=0,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return BertForSequenceClassification(cfg)
+    cfg = transformers.BertConfig(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=37, max_position_embeddings=128, num_labels=num_labels,
+                                  pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return getattr(transformers, f"BertFor{head}")(cfg)
 
 
 def tiny_bert_token(num_labels: int = 3, seed: int = 0):
-    import torch
-    from transformers import BertConfig, BertForTokenClassification
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=vocab_size(), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=37, max_position_embeddings=128, num_labels=num_labels, pad_token_id=0,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return BertForTokenClassification(cfg)
+    """``tiny_bert`` with a token-classification head (3 labels)."""
+    return tiny_bert(num_labels, seed, head="TokenClassification")
 
 
 def tiny_gpt2(seed: int = 0):

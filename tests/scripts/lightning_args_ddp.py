@@ -11,7 +11,7 @@ timeout), run by tests/trainer/test_lightning_args_multiproc.py.
 4. trainer.num_devices / device_ids / num_nodes / state; trainer.print prints on rank 0 only.
 Every rank writes ROOT/result_<rank>.json.
 """
-import json
+import functools
 import os
 import sys
 
@@ -20,13 +20,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import ember
 from ember.callbacks import Callback
 from ember.errors import MisconfigurationError
-from ember.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Regressor  # noqa: E402
+from common import Regressor, ddp_trainer, write_result  # noqa: E402
 
 
 class Net(Regressor):
@@ -55,11 +53,9 @@ class StopOnRank0(Callback):
             trainer.should_stop = True
 
 
-def trainer(root, **kw):
-    args = dict(max_epochs=1, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=root, logger=False)
-    args.update(kw)
-    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=30), **args)
+# two processes, a 30 s process-group timeout, one epoch, no checkpoint
+trainer = functools.partial(ddp_trainer, devices=2, timeout=30, max_epochs=1, log_every_n_steps=1,
+                            enable_checkpointing=False)
 
 
 def main(root):
@@ -78,8 +74,7 @@ def main(root):
         out["sync_bn"] = None
     except MisconfigurationError as e:
         out["sync_bn"] = str(e)
-    with open(os.path.join(root, f"result_{t.global_rank}.json"), "w") as f:
-        json.dump(out, f)
+    write_result(root, f"result_{t.global_rank}", out)
 
 
 if __name__ == "__main__":

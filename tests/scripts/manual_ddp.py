@@ -7,7 +7,6 @@ DDP with find_unused_parameters=True and a 30 s process-group timeout. The globa
 is 8 samples whatever N is (8 // N per rank, interleaved), so the weights after training
 equal the single-process run's. Every rank writes OUT_DIR/result_<rank>.json.
 """
-import json
 import sys
 from datetime import timedelta
 
@@ -15,6 +14,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from common import ddp_trainer, write_result
 import ember
 from ember.strategies import DDPStrategy
 
@@ -52,12 +52,11 @@ def main(out: str, n: int) -> None:
     data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
     module = TwoNets()
     strategy = DDPStrategy(find_unused_parameters=True, timeout=timedelta(seconds=30)) if n > 1 else "auto"
-    trainer = ember.Trainer(devices=n, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = ddp_trainer(out, devices=n, strategy=strategy, max_epochs=2, enable_checkpointing=False)
     trainer.fit(module, DataLoader(data, batch_size=8 // n))
-    with open(f"{out}/result_{trainer.global_rank}.json", "w") as f:
-        json.dump({"world": trainer.world_size, "steps": trainer.global_step,
-                   "params": {k: p.detach().flatten().tolist() for k, p in module.named_parameters()}}, f)
+    write_result(out, f"result_{trainer.global_rank}", {
+        "world": trainer.world_size, "steps": trainer.global_step,
+        "params": {k: p.detach().flatten().tolist() for k, p in module.named_parameters()}})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ Every rank writes ROOT/<MODE>_<rank>.json: its error, the seconds from the resum
 call to it, its global step. ``python resume_agree_ddp.py many ROOT m1,m2,...`` runs several
 Trainer modes in the same two processes, each in ROOT/<mode>/.
 """
-import json
+import functools
 import os
 import shutil
 import sys
@@ -35,14 +35,10 @@ import ember
 from ember.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Regressor, loader  # noqa: E402
+from common import Regressor, ddp_trainer, loader, write_result  # noqa: E402
 
-
-def trainer(root, timeout=20, **kw):
-    args = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                default_root_dir=root, logger=False, enable_checkpointing=False)
-    args.update(kw)
-    return ember.Trainer(devices=2, strategy=DDPStrategy(timeout=timeout), **args)
+# two processes, a 20 s process-group timeout, two epochs, no checkpoint unless a case asks
+trainer = functools.partial(ddp_trainer, devices=2, timeout=20, max_epochs=2, enable_checkpointing=False)
 
 
 def flip_one_byte(fp):
@@ -150,5 +146,4 @@ if __name__ == "__main__":
             out = {"acc_swapped": acc_swapped, "acc_auto": acc_auto}.get(m, lambda r: resume(m, r))(d)
         finally:
             os.environ.pop("EMBER_ALLOW_DATA_CHANGE", None)
-        with open(os.path.join(d, f"{m}_{out['rank']}.json"), "w") as f:
-            json.dump(out, f)
+        write_result(d, f"{m}_{out['rank']}", out)

@@ -110,6 +110,25 @@ def reference(net: Net, steps: int, window: int, clip: float | None, sched: bool
     return {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
 
+def accelerator_loop(acc: ember.Accelerator, clip: float | None = None):
+    """``Accelerator.prepare(model, optimizer)`` (the optimizer built before sharding) and a
+    custom loop with gradient accumulation (``acc.accumulate``, ``acc.backward``, with
+    ``clip`` ``acc.clip_grad_norm_``) over ``loader()``; returns the prepared model and
+    optimizer and the single-process reference of the same 4 optimizer steps."""
+    net = make_net()
+    ref = reference(net, 4, window=4 * 2 * acc.gradient_accumulation_steps, clip=clip)
+    opt = make_optimizer(net)
+    model, opt, dl = acc.prepare(net, opt, loader())
+    for x, y in dl:
+        with acc.accumulate(model):
+            acc.backward(F.cross_entropy(model(x), y))
+            if clip is not None:
+                acc.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    return model, opt, ref
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

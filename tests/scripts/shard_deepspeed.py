@@ -117,16 +117,7 @@ def run_stage(OUT: str, STAGE: int) -> None:
     # 7. Accelerator.prepare(model, optimizer) and a custom loop with gradient accumulation
     acc = Accelerator(strategy="deepspeed" if STAGE == 2 else DeepSpeedStrategy(stage=STAGE, **ZERO), devices=2,
                       gradient_accumulation_steps=ACC)
-    net = sc.make_net()
-    ref = sc.reference(net, 4, window=4 * 2 * ACC, clip=None)
-    opt = torch.optim.AdamW(net.parameters(), lr=net.hparams.lr, weight_decay=0.01)
-    model, opt, dl = acc.prepare(net, opt, sc.loader())
-    for xb, yb in dl:
-        with acc.accumulate(model):
-            loss = F.cross_entropy(model(xb), yb)
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
+    model, opt, ref = sc.accelerator_loop(acc)
     sc.write_result(OUT, "accelerator", {
         "max_diff": sc.max_diff(acc.strategy.module_state_dict(model), ref), "stage": acc.strategy.stage,
         "model": type(model).__name__, "unwrapped": type(acc.unwrap_model(model)).__name__}, rank)

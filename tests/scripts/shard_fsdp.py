@@ -227,16 +227,7 @@ elif MODE == "w2":
 
     # 9. Accelerator.prepare(model, optimizer) (optimizer built before sharding) in a custom loop
     acc = Accelerator(strategy="fsdp", devices=2, gradient_accumulation_steps=ACC)
-    net = sc.make_net()
-    ref = sc.reference(net, 4, window=4 * 2 * ACC, clip=CLIP)
-    opt = torch.optim.AdamW(net.parameters(), lr=net.hparams.lr, weight_decay=0.01)
-    model, opt, dl = acc.prepare(net, opt, sc.loader())
-    for x, y in dl:
-        with acc.accumulate(model):
-            acc.backward(F.cross_entropy(model(x), y))
-            acc.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad()
+    model, opt, ref = sc.accelerator_loop(acc, clip=CLIP)
     full = acc.strategy.module_state_dict(model)
     # async save: the checkpoint holds the weights of the moment of the save
     acc.strategy.async_save = True

@@ -13,79 +13,45 @@ can have one sent.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import time
 
-from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
-from common import SineNet, sine_data
-import ember
-from ember.callbacks import Callback, ModelCheckpoint
-from ember.strategies import DDPStrategy
+from common import AttemptLog, SineNet, ddp_trainer, out_tag_parser, restart_count, save_weights, sine_data, \
+    wait_for_signal
+from ember.callbacks import ModelCheckpoint
 
 
-class Record(Callback):
+class Record(AttemptLog):
     def __init__(self, a, resumed: bool):
-        self.a, self.first, self.resumed = a, True, resumed
+        super().__init__(a.out, a.tag)
+        self.a, self.resumed = a, resumed
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if self.first and trainer.is_global_zero:
-            with open(os.path.join(self.a.out, f"{self.a.tag}.attempts"), "a") as f:
-                f.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {trainer.global_step} {trainer.world_size}\n")
-        self.first = False
+    def line(self, trainer) -> str:
+        return f"{restart_count('SLURM_RESTART_COUNT')} {trainer.global_step} {trainer.world_size}"
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == self.a.wait_at and not self.resumed:
             if trainer.is_global_zero:
                 with open(os.path.join(self.a.out, f"{self.a.tag}.ready"), "w") as f:
                     f.write("ready\n")
-            wait_for_signal(90.0)
-
-
-def wait_for_signal(seconds: float) -> None:
-    """Compute for up to ``seconds``, until SIGUSR1 or SIGTERM arrives (ember's handler,
-    chained, takes it as a preemption request at the next optimizer step)."""
-    got = []
-    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
-
-    def handler(signum, frame):
-        got.append(signum)
-        if callable(previous[signum]):
-            previous[signum](signum, frame)
-
-    for s in previous:
-        signal.signal(s, handler)
-    try:
-        end = time.monotonic() + seconds
-        while not got and time.monotonic() < end:
-            time.sleep(0.05)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+            wait_for_signal(90.0, (signal.SIGUSR1, signal.SIGTERM))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("out")
-    p.add_argument("tag")
+    p = out_tag_parser()
     p.add_argument("--wait-at", type=int, default=-1)
     a = p.parse_args()
     loader = DataLoader(sine_data(), batch_size=4, shuffle=True)
     ckpt_dir = os.path.join(a.out, a.tag, "checkpoints")
     resumed = os.path.exists(os.path.join(ckpt_dir, "last"))   # the requeued job, or a second srun
-    trainer = ember.Trainer(max_epochs=2, devices="cpu", strategy=DDPStrategy(timeout=30), seed=7,
-                            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1),
-                                       Record(a, resumed)],
-                            logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            num_sanity_val_steps=0, default_root_dir=os.path.join(a.out, a.tag))
+    trainer = ddp_trainer(os.path.join(a.out, a.tag), max_epochs=2, seed=7,
+                          callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1),
+                                     Record(a, resumed)])
     module = SineNet()
     trainer.fit(module, loader, ckpt_path="last" if resumed else None)
-    if trainer.is_global_zero:
-        save_file({k: v.contiguous() for k, v in module.state_dict().items()},
-                  os.path.join(a.out, f"{a.tag}.safetensors"))
+    save_weights(trainer, module, os.path.join(a.out, f"{a.tag}.safetensors"))
 
 
 if __name__ == "__main__":

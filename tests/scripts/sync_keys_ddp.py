@@ -16,7 +16,6 @@ process-group timeout so a hang fails fast), run by tests/trainer/test_logging_d
    on rank 0), the epoch value is the reduced one (5.0).
 Every rank records the error it raised (or None) in ROOT/result_<rank>.json.
 """
-import json
 import os
 import sys
 import time
@@ -24,11 +23,9 @@ import warnings
 
 from torch.utils.data import DataLoader
 
-import ember
-from ember.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Regressor, noise_data  # noqa: E402
+from common import Regressor, ddp_trainer, noise_data, write_result  # noqa: E402
 
 
 class Net(Regressor):
@@ -63,9 +60,7 @@ def main(root):
     data = noise_data(64)
     out = {}
     for where in ("step", "epoch", "late", "eval_step"):
-        trainer = ember.Trainer(devices=2, strategy=DDPStrategy(timeout=10), max_epochs=1, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                num_sanity_val_steps=0, log_every_n_steps=2, default_root_dir=root)
+        trainer = ddp_trainer(root, devices=2, timeout=10, max_epochs=1, enable_checkpointing=False, log_every_n_steps=2)
         start = time.monotonic()
         net = Net(where)
         try:
@@ -81,8 +76,7 @@ def main(root):
         out[where + "_seconds"] = time.monotonic() - getattr(net, "fit_started", start)
         out[where + "_seen_v"] = getattr(net, "seen_v", None)
         out["rank"] = trainer.global_rank
-    with open(f"{root}/result_{out['rank']}.json", "w") as f:
-        json.dump(out, f)
+    write_result(root, f"result_{out['rank']}", out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import SCRIPTS, child_env
+from helpers import SCRIPTS, rank_results, run_ranks
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -252,13 +252,8 @@ def test_async_save_returns_before_the_write_and_commits_the_synchronous_checkpo
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_ddp_rank0_writes_in_the_background_and_errors_reach_every_rank(tmp_path):
-    import json
-    import subprocess
-    env = child_env(EMBER_CHECKPOINT_FSYNC="0", PYTHONWARNINGS="ignore")
-    p = subprocess.run([sys.executable, str(SCRIPTS / "async_save_ddp.py"), str(tmp_path)], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=280)
-    assert p.returncode == 0, p.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
+    run_ranks("async_save_ddp.py", tmp_path, timeout=280, EMBER_CHECKPOINT_FSYNC="0", PYTHONWARNINGS="ignore")
+    r0, r1 = rank_results(tmp_path)
     # seen before the step's own save: from the first save on, rank 0 holds a background write
     first = r0["async"]["pending"].index(True)
     assert first == 3 and all(r0["async"]["pending"][first:])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ember.strategies.environments import find_free_port
-from helpers import SCRIPTS, child_env
+from helpers import SCRIPTS, child_env, import_script
 
 pytestmark = pytest.mark.multiproc
 
@@ -64,12 +64,7 @@ def _max_diff(a, b):
 
 @pytest.fixture(scope="module")
 def ddp_train_module():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ddp_train
-        yield ddp_train
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return import_script("ddp_train")
 
 
 @pytest.fixture(scope="module")

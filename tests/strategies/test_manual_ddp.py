@@ -1,28 +1,21 @@
 """Manual optimization under DDP with toggled optimizers (Lightning's GAN example): two real
 gloo processes (tests/scripts/manual_ddp.py) end with the single-process weights, as each
 manual_backward prepares DDP's gradient reduction (as Lightning does)."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import SCRIPTS, child_env
+from helpers import rank_results, run_ranks
 
 pytestmark = pytest.mark.multiproc
-SCRIPT = SCRIPTS / "manual_ddp.py"
 
 
 def run(tmp_path: Path, n: int) -> list[dict]:
-    env = child_env(EMBER_CHECKPOINT_FSYNC="0")
     out = tmp_path / f"n{n}"
     out.mkdir()
-    p = subprocess.run([sys.executable, str(SCRIPT), str(out), str(n)], cwd=out, env=env, capture_output=True,
-                       text=True, timeout=150)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return [json.loads((out / f"result_{r}.json").read_text()) for r in range(n)]
+    run_ranks("manual_ddp.py", out, n, timeout=150, EMBER_CHECKPOINT_FSYNC="0")
+    return rank_results(out, n)
 
 
 @pytest.mark.timeout(200)

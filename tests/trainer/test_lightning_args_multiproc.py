@@ -1,23 +1,17 @@
 """Lightning Trainer arguments that act across ranks (issue 15): two real gloo
 processes (tests/scripts/lightning_args_ddp.py) with a 30 s process-group timeout."""
-import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import SCRIPTS, child_env
+from helpers import rank_results, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.mark.timeout(200)
 def test_sampler_min_epochs_and_sync_batchnorm_under_two_processes(tmp_path):
-    env = child_env()
-    p = subprocess.run([sys.executable, str(SCRIPTS / "lightning_args_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
+    p = run_ranks("lightning_args_ddp.py", tmp_path)
+    r0, r1 = rank_results(tmp_path)
     # the user's loader as given: both ranks read all 4 batches in order
     assert r0["sampler_False"] == r1["sampler_False"] == [0, 16, 32, 48]
     # ember's sampler: each rank reads every second row (first rows of its batches: 0, 8 / 1, 9)

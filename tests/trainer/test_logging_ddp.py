@@ -1,24 +1,18 @@
 """sync_dist metrics under several processes (2 real gloo processes, a 10 s
 process-group timeout): a metric logged with sync_dist=True on one rank only is an
 error on every rank, in seconds, never a hang."""
-import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import SCRIPTS, child_env
+from helpers import rank_results, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.mark.timeout(200)
 def test_sync_dist_metric_on_one_rank_raises_on_every_rank_naming_metric_and_ranks(tmp_path):
-    env = child_env()
-    p = subprocess.run([sys.executable, str(SCRIPTS / "sync_keys_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-4000:]
-    results = [json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1)]
+    run_ranks("sync_keys_ddp.py", tmp_path)
+    results = rank_results(tmp_path)
     for r in results:
         assert r["step"] is not None and r["step"].startswith("MisconfigurationError")
         assert "'only_rank0' on rank(s) [0], not on rank(s) [1]" in r["step"]

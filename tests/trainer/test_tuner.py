@@ -2,9 +2,6 @@
 batch-size finder."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from ember.errors import MisconfigurationError
 from ember.loggers import CSVLogger
 
 from conftest import LinearModule, regression_data
-from helpers import SCRIPTS, child_env
+from helpers import rank_results, run_ranks
 
 
 class MomentumLinear(LinearModule):
@@ -88,11 +85,8 @@ def test_lr_find_stops_when_the_loss_diverges(make_trainer):
 @pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_lr_find_same_suggestion_on_every_rank(tmp_path):
-    env = child_env()
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "tuner_ddp.py"), str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"lr_rank{r}.json").read_text()) for r in range(2))
+    run_ranks("tuner_ddp.py", tmp_path, timeout=150)
+    r0, r1 = rank_results(tmp_path, name="lr_rank{}")
     assert r0["suggestion"] is not None and r0["suggestion"] == r1["suggestion"]
     assert r0["losses"] == r1["losses"] and len(r0["losses"]) > 20
     assert r0["local_first_loss"] != r1["local_first_loss"]   # the ranks saw different data

@@ -4,8 +4,8 @@ local stand-in for MNIST, and the numbers written for the comparison. Plain torc
 names common to ember and Lightning Fabric only (``run_with_fabric.py`` maps them)."""
 from __future__ import annotations
 
-import json
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +13,13 @@ import torch
 from torch.utils.data import Dataset
 
 from ember.strategies import DDPStrategy  # (from lightning.fabric.strategies import DDPStrategy)
+
+# tests/ports/ on the path (after everything else): the stand-ins for lightning.pytorch.demos
+# (demos.py) and the results every port writes (port_output.py)
+PORTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if PORTS not in sys.path:
+    sys.path.append(PORTS)
+from port_output import write  # noqa: E402,F401  (rank 0 writes the results: port_output.py)
 
 DEVICES = int(os.environ.get("PORT_DEVICES", "1"))
 # the training loaders shuffle as the originals do: ember's order (and the global random stream
@@ -49,25 +56,6 @@ class Digits(Dataset):
         return self.data[idx], self.targets[idx]
 
 
-def num(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, dict):
-        return {k: num(v) for k, v in sorted(value.items())}
-    if isinstance(value, (list, tuple)):
-        return [num(v) for v in value]
-    return value
-
-
 def param_sums(module: torch.nn.Module) -> dict[str, float]:
     """Sum of every parameter tensor (float64), by name: equal weights, equal sums."""
     return {k: p.detach().double().sum().item() for k, p in module.state_dict().items()}
-
-
-def write(fabric: Any, **results: Any) -> None:
-    """Rank 0 writes ``results`` (plus the world size) to ``PORT_OUT``."""
-    out = os.environ.get("PORT_OUT")
-    if out and fabric.global_rank == 0:
-        results["world"] = fabric.world_size
-        with open(out, "w") as f:
-            json.dump(num(results), f, indent=1, sort_keys=True)

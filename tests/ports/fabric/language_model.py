@@ -9,8 +9,8 @@ optimizer, clip_val=0.25)``, ``fabric.print``, and a validation loop with ``mode
 
 Changed from the original, and why: ``import ember as L`` (for ``import lightning as L``);
 ``lightning.pytorch.demos.Transformer`` and ``WikiText2`` are demos ember does not ship: a
-small encoder-decoder of the same shape and a synthetic token stream (as the Lightning
-port ``tests/ports/lightning/transformer.py``) stand in (no downloads); fewer samples and
+small encoder-decoder of the same shape and a synthetic token stream (``tests/ports/demos.py``,
+shared with the Lightning port ``tests/ports/lightning/transformer.py``) stand in (no downloads); fewer samples and
 2 epochs; ``L.Fabric(**fabric_kwargs())`` names the processes and ``fabric.launch()`` is
 called; the numbers are written to ``PORT_OUT``, with the token sum of each epoch's first
 batch (the shuffled order, and the random draws after it, equal Fabric's on one process and
@@ -21,76 +21,14 @@ seed_everything; dropout (global RNG).
 
     python tests/ports/fabric/language_model.py   (PORT_OUT=results.json PORT_DEVICES=2)
 """
-import math
-
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, random_split
+from torch.utils.data import DataLoader, random_split
 
 from common import SHUFFLE_TRAIN, fabric_kwargs, param_sums, write
+from demos import SyntheticText, Transformer  # (from lightning.pytorch.demos import Transformer, WikiText2)
 
 import ember as L  # (import lightning as L)
-
-
-class PositionalEncoding(nn.Module):
-    def __init__(self, dim: int, dropout: float, max_len: int = 64):
-        super().__init__()
-        self.dropout = nn.Dropout(dropout)
-        pos = torch.arange(max_len).unsqueeze(1)
-        div = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
-        pe = torch.zeros(max_len, dim)
-        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
-        self.register_buffer("pe", pe, persistent=False)
-
-    def forward(self, x):
-        return self.dropout(x + self.pe[: x.size(1)])
-
-
-class Transformer(nn.Module):
-    """Stand-in for ``lightning.pytorch.demos.Transformer``: ``forward(input, target)``
-    returns log-probabilities of shape ``(batch * seq, vocab)``."""
-
-    def __init__(self, vocab_size: int, ninp: int = 32, nhead: int = 2, nhid: int = 64, nlayers: int = 1,
-                 dropout: float = 0.2):
-        super().__init__()
-        self.ninp, self.vocab_size = ninp, vocab_size
-        self.embedding = nn.Embedding(vocab_size, ninp)
-        self.pos_encoder = PositionalEncoding(ninp, dropout)
-        self.transformer = nn.Transformer(d_model=ninp, nhead=nhead, num_encoder_layers=nlayers,
-                                          num_decoder_layers=nlayers, dim_feedforward=nhid, dropout=dropout,
-                                          batch_first=True)
-        self.decoder = nn.Linear(ninp, vocab_size)
-
-    def forward(self, inputs, target):
-        mask = nn.Transformer.generate_square_subsequent_mask(target.size(1), device=target.device)
-        src = self.pos_encoder(self.embedding(inputs) * math.sqrt(self.ninp))
-        tgt = self.pos_encoder(self.embedding(target) * math.sqrt(self.ninp))
-        out = self.decoder(self.transformer(src, tgt, tgt_mask=mask))
-        return F.log_softmax(out, dim=-1).view(-1, self.vocab_size)
-
-
-class SyntheticText(Dataset):
-    """Stand-in for ``WikiText2``: a token stream where each token follows from the two
-    before it (with some noise), cut into (input, next-token target) blocks of 35."""
-
-    def __init__(self, n_blocks: int = 400, block_size: int = 35, vocab_size: int = 50):
-        g = torch.Generator().manual_seed(7)
-        n = n_blocks + block_size + 1
-        tokens = torch.zeros(n, dtype=torch.long)
-        tokens[:2] = torch.tensor([1, 2])
-        noise = torch.randint(0, vocab_size, (n,), generator=g)
-        keep = torch.rand(n, generator=g) < 0.8
-        for i in range(2, n):
-            tokens[i] = (tokens[i - 1] + tokens[i - 2]) % vocab_size if keep[i] else noise[i]
-        self.data, self.block_size, self.vocab_size, self.n_blocks = tokens, block_size, vocab_size, n_blocks
-
-    def __len__(self):
-        return self.n_blocks
-
-    def __getitem__(self, index):
-        chunk = self.data[index:index + self.block_size + 1]
-        return chunk[:-1], chunk[1:]
 
 
 ORDER = []   # (port) the token sum of each epoch's first batch on this rank
@@ -103,7 +41,7 @@ def main():
     fabric.launch()
 
     # Data
-    dataset = SyntheticText()
+    dataset = SyntheticText(n_blocks=400)
     train_dataloader, val_dataloader, _ = get_dataloaders(dataset)
 
     # Model

@@ -4,8 +4,8 @@ the comparison. Plain torch and names common to ember and Lightning only."""
 from __future__ import annotations
 
 import inspect
-import json
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -13,6 +13,13 @@ import torch
 
 from ember import Trainer  # (from lightning.pytorch import Trainer)
 from ember.strategies import DDPStrategy  # (from lightning.pytorch.strategies import DDPStrategy)
+
+# tests/ports/ on the path (after everything else): the stand-ins for lightning.pytorch.demos
+# (demos.py) and the results every port writes (port_output.py)
+PORTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if PORTS not in sys.path:
+    sys.path.append(PORTS)
+from port_output import write  # noqa: E402,F401  (rank 0 writes the results: port_output.py)
 
 DEVICES = int(os.environ.get("PORT_DEVICES", "1"))
 # Under DDP, Lightning replaces a training DataLoader's sampler by
@@ -37,29 +44,9 @@ def trainer_kwargs(**ddp: Any) -> dict[str, Any]:
     return kwargs
 
 
-def num(value: Any) -> Any:
-    """Tensors and containers of them as plain floats/lists for JSON."""
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, dict):
-        return {k: num(v) for k, v in sorted(value.items())}
-    if isinstance(value, (list, tuple)):
-        return [num(v) for v in value]
-    return value
-
-
 def param_sums(module: torch.nn.Module) -> dict[str, float]:
     """Sum of every parameter tensor (float64), by name: equal weights, equal sums."""
     return {k: p.detach().double().sum().item() for k, p in module.named_parameters()}
-
-
-def write(trainer: Any, **results: Any) -> None:
-    """Rank 0 writes ``results`` (plus the world size) to ``PORT_OUT``."""
-    out = os.environ.get("PORT_OUT")
-    if out and trainer.is_global_zero:
-        results["world"] = trainer.world_size
-        with open(out, "w") as f:
-            json.dump(num(results), f, indent=1, sort_keys=True)
 
 
 def make_grid(images: torch.Tensor, nrow: int = 8, padding: int = 2, normalize: bool = False,
