@@ -88,7 +88,7 @@ def test_reserved_checkpoint_names(filename):
 # -- 8: one run per checkpoint folder --------------------------------------------------------
 _HOLDER = """
 import sys, time
-from ember.checkpoint.trust import DirLock
+from ember.checkpoint.lock import DirLock
 lock = DirLock(sys.argv[1]); lock.acquire()
 print("locked", flush=True)
 sys.stdin.readline()
