@@ -301,3 +301,26 @@ def test_batch_walks_keep_namedtuples_mappings_model_outputs_and_to_objects():
     check(send_to_device(batch(), meta), lambda t: t.is_meta)
     check(_cast_floats(batch(), torch.float16), lambda t: t.dtype in (torch.float16, torch.long))
     check(_to_float32(batch(), torch.bfloat16), lambda t: t.dtype in (torch.float32, torch.long))
+
+
+def test_flat_batches_move_without_the_tree_walk():
+    """A tensor and flat tuples, lists and dicts of tensors (the usual batches) move on a
+    short path of their own, keeping their type; anything else takes the tree walk."""
+    import cProfile
+    import pstats
+    from ember.strategies.base import move_to_device
+
+    meta = torch.device("meta")
+    for batch in (torch.zeros(2), (torch.zeros(2), torch.arange(3)), [torch.zeros(1)],
+                  {"input_ids": torch.arange(4), "labels": torch.zeros(1)}):
+        out = move_to_device(batch, meta)
+        assert type(out) is type(batch)
+        leaves = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else [out]
+        assert all(t.is_meta for t in leaves)
+    mixed = move_to_device({"ids": torch.arange(2), "n": 3}, meta)
+    assert mixed["ids"].is_meta and mixed["n"] == 3
+    prof = cProfile.Profile()
+    prof.enable()
+    move_to_device((torch.zeros(2), torch.arange(3)), meta)
+    prof.disable()
+    assert pstats.Stats(prof).total_calls <= 8      # the tree walk takes about 90
