@@ -779,6 +779,28 @@ def check_output_path(path: str | os.PathLike, overwrite: bool = False, inputs: 
     return path
 
 
+def check_export_dir(path: str | os.PathLike, inputs: Sequence = (), what: str = "save_pretrained") -> str:
+    """Check a ``save_pretrained`` folder before anything is written; return it. Like
+    transformers, an export writes its files into the folder (an existing export is
+    updated in place); it never writes into what it must not change. Raises
+    MisconfigurationError naming ``what`` and the path when ``path`` is a file, is or lies
+    inside an ember checkpoint, or is or lies inside one of ``inputs`` (the base model's
+    folder, the tokenizer's: a merged export there would replace the base weights)."""
+    raw = os.fspath(path)
+    if os.path.lexists(raw) and not os.path.isdir(raw):
+        raise MisconfigurationError(f"{what}({raw!r}): {raw} is a file, not a folder; choose a folder path")
+    ckpt = checkpoint_containing(raw)
+    if ckpt:
+        raise MisconfigurationError(f"{what}({raw!r}) lies inside the checkpoint {ckpt}; an export never writes "
+                                    "into a checkpoint (it would no longer load). Choose a folder outside it")
+    for given in inputs:
+        if isinstance(given, (str, os.PathLike)) and os.path.isdir(given) and inside(raw, given):
+            raise MisconfigurationError(f"{what}({raw!r}) is the folder {os.fspath(given)!r} the model or tokenizer "
+                                        "was loaded from (or inside it); an export never replaces its own inputs. "
+                                        "Choose another folder")
+    return raw
+
+
 def write_error(err: BaseException, path: str | os.PathLike) -> BaseException:
     """The error to raise for ``err`` while writing checkpoint ``path``: a full disk or a
     read-only target becomes a CheckpointError saying so and naming the path."""

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from ember.callbacks.base import Callback
 from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
+from ember.checkpoint.trust import check_export_dir
 from ember.integrations.hf_data import (CausalLMData, LengthGroupedSampler, PadCollator, TextClassificationData,
                                         TokenizedDataset)
 from ember.integrations import packing
@@ -774,6 +775,14 @@ class TransformersModule(TrainModule):
                                    **labels)
         return cls(hf_model, task=task, **kwargs)
 
+    def export_inputs(self, tokenizer: Any = None) -> list:
+        """The folders this module's model and tokenizer were read from (an export never
+        writes into them: :func:`ember.checkpoint.trust.check_export_dir`)."""
+        model = self.__dict__.get("model") or self._modules.get("model")
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        return [self.hparams.get("model"), getattr(getattr(model, "config", None), "_name_or_path", None),
+                tok if isinstance(tok, (str, os.PathLike)) else getattr(tok, "name_or_path", None)]
+
     def save_pretrained(self, save_directory: str, tokenizer: Any = None, state_dict: dict | None = None,
                         merged: bool = False, **kwargs) -> str:
         """Write a folder that ``AutoModelFor....from_pretrained`` (and, with a tokenizer,
@@ -788,7 +797,7 @@ class TransformersModule(TrainModule):
         if merged and self._peft_config is not None:
             from ember.integrations.adapters import check_mergeable
             check_mergeable(model)
-        save_directory = os.fspath(save_directory)
+        save_directory = check_export_dir(save_directory, self.export_inputs(tokenizer))
         os.makedirs(save_directory, exist_ok=True)
         if state_dict is not None:
             state_dict = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state_dict.items()}
@@ -835,6 +844,11 @@ class ExportBestPretrained(Callback):
         self.tokenizer = tokenizer
         self.merged = bool(merged)
         self.exported_from: str | None = None
+
+    def setup(self, trainer, module, stage: str) -> None:
+        """A folder the export may not write to fails the fit before training, not after."""
+        if stage == "fit" and isinstance(module, TransformersModule):
+            check_export_dir(self.dirpath, module.export_inputs(self.tokenizer), "ExportBestPretrained")
 
     def on_fit_end(self, trainer, module) -> None:
         if not isinstance(module, TransformersModule):

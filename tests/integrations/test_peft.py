@@ -457,3 +457,47 @@ def test_a_quantized_base_is_prepared_for_kbit_training():
     base = module.model.get_base_model()
     assert base.model.norm.weight.dtype == torch.float32 and base.lm_head.weight.dtype == torch.float32
     assert all(".lora_" in n for n in trainable(module))
+
+
+# ------------------------------------------------------------------------------ export targets
+def test_an_export_never_writes_into_its_base_a_checkpoint_or_a_file(tmp_path):
+    """save_pretrained and ExportBestPretrained refuse, before writing anything: the
+    folder the base model was read from (a merged export there would replace the base
+    weights), a folder inside it, an ember checkpoint, and a file. An existing folder
+    of other files takes the export, as transformers' save_pretrained does."""
+    from ember.checkpoint.io import META_NAME
+    base = tmp_path / "base"
+    hf_tiny.tiny_bert().save_pretrained(base)
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    module = TransformersModule(str(base), task="sequence-classification", num_labels=2, lr=1e-2, warmup_steps=0,
+                                peft_config=pc.lora(["query", "value"], task_type="SEQ_CLS"))
+    for target in (base, base / "sub"):
+        for merged in (False, True):
+            with pytest.raises(MisconfigurationError, match="loaded from"):
+                module.save_pretrained(target, merged=merged)
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before and not (base / "sub").exists()
+    ckpt = tmp_path / "ckpt"
+    trainer_for(tmp_path, max_steps=1).fit(module, datamodule=cls_data())
+    module.trainer.save_checkpoint(ckpt)
+    assert (ckpt / META_NAME).is_file()
+    files = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(MisconfigurationError, match="inside the checkpoint"):
+        module.save_pretrained(ckpt / "export")
+    assert sorted(p.name for p in ckpt.iterdir()) == files
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(MisconfigurationError, match="is a file"):
+        module.save_pretrained(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    other = tmp_path / "exports"
+    other.mkdir()
+    (other / "notes.txt").write_text("kept")
+    module.save_pretrained(other)
+    assert (other / "adapter_model.safetensors").is_file() and (other / "notes.txt").read_text() == "kept"
+    # the callback checks at setup: the fit fails before its first step
+    fresh = TransformersModule(str(base), task="sequence-classification", num_labels=2, lr=1e-2, warmup_steps=0,
+                               peft_config=pc.lora(["query", "value"], task_type="SEQ_CLS"))
+    trainer = trainer_for(tmp_path, max_steps=2, callbacks=[ExportBestPretrained(base, merged=True)])
+    with pytest.raises(MisconfigurationError, match="ExportBestPretrained.*loaded from"):
+        trainer.fit(fresh, datamodule=cls_data())
+    assert trainer.global_step == 0
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
