@@ -65,14 +65,21 @@ import torch
 import ember
 from ember.integrations.transformers import TextClassificationData, TransformersModule
 
-VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup", "ember-bf16", "ember-padfree", "ember-padfree-bf16")
+VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup", "ember-bf16", "ember-padfree", "ember-padfree-bf16",
+            "ember-padfree-random")
 DEFAULT_VARIANTS = ("hf", "ember", "ember-fp32", "ember-nogroup")
-LORA_VARIANTS = ("hf", "hf-bf16", "ember", "ember-nogroup")
+LORA_VARIANTS = ("hf", "hf-bf16", "ember", "ember-nogroup", "ember-grouped", "ember-padfree-random")
 LORA_DEFAULT_VARIANTS = ("hf", "hf-bf16", "ember")
 LORA_LR = 5e-4
 #: the precision each ember variant passes to the Trainer (None: ember's choice)
 PRECISION = {"ember": None, "ember-fp32": "32-true", "ember-nogroup": "32-true", "ember-bf16": "bf16-mixed",
-             "ember-padfree": None, "ember-padfree-bf16": "bf16-mixed"}
+             "ember-padfree": None, "ember-padfree-bf16": "bf16-mixed", "ember-padfree-random": None,
+             "ember-grouped": None}
+#: the batches each ember variant asks for, when not the data module's defaults
+BATCHES = {"ember-nogroup": dict(group_by_length=False), "ember-fp32": {}, "ember-bf16": {},
+           "ember-padfree": dict(padding_free=True), "ember-padfree-bf16": dict(padding_free=True),
+           "ember-padfree-random": dict(padding_free=True, group_by_length=False),
+           "ember-grouped": dict(group_by_length=True, padding_free=False)}
 
 
 def lora_config():
@@ -179,7 +186,7 @@ def run_ember(args, texts, labels, variant: str) -> dict:
     train, test = texts
     data = CountingData(minilm_path(), train=train, test=test, max_length=args.max_length,
                         batch_size=args.batch_size, eval_batch_size=args.batch_size * 2, label_names=labels,
-                        group_by_length=variant != "ember-nogroup", padding_free=variant.startswith("ember-padfree"))
+                        **BATCHES.get(variant, {}))
     data.setup("fit")
     precision = PRECISION[variant]
     clock = _StepClock()

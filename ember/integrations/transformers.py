@@ -739,7 +739,9 @@ class TransformersModule(TrainModule):
 
     def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         """transformers' ``get_scheduler``, sized by the Trainer's ``estimated_stepping_batches``."""
-        from transformers import get_scheduler
+        from ember.checkpoint.rng import keep_rng_states
+        with keep_rng_states():   # a first import leaves the user's random streams as they were
+            from transformers import get_scheduler
         warmup, total = self.warmup_steps, None
         if self.scheduler != "constant" or warmup is None:
             t = self._trainer
