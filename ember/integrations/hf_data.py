@@ -267,9 +267,13 @@ class _HFTextData(DataModule):
         bs = self.batch_size if split == "train" else self.eval_batch_size
         kw = dict(batch_size=bs, collate_fn=self._collator(split), num_workers=self.num_workers,
                   persistent_workers=self.num_workers > 0)
-        if split == "train" and self.group_by_length:   # seeded by the run seed when prepared (Trainer(seed=))
+        if split == "train" and self._grouped():   # seeded by the run seed when prepared (Trainer(seed=))
             return DataLoader(ds, sampler=LengthGroupedSampler(ds.lengths, bs), **kw)
         return DataLoader(ds, shuffle=shuffle, **kw)
+
+    def _grouped(self) -> bool:
+        """Whether training batches are length-grouped (``group_by_length``)."""
+        return bool(self.group_by_length)
 
     def train_dataloader(self):
         dl = self._loader("train", shuffle=True)
@@ -316,17 +320,23 @@ class TextClassificationData(_HFTextData):
         max_length: truncation length in tokens. Padding is per batch (dynamic).
         batch_size / eval_batch_size: per-process batch sizes.
         val_split: hold out this fraction of ``train`` (drawn with ``seed``) for validation.
-        group_by_length: order training batches so that similar lengths meet (little padding; the
-            default): a :class:`~ember.data.LengthGroupedSampler`, shuffled with the run seed
-            (``Trainer(seed=)``), resumable mid-epoch and sharded exactly over DDP ranks.
-            ``False``: plain shuffling, each batch padded to its longest sample.
+        group_by_length: ``True``: order training batches so that similar lengths meet
+            (little padding): a :class:`~ember.data.LengthGroupedSampler`, shuffled with the run
+            seed (``Trainer(seed=)``), resumable mid-epoch and sharded exactly over DDP ranks.
+            ``False``: plain shuffling, each batch padded to its longest sample (or packed,
+            ``padding_free``). ``None`` (the default) chooses per run: grouped, except for a
+            module that trains adapters (``TransformersModule(peft_config=...)``), which gets
+            random batches, padding-free where its model allows: grouped batches mix the labels
+            less (a text's length often goes with its label), which cost adapters 2 points of
+            accuracy and full fine-tuning none measurable (docs/benchmarks.md).
         cache_dir: keep tokenised splits here (keyed by tokenizer, settings and data).
         label_names: the class names in id order. Without it, integer labels (or integer
             strings) are used as ids and other labels are mapped to ids in sorted order.
         padding_free: batches without padding: the texts of a batch concatenated into one
             row with per-text positions and boundaries (:class:`~ember.integrations.packing.PackCollator`),
             for ``TransformersModule`` with BERT-architecture models. Per text, the logits, the
-            loss and the metrics are those of the padded batch.
+            loss and the metrics are those of the padded batch. ``None`` (the default): as
+            ``group_by_length=None`` chooses (padding-free for adapters on such models).
         num_proc: processes that tokenise a split (``None``: several for splits of 100,000
             texts or more, one otherwise). The result is the same whatever the number.
     """
@@ -334,17 +344,19 @@ class TextClassificationData(_HFTextData):
     def __init__(self, tokenizer, train=None, val=None, test=None, predict=None, text_column: str = "text",
                  label_column: str = "label", max_length: int = 128, batch_size: int = 32,
                  eval_batch_size: int | None = None, val_split: float | None = None, seed: int = 42,
-                 group_by_length: bool = True, cache_dir: str | None = None, num_workers: int = 0,
+                 group_by_length: bool | None = None, cache_dir: str | None = None, num_workers: int = 0,
                  label_names: list[str] | None = None, text_pair_column: str | None = None,
-                 pad_to_multiple_of: int | None = None, local_files_only: bool = True, padding_free: bool = False,
+                 pad_to_multiple_of: int | None = None, local_files_only: bool = True,
+                 padding_free: bool | None = None,
                  num_proc: int | None = None):
         super().__init__(tokenizer, train=train, val=val, test=test, predict=predict, text_column=text_column,
                          max_length=max_length, batch_size=batch_size, eval_batch_size=eval_batch_size,
                          val_split=val_split, seed=seed, group_by_length=group_by_length, cache_dir=cache_dir,
                          num_workers=num_workers, pad_to_multiple_of=pad_to_multiple_of,
                          local_files_only=local_files_only, num_proc=num_proc)
-        if not isinstance(padding_free, bool):
-            raise MisconfigurationError(f"padding_free={padding_free!r} is not valid; use True or False")
+        for name, value in (("padding_free", padding_free), ("group_by_length", group_by_length)):
+            if value is not None and not isinstance(value, bool):
+                raise MisconfigurationError(f"{name}={value!r} is not valid; use True, False or None (ember chooses)")
         if padding_free and pad_to_multiple_of:
             raise MisconfigurationError("padding_free=True and pad_to_multiple_of are both set; a padding-free "
                                         "batch has no padding to round up")
@@ -445,8 +457,24 @@ class TextClassificationData(_HFTextData):
         feats = self._encode(payload["texts"], payload["pairs"])
         return TokenizedDataset.from_lists(feats, payload["labels"])
 
+    def batches(self) -> tuple[bool, bool]:
+        """``(group_by_length, padding_free)`` for this run: the values given, and for
+        ``None`` ember's choice (see the class docstring) from the module the Trainer fits."""
+        group, free = self.group_by_length, self.padding_free
+        if group is None or free is None:
+            module = getattr(self.trainer, "module", None)
+            adapters = bool(getattr(module, "trains_adapters", False))
+            if free is None:
+                free = adapters and group is not True and not self.pad_to_multiple_of and bool(module.packs_texts())
+            if group is None:
+                group = not adapters
+        return group, free
+
+    def _grouped(self) -> bool:
+        return self.batches()[0]
+
     def _collator(self, split: str):
-        if self.padding_free:
+        if self.batches()[1]:
             from ember.integrations.packing import PackCollator
             return PackCollator()
         return super()._collator(split)

@@ -777,6 +777,25 @@ class TransformersModule(TrainModule):
                                    **labels)
         return cls(hf_model, task=task, **kwargs)
 
+    @property
+    def trains_adapters(self) -> bool:
+        """True when only adapters train (``peft_config`` given)."""
+        return self._peft_config is not None
+
+    def packs_texts(self) -> bool:
+        """Whether padding-free batches (``TextClassificationData(padding_free=True)``) run
+        on this module: sequence classification with a BERT-architecture encoder, and no
+        prompt-learning adapter (read from the config; the weights are not loaded)."""
+        if self.task != "sequence-classification" or getattr(self._peft_config, "is_prompt_learning", False):
+            return False
+        model = self.__dict__.get("model") or self._modules.get("model")
+        config = getattr(model, "config", None)
+        if config is None and isinstance(self.hparams.get("model"), str):
+            from ember.integrations.hf_load import pretrained_config
+            config = pretrained_config(self, self.hparams["model"])[0]
+        return getattr(config, "model_type", None) in packing.PACKABLE_MODEL_TYPES \
+            and not getattr(config, "is_decoder", False)
+
     def export_inputs(self, tokenizer: Any = None) -> list:
         """The folders this module's model and tokenizer were read from (an export never
         writes into them: :func:`ember.checkpoint.trust.check_export_dir`)."""

@@ -501,3 +501,47 @@ def test_an_export_never_writes_into_its_base_a_checkpoint_or_a_file(tmp_path):
         trainer.fit(fresh, datamodule=cls_data())
     assert trainer.global_step == 0
     assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+
+
+# ------------------------------------------------------------------------------ batches for adapters
+def test_adapters_get_random_padding_free_batches_by_default(tmp_path):
+    """TextClassificationData's default batches: length-grouped for full fine-tuning;
+    random (the composition transformers' Trainer draws) and padding-free for adapters on
+    a BERT-architecture model; random and padded for adapters on another model. Given
+    values always win."""
+    from ember.data import LengthGroupedSampler
+    from ember.integrations.packing import PackCollator
+    from transformers import LlamaForSequenceClassification
+
+    class Seen(ember.callbacks.Callback):
+        def on_train_start(self, trainer, module):
+            dl = trainer.train_dataloader
+            self.grouped = isinstance(getattr(dl, "sampler", None), LengthGroupedSampler)
+            self.packed = isinstance(dl.collate_fn, PackCollator)
+
+    def fit(module, **data_kw):
+        seen = Seen()
+        dm = TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(32), batch_size=8, **data_kw)
+        trainer_for(tmp_path, max_steps=1, callbacks=[seen]).fit(module, datamodule=dm)
+        assert dm.batches() == (seen.grouped, seen.packed)
+        return seen.grouped, seen.packed
+
+    lora = pc.lora(["query", "value"], task_type="SEQ_CLS")
+    assert TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(8)).batches() == (True, False)
+    assert fit(TransformersModule(hf_tiny.tiny_bert(), lr=1e-2, warmup_steps=0)) == (True, False)
+    assert fit(TransformersModule(hf_tiny.tiny_bert(), lr=1e-2, warmup_steps=0, peft_config=lora)) == (False, True)
+    assert fit(TransformersModule(hf_tiny.tiny_bert(), lr=1e-2, warmup_steps=0, peft_config=lora),
+               group_by_length=True) == (True, False)
+    assert fit(TransformersModule(hf_tiny.tiny_bert(), lr=1e-2, warmup_steps=0, peft_config=lora),
+               padding_free=False) == (False, False)
+    assert fit(TransformersModule(hf_tiny.tiny_bert(), lr=1e-2, warmup_steps=0, peft_config=lora),
+               pad_to_multiple_of=8) == (False, False)
+    assert fit(TransformersModule(hf_tiny.tiny_bert(), lr=1e-2, warmup_steps=0),
+               group_by_length=False, padding_free=True) == (False, True)
+    llama = pc.tiny_llama()
+    llama_cls = LlamaForSequenceClassification(llama.config)
+    llama_cls.config.pad_token_id = 0
+    assert fit(TransformersModule(llama_cls, lr=1e-2, warmup_steps=0,
+                                  peft_config=pc.lora(["q_proj", "v_proj"], task_type="SEQ_CLS"))) == (False, False)
+    with pytest.raises(MisconfigurationError, match="group_by_length='yes' is not valid"):
+        TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(8), group_by_length="yes")
