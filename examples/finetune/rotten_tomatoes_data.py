@@ -59,7 +59,7 @@ class RottenTomatoesData(TextClassificationData):
 
     def __init__(self, tokenizer: str | None = None, max_length: int = 128, batch_size: int = 32,
                  eval_batch_size: int | None = None, test_size: int = 1000, split_seed: int = 0,
-                 train_limit: int | None = None, test_limit: int | None = None, group_by_length: bool = True,
+                 train_limit: int | None = None, test_limit: int | None = None, group_by_length: bool | None = None,
                  cache_dir: str | None = None, num_workers: int = 0):
         train, test = load_rotten_tomatoes(test_size, split_seed)
         train, test = train[:train_limit], test[:test_limit]
