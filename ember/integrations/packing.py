@@ -64,23 +64,32 @@ _registered = threading.Lock()
 _done: list[bool] = []
 
 
+#: a packed row's length is rounded up to a multiple of this: the tokens added belong to no
+#: text (no text attends to them, no output reads them). Without it every batch has a new
+#: length, and oneDNN's per-shape kernel cache grew a LoRA run's memory by a gigabyte
+#: over 300 steps (docs/benchmarks.md, "LoRA adapters")
+ROW_MULTIPLE = 64
+
+
 class PackCollator:
     """Concatenate a batch of tokenised texts into one padding-free row.
 
     Returns ``input_ids``, ``position_ids`` and ``token_type_ids`` of shape ``(1, T)``
-    (T: the batch's real tokens), ``cu_seq_lens`` (``B + 1`` cumulative lengths, from
-    0) and ``labels`` (one per text). :func:`packed_forward` runs a model on it."""
+    (T: the batch's real tokens, rounded up to a multiple of :data:`ROW_MULTIPLE` with
+    tokens of no text), ``cu_seq_lens`` (``B + 1`` cumulative lengths, from 0) and
+    ``labels`` (one per text). :func:`packed_forward` runs a model on it."""
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         ids = [it["input_ids"] for it in items]
         lens = torch.tensor([len(x) for x in ids], dtype=torch.long)
         cu = torch.zeros(len(ids) + 1, dtype=torch.long)
         cu[1:] = lens.cumsum(0)
-        out = {"input_ids": torch.cat(ids).unsqueeze(0),
-               "position_ids": torch.cat([torch.arange(n) for n in lens.tolist()]).unsqueeze(0),
+        tail = torch.zeros(-int(cu[-1]) % ROW_MULTIPLE, dtype=torch.long)   # belongs to no text
+        out = {"input_ids": torch.cat(ids + [tail]).unsqueeze(0),
+               "position_ids": torch.cat([torch.arange(n) for n in lens.tolist()] + [tail]).unsqueeze(0),
                "cu_seq_lens": cu}
         if "token_type_ids" in items[0]:
-            out["token_type_ids"] = torch.cat([it["token_type_ids"] for it in items]).unsqueeze(0)
+            out["token_type_ids"] = torch.cat([it["token_type_ids"] for it in items] + [tail]).unsqueeze(0)
         else:
             out["token_type_ids"] = torch.zeros_like(out["input_ids"])
         if "labels" in items[0]:
@@ -120,8 +129,8 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     heads, d = query.shape[1], query.shape[-1]
     b = keep.shape[0]
 
-    def spread(x):   # (1, heads, T, d) -> (B, heads, L, d), zeros at padding
-        out = x.new_zeros(heads, b * longest, d).index_copy(1, index, x[0])
+    def spread(x):   # (1, heads, T, d) -> (B, heads, L, d), zeros at padding (the row's tail left out)
+        out = x.new_zeros(heads, b * longest, d).index_copy(1, index, x[0, :, :index.numel()])
         return out.view(heads, b, longest, d).transpose(0, 1)
 
     if kwargs.get("ember_attention") == "flex":
@@ -129,6 +138,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     out = F.scaled_dot_product_attention(spread(query), spread(key), spread(value), attn_mask=keep,
                                          dropout_p=dropout, scale=scaling)
     out = out.transpose(0, 1).reshape(heads, b * longest, d).index_select(1, index)   # (heads, T, d)
+    out = F.pad(out, (0, 0, 0, query.shape[2] - out.shape[1]))   # the row's tokens of no text: zeros
     return out.transpose(0, 1).unsqueeze(0), None   # (1, T, heads, d), as transformers expects
 
 
@@ -227,7 +237,8 @@ def packed_forward(model, batch: dict, attention: str = "sdpa"):
     extra = {"ember_layout": layout, "ember_attention": attention}
     if attention == "flex":
         lens = cu[1:] - cu[:-1]
-        extra["ember_doc"] = torch.repeat_interleave(torch.arange(lens.numel(), device=ids.device), lens.to(ids.device))
+        doc = torch.repeat_interleave(torch.arange(lens.numel(), device=ids.device), lens.to(ids.device))
+        extra["ember_doc"] = F.pad(doc, (0, ids.shape[1] - doc.numel()), value=lens.numel())   # the tail: its own
     hook.starts = cu[:-1]
     try:
         return model(input_ids=ids, position_ids=batch["position_ids"], token_type_ids=batch["token_type_ids"],

@@ -15,7 +15,7 @@ import ember  # noqa: E402
 import hf_tiny  # noqa: E402
 from ember.data import prepare_dataloader  # noqa: E402
 from ember.errors import MisconfigurationError  # noqa: E402
-from ember.integrations.packing import PackCollator, packed_forward  # noqa: E402
+from ember.integrations.packing import ROW_MULTIPLE, PackCollator, packed_forward  # noqa: E402
 from ember.integrations.transformers import PadCollator, TextClassificationData, TransformersModule  # noqa: E402
 
 TOL = 1e-5   # float32 rounding: the packed and the padded runs sum in another order
@@ -46,7 +46,9 @@ def test_per_text_logits_losses_and_gradients_equal_the_padded_batch(pairs):
     items = _items(pairs=pairs)
     padded, packed = PadCollator(0)(items), PackCollator()(items)
     lengths = [len(it["input_ids"]) for it in items]
-    assert packed["input_ids"].shape == (1, sum(lengths)) and padded["input_ids"].numel() > sum(lengths)
+    total = sum(lengths)   # the row: the texts' tokens, then a tail of no text up to a multiple of ROW_MULTIPLE
+    assert packed["input_ids"].shape == (1, -(-total // ROW_MULTIPLE) * ROW_MULTIPLE) and int(packed["cu_seq_lens"][-1]) == total
+    assert total % ROW_MULTIPLE and padded["input_ids"].numel() > total
     model = _bert().train()   # dropout 0: train mode is deterministic
     ref = model(**padded)
     ref.loss.backward()
@@ -108,7 +110,8 @@ def test_padding_free_batches_and_unsupported_models(tmp_path):
     data = TextClassificationData(tok, train=hf_tiny.sentiment_rows(40), batch_size=8, padding_free=True)
     batch = next(iter(prepare_dataloader(data.train_dataloader(), seed=0)))
     assert batch["input_ids"].shape[0] == 1 and batch["cu_seq_lens"].numel() == 9
-    assert batch["position_ids"][0, 0] == 0 and int(batch["cu_seq_lens"][-1]) == batch["input_ids"].shape[1]
+    assert batch["position_ids"][0, 0] == 0 and batch["input_ids"].shape[1] % ROW_MULTIPLE == 0
+    assert 0 <= batch["input_ids"].shape[1] - int(batch["cu_seq_lens"][-1]) < ROW_MULTIPLE
     with pytest.raises(MisconfigurationError, match="pad_to_multiple_of"):
         TextClassificationData(tok, train=hf_tiny.sentiment_rows(8), padding_free=True, pad_to_multiple_of=8)
     gpt = TransformersModule(hf_tiny.tiny_gpt2(), task="causal-lm")
