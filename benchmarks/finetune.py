@@ -34,7 +34,9 @@ Before ember chose bf16 by itself (November 2026), ``ember`` meant fp32, today's
 ``peft.LoraConfig`` (r=8, alpha 16, dropout 0.1 on ``query``/``value``, the classifier in
 ``modules_to_save``), lr 5e-4 unless ``--lr`` is given. Variants: ``hf`` (the Trainer +
 peft, fp32, its default), ``hf-bf16`` (the same with ``bf16=True``) and ``ember`` (ember's
-defaults: its own precision choice); ``ember-nogroup`` (random batches, fp32) on request.
+defaults: its own precision choice, and for adapters random padding-free batches); on
+request ``ember-nogroup`` (random padded batches, fp32), ``ember-grouped`` (length-grouped
+batches, ember's precision) and ``ember-padfree-random`` (random padding-free batches).
 Each run is a process of its own, so that its peak resident memory (``ru_maxrss``: model, data, training and test) is its own.
 
     python benchmarks/finetune.py --lora --threads 2 --seeds 0 1 2 --json lora.json
