@@ -3,88 +3,12 @@ sanity check). The order of events is in ``ember/trainer/events.py``; the rules 
 optimizer step in ``ember/step.py``; the loop state in ``ember/trainer/state.py``. One
 training step reads top to bottom in :meth:`FitLoop.run_epoch`.
 
-Where the ranks agree: every collective of a Trainer run, each decision made once (the
-table in docs/architecture.md, "Where the ranks agree", names the test of each). No
-collective runs per step (``sync_dist`` values are reduced where they are emitted: log points
-and epoch ends), except TransformersModule's token-exact accumulation (on by default for
-token-level tasks under several processes: one all-reduce of the window's token count per
-optimizer step, and one broadcast of its loss scale at the first step,
-integrations/transformers.py)::
+Where the ranks agree: each decision is made once and agreed, never with a collective per
+step; every point, its file and its test are listed once, in docs/architecture.md ("Where
+the ranks agree").
 
-    setup                 precision: a Trainer given none runs each rank's module choice; one
-                          all_gather_object of the choices, every rank raises when they differ
-                          (trainer/checks.py agree_chosen_precision); the data seed is rank 0's,
-                          broadcast (trainer/trainer.py _setup); rank 0 picks the logger version
-                          folders (trainer.log_dir), broadcast (trainer/arguments.py
-                          agree_log_versions); prepare_data runs on each node's local rank 0, then
-                          one all_gather_object of the outcomes in place of a barrier
-                          (trainer/trainer.py _prepare_data_agreed); ckpt_path "last"/"best" (and
-                          whether an elastic restart resumes) is resolved on rank 0, broadcast
-                          (trainer/trainer.py _run); a train loader kept with the user's sampler
-                          generator gets rank 0's generator state (data/sampling.py
-                          agree_generator: one all_gather_object of a digest, a broadcast only
-                          when the states differ); the training batches per epoch are the
-                          smallest of the ranks' (trainer/checks.py agree_train_batches: one
-                          all-reduce, a warning when they differ); ModelCheckpoint.setup: rank 0's
-                          check of the folder and its lock reaches every rank
-                          (callbacks/checkpoint.py, strategies/full_load.py raise_rank0_error);
-                          the progress bar's rank-output address is rank 0's, broadcast
-                          (callbacks/progress.py)
-    resume (ckpt_path)    the checks of the checkpoint are agreed: one all_gather_object of
-                          each rank's outcome before the strategy's load (the files as each
-                          node sees them; rank 0's EMBER_ALLOW_DATA_CHANGE sent along) and one
-                          after it (the load, optimizer/scheduler counts, loop state, the train
-                          data's shape): one rank's refusal raises the same CheckpointError,
-                          naming that rank, on every rank (trainer/checkpoint.py restore,
-                          checkpoint/agree.py agree_outcome)
-    train start           profiler="pytorch": the trace folder's name is rank 0's, broadcast
-                          (trainer/profiler.py)
-    fit start, epoch end  stop: one all-reduce of [stop request, preemption signal]
-                          (trainer/stopping.py agree_stop, through Strategy.agree)
-    log points            (every log_every_n_steps optimizer steps) the same stop agreement:
-                          should_stop set on any rank, Timer, max_time (each rank's clock),
-                          SIGTERM/SIGUSR1 on any rank; the highest request wins, a signal first;
-                          every rank reduces the same sync_dist names: one all_gather of two
-                          integers per emission point (trainer/logging.py _check_same_keys);
-                          ModelCheckpoint(train_time_interval=) is rank 0's clock
-                          (callbacks/checkpoint.py, Strategy.agree "rank0")
-    non-finite loss       checked before the optimizer steps that are log points; under several
-                          processes one all-reduce of each rank's verdict there, so every rank
-                          raises NonFiniteLossError at that step (trainer/checks.py
-                          check_finite_loss)
-    epoch emissions       an epoch value logged without sync_dist that differs between ranks is
-                          named once: one all_gather_object per stage (trainer/checks.py
-                          warn_unsynced)
-    after a validation    the same stop agreement at the next optimizer step (mid-epoch
-                          EarlyStopping); EarlyStopping's check: one all-reduce of [metric
-                          missing on each rank, stop]: a monitor logged on some ranks only is
-                          missing on every rank (strict: all raise the same error; else all
-                          skip the check), never a rank returning alone
-                          (callbacks/early_stopping.py); GatherMetrics: one all_gather_object
-                          of the loaders seen, and per loader whether each rank saw batches
-                          (callbacks/gather_metrics.py)
-    ModelCheckpoint save  whether to save, the name, the monitored score and the top-k list
-                          (as rank 0 restored it from the files its node sees) are rank 0's,
-                          broadcast in one collective per save point, so save/keep/delete and
-                          the top-k bookkeeping are the same on every rank
-                          (callbacks/checkpoint.py _save)
-    each checkpoint save  one all_gather_object of each rank's RNG states, epoch accumulators,
-                          open-window gradients and data position (trainer/checkpoint.py
-                          trainer_state); rank 0's outcome (its write, or its check of every
-                          rank's shard files) is broadcast in place of a closing barrier: a
-                          failure raises on every rank, no rank waits for the timeout
-                          (strategies/base.py, fsdp.py, deepspeed.py, full_load.py
-                          raise_rank0_error); a weights-only write, export_full and
-                          ExportBestPretrained (integrations/transformers.py) do the same
-    validation points     by batch count and epoch: the same on every rank (the number of
-                          training batches per epoch is agreed at setup, above)
-    max_steps / epochs    counters: the same on every rank by construction
-
-A rank that does not reach an agreement within the process-group timeout is named in
-the error (Strategy.agree counts the agreement points in the rendezvous store).
-
-On one process the same checks run without a collective: a stop request is acted on at
-the next optimizer step. A stop at an optimizer step before the epoch's last batch is
+Stopping: a stop request is acted on at the next optimizer step on one process, at the next
+agreement point (a log point, an epoch end) under several. A stop at an optimizer step before the epoch's last batch is
 recorded as mid-epoch (``trainer.stop_reason``; the checkpoint holds the same epoch and
 the next batch; no epoch-end work, epoch-interval schedulers do not step). ``max_steps``
 reached before the epoch's last batch is such a stop too: ModelCheckpoint saves where it
