@@ -469,7 +469,9 @@ class TrainModule(HyperparametersMixin, nn.Module):
         device). The Trainer then divides the losses of each optimizer step by their item
         count over every micro-batch and process (``ember.step.StepRules.count_divisor``),
         so the step's gradient is the mean over every item, as one big batch. Default (not
-        overridden): ``training_step`` returns a mean, divided by the window's size."""
+        overridden): ``training_step`` returns a mean, divided by the window's size. An
+        override may be a property that is None for a run whose losses are means (the
+        Trainer reads it once per epoch and then counts nothing), as TransformersModule's."""
         return None
 
     def on_before_backward(self, loss: torch.Tensor) -> None:

@@ -627,12 +627,18 @@ class TransformersModule(TrainModule):
                            and (t.accumulate_grad_batches > 1 or t.world_size > 1)
                            and not t.strategy.owns_optimizer_step)
 
-    def loss_count(self, batch):
-        """Token-exact accumulation: the target tokens of ``batch`` (labels not -100, causal
-        LM labels shifted as the model does); ``training_step`` then returns their loss sum
-        and the Trainer divides each step's losses by the count over its micro-batches and
-        ranks. None otherwise (a mean loss)."""
-        if not self._exact or "labels" not in batch:
+    @property
+    def loss_count(self):
+        """Token-exact accumulation (decided at train start): the function that counts a
+        batch's target tokens (labels not -100, causal LM labels shifted as the model does);
+        ``training_step`` then returns their loss sum and the Trainer divides each step's
+        losses by the count over its micro-batches and ranks. None when this run's losses
+        are means (one process without accumulation, a sequence task, or
+        ``token_exact_accumulation=False``): the Trainer's step then counts nothing."""
+        return self._target_tokens if self._exact else None
+
+    def _target_tokens(self, batch):
+        if "labels" not in batch:
             return None
         labels = batch["labels"]
         return ((labels[..., 1:] if self.task == "causal-lm" else labels) != -100).sum()

@@ -141,6 +141,32 @@ def test_token_exact_accumulation_equals_big_batch(tmp_path, task):
     assert _max_rel_diff(naive[0], big[0]) > 1e-2
 
 
+def test_a_mean_loss_run_counts_nothing_per_step(tmp_path):
+    """Token-exact accumulation is decided once, at train start: where it does not apply
+    (one process, no accumulation; or turned off) ``loss_count`` is None and the loop
+    enters no micro-batch context per step; with accumulation it counts every window."""
+    from ember.callbacks import Callback
+
+    class CountWindows(Callback):
+        def on_train_start(self, trainer, module):
+            self.calls, rules = 0, trainer.step_rules
+            inner = rules.micro_batch
+
+            def counted(*a, **k):
+                self.calls += 1
+                return inner(*a, **k)
+            rules.micro_batch = counted
+
+    items = _token_batches("causal-lm")
+    collate = PadCollator(0, lm_labels=True)
+    for acc, exact, counts, calls in [(1, True, False, 0), (2, False, False, 4), (2, True, True, 4)]:
+        module, cb = hf_tiny.grad_recorder("causal-lm", token_exact_accumulation=exact), CountWindows()
+        trainer = quiet_trainer(tmp_path, max_steps=2, accumulate_grad_batches=acc, callbacks=[cb])
+        trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=2, collate_fn=collate))
+        assert (module.loss_count is not None) == counts and cb.calls == calls, (acc, exact)
+    assert module.loss_count(collate(items[:2])) == (collate(items[:2])["labels"][:, 1:] != -100).sum()
+
+
 @pytest.mark.parametrize("precision,tol", [("16-mixed", 5e-3), ("bf16-mixed", 5e-2)])
 def test_token_exact_accumulation_under_mixed_precision(tmp_path, precision, tol):
     """Under 16-mixed the GradScaler's scale is in the backward pass; the rescaled gradients
