@@ -873,9 +873,17 @@ class ExportBestPretrained(Callback):
         self.exported_from: str | None = None
 
     def setup(self, trainer, module, stage: str) -> None:
-        """A folder the export may not write to fails the fit before training, not after."""
+        """A folder the export may not write to fails the fit before training, not after.
+        Rank 0 writes the export, so its check decides, and reaches every rank."""
         if stage == "fit" and isinstance(module, TransformersModule):
-            check_export_dir(self.dirpath, module.export_inputs(self.tokenizer), "ExportBestPretrained")
+            from ember.strategies.full_load import raise_rank0_error
+            error = None
+            if trainer.is_global_zero:
+                try:
+                    check_export_dir(self.dirpath, module.export_inputs(self.tokenizer), "ExportBestPretrained")
+                except Exception as err:   # raised on rank 0 as it is, named on the others
+                    error = err
+            raise_rank0_error(trainer.strategy, error, f"ExportBestPretrained(dirpath={self.dirpath!r}): rank 0 refused it")
 
     def on_fit_end(self, trainer, module) -> None:
         if not isinstance(module, TransformersModule):

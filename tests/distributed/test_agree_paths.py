@@ -103,6 +103,17 @@ def test_a_disk_error_taking_the_checkpoint_folder_lock_on_rank0_reaches_every_r
 
 
 @pytest.mark.timeout(200)
+def test_an_export_folder_rank0_refuses_at_setup_ends_every_rank_before_training(tmp_path):
+    """ExportBestPretrained's folder check is rank 0's (it writes the export): a refusal
+    there reaches rank 1 at setup, not as a process-group timeout in the first step."""
+    r0, r1 = _run("export_refused", tmp_path)
+    for r in (r0, r1):
+        assert r["error"] is not None and r["seconds"] < 15 and r["step"] == 0, r
+    assert r0["error"].startswith("MisconfigurationError: ExportBestPretrained(") and "is a file" in r0["error"]
+    assert r1["error"].startswith("CheckpointError: ExportBestPretrained(dirpath=") and "is a file" in r1["error"]
+
+
+@pytest.mark.timeout(200)
 def test_failed_save_model_on_the_main_process_reaches_every_process(tmp_path):
     r0, r1 = _run("save_model_enospc", tmp_path, launch=True)
     _disk_full_on_rank0_reached_both(r0, r1)

@@ -36,6 +36,9 @@ stops rank 0, blocked in the gradient all-reduce); no rank writes a result.
 MODE ``uneven_batches``: use_distributed_sampler=False and a train loader of 8 batches on rank
 0, 6 on rank 1 (val_check_interval=0.5, 2 epochs): every rank runs 6 batches per epoch and
 validates at the same batches; the same weights on both ranks.
+MODE ``export_refused``: ExportBestPretrained whose dirpath rank 0 refuses at setup (a file;
+rank 1 is given a folder): every rank raises within seconds, before training (rank 1 did
+not reach the training's first all-reduce alone).
 MODE ``prepare_data_fails``: the module's prepare_data (run by local rank 0 only) raises:
 every rank raises within seconds, rank 0 its own error, rank 1 one naming rank 0 (no rank
 waits in a barrier for it).
@@ -290,6 +293,20 @@ def uneven_batches(root):
             "weights": [p.detach().flatten().tolist() for p in module.parameters()]}
 
 
+def export_refused(root):
+    import hf_tiny
+    from ember.integrations.transformers import ExportBestPretrained, TextClassificationData, TransformersModule
+    rank = int(os.environ.get("RANK", "0"))
+    target = os.path.join(root, "export" if rank else "a_file")
+    if rank == 0:
+        open(target, "w").close()
+    tok = hf_tiny.make_tokenizer()
+    data = TextClassificationData(tok, train=hf_tiny.sentiment_rows(64), batch_size=8)
+    t = trainer(root, max_epochs=1, callbacks=[ExportBestPretrained(target)])
+    err, seconds = _fit(t, TransformersModule(hf_tiny.tiny_bert()), datamodule=data)
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "step": t.global_step}
+
+
 def ready():
     """Under ``ember launch``: wait (up to 60 s) until both processes got here, so the short
     process-group timeout is not spent on one process importing slower than the other."""
@@ -309,7 +326,7 @@ MODES = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r:
          "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
          "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
          "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches,
-         "prepare_data_fails": prepare_data_fails}
+         "prepare_data_fails": prepare_data_fails, "export_refused": export_refused}
 
 
 def run_mode(mode, root):
