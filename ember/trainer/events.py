@@ -48,7 +48,7 @@ called)::
              manual_backward / opt.step() / its schedulers; each opt.step() is a global step)
             ON_TRAIN_BATCH_END(outputs)       # {"loss": loss} when training_step returned a tensor
             if val_check_interval is reached mid-epoch: the validation loop
-            stop at max_steps, or at a check point when a stop was agreed (ember/trainer/loops.py)
+            stop at max_steps, or at a check point when a stop was agreed (stopping.py agree_stop)
         emit the training stage's epoch metrics
         if epoch % check_val_every_n_epoch == 0: the validation loop
         epoch-interval schedulers (ReduceLROnPlateau reads its monitor; lr_scheduler_step override)
