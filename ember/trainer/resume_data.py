@@ -82,7 +82,8 @@ def restore_data(t, saved: dict | None, path: str, allow_change: bool = False, r
                 f"resuming {path} mid-epoch (epoch {ls.epoch}, {ls.batches_done} batches done): the train dataloader's "
                 f"sampler was a {saved['sampler']} and is now a {name}, so the batches skipped are not the ones "
                 "trained (samples of this epoch may repeat or be left out). Resume with the sampler the checkpoint "
-                "was saved with, or from a checkpoint saved at an epoch end", UserWarning, stacklevel=5)
+                f"was saved with{_grouping_hint(saved['sampler'], name)}, or from a checkpoint saved at an epoch end",
+                UserWarning, stacklevel=5)
         elif edata.draws_global_rng(sampler):
             warnings.warn(
                 f"resuming {path} mid-epoch: the train dataloader's {name} draws its order from "
@@ -97,6 +98,17 @@ def restore_data(t, saved: dict | None, path: str, allow_change: bool = False, r
     if getattr(dl, "ember_combined", False) and isinstance(inner, list) and len(inner) == len(dl.flattened):
         for x, s in zip(dl.flattened, inner):
             edata.restore_generator(x, s or {}, legacy_epoch=ls.epoch, where=f"{path} (trainer_state.pt)")
+
+
+def _grouping_hint(saved: str, now: str) -> str:
+    """Which argument of ember's text data chose the sampler, when grouping changed (the
+    default of TextClassificationData follows the module: grouped for full fine-tuning,
+    random for adapters)."""
+    grouped = edata.LengthGroupedSampler.__name__
+    if grouped not in (saved, now):
+        return ""
+    return (f" (TextClassificationData / CausalLMData: group_by_length={saved == grouped}"
+            " gives the checkpoint's sampler)")
 
 
 def _check_shape(dl, saved: dict, path: str, ls, allow_change: bool) -> None:

@@ -545,3 +545,28 @@ def test_adapters_get_random_padding_free_batches_by_default(tmp_path):
                                   peft_config=pc.lora(["q_proj", "v_proj"], task_type="SEQ_CLS"))) == (False, False)
     with pytest.raises(MisconfigurationError, match="group_by_length='yes' is not valid"):
         TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(8), group_by_length="yes")
+
+
+def test_resuming_grouped_adapter_batches_under_the_random_default_names_group_by_length(tmp_path):
+    """An adapter checkpoint saved mid-epoch with length-grouped batches (given, or chosen
+    by an older default), resumed under the default (random batches for adapters): the
+    warning names the argument that gives the checkpoint's sampler back; with it, no warning."""
+    import warnings
+    lora = pc.lora(["query", "value"], task_type="SEQ_CLS")
+
+    def fit(steps, ckpt=None, **data_kw):
+        dm = TextClassificationData(hf_tiny.make_tokenizer(), train=hf_tiny.sentiment_rows(64), batch_size=8, **data_kw)
+        ck = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3, save_top_k=-1)
+        trainer_for(tmp_path, max_steps=steps, enable_checkpointing=True, callbacks=[ck]).fit(
+            TransformersModule(hf_tiny.tiny_bert(), lr=1e-2, warmup_steps=0, peft_config=lora), datamodule=dm,
+            ckpt_path=ckpt)
+
+    fit(3, group_by_length=True)
+    first = str(tmp_path / "ck" / "epoch=0-step=3")
+    with pytest.warns(UserWarning, match=r"sampler was a LengthGroupedSampler and is now a ResumableSampler.*"
+                                         r"group_by_length=True gives the checkpoint's sampler"):
+        fit(4, ckpt=first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=r"(?!.*sampler was a)")
+        fit(4, ckpt=first, group_by_length=True)
