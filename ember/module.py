@@ -329,7 +329,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         """Called once at the start of ``fit``, after setup and any checkpoint restore."""
 
     def on_fit_end(self) -> None:
-        """Called once at the end of a ``fit`` that was not interrupted."""
+        """Called once at the end of a ``fit`` that did not raise (also one stopped for a preemption signal)."""
 
     def on_train_start(self) -> None:
         """Called before the first training epoch (after the sanity check)."""
@@ -498,7 +498,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         optimizer.step(closure=optimizer_closure)
 
     def on_before_zero_grad(self, optimizer: Any) -> None:
-        """Called before the gradients of ``optimizer`` are zeroed, right after its step."""
+        """Called before the gradients of ``optimizer`` are zeroed, after the optimizer step."""
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         """Zero the gradients of ``optimizer`` after its step (default: ``set_to_none=True``)."""

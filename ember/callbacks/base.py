@@ -96,7 +96,7 @@ class Callback:
         """Called once at the start of ``fit`` (after any checkpoint restore)."""
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
-        """Called once at the end of a ``fit`` that was not interrupted."""
+        """Called once at the end of a ``fit`` that did not raise (also one stopped for a preemption signal)."""
 
     def on_sanity_check_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Called before the validation sanity check."""
@@ -134,7 +134,7 @@ class Callback:
         """Called before each optimizer step, with unscaled gradients."""
 
     def on_before_zero_grad(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
-        """Called before an optimizer's gradients are zeroed, right after its step."""
+        """Called before an optimizer's gradients are zeroed, after the optimizer step."""
 
     def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Called at the start of a validation pass (not during the sanity check)."""
