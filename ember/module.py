@@ -33,7 +33,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
     ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``,
     ``optimizer_zero_grad``, ``lr_scheduler_step``, ``on_save_checkpoint``,
     ``on_load_checkpoint``, as Lightning's. The loop calls only the ones a subclass
-    overrides (order: ember/trainer/loops.py; docs/trainer.md, "Hooks and their order").
+    overrides (order: ember/trainer/events.py; docs/trainer.md, "Hooks and their order").
     """
 
     def __init__(self) -> None:
@@ -324,12 +324,12 @@ class TrainModule(HyperparametersMixin, nn.Module):
         under FSDP), after the strategy is set up and before the optimizers."""
 
     # Lightning-style hooks; the loop calls only those a subclass overrides (a hook
-    # nobody overrides costs nothing). The order of events is in ember/trainer/loops.py.
+    # nobody overrides costs nothing). The order of events is in ember/trainer/events.py.
     def on_fit_start(self) -> None:
         """Called once at the start of ``fit``, after setup and any checkpoint restore."""
 
     def on_fit_end(self) -> None:
-        """Called once at the end of a ``fit`` that was not interrupted."""
+        """Called once at the end of a ``fit`` that did not raise (also one stopped for a preemption signal)."""
 
     def on_train_start(self) -> None:
         """Called before the first training epoch (after the sanity check)."""
@@ -500,7 +500,7 @@ class TrainModule(HyperparametersMixin, nn.Module):
         optimizer.step(closure=optimizer_closure)
 
     def on_before_zero_grad(self, optimizer: Any) -> None:
-        """Called before the gradients of ``optimizer`` are zeroed, right after its step."""
+        """Called before the gradients of ``optimizer`` are zeroed, after the optimizer step."""
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         """Zero the gradients of ``optimizer`` after its step (default: ``set_to_none=True``)."""

@@ -9,40 +9,13 @@ Accelerator and Fabric through the same methods behind their verbs (``accumulate
 a prepared scheduler's ``step``). Nothing else in ember divides a loss, unscales, clips,
 steps, defers a scheduler or zeroes gradients.
 
-The sequence (docs/architecture.md, "The one step")::
-
-    micro-batch          micro-batch i of n (StepRules.micro_batch): does the optimizer step
-                         after it, and by what does backward divide the loss? Windows hold
-                         accumulation_steps micro-batches; the last window of an epoch may
-                         be shorter and divides by its own size (an epoch of unknown length
-                         is looked ahead far enough to know it), so every step equals one big
-                         batch (accumulation_window); losses that are sums over items
-                         (TrainModule.loss_count: target tokens) divide by the window's item
-                         count over every process instead (StepRules.count_divisor)
-    no_sync              micro-batches that do not step skip the gradient all-reduce of the
-                         models (StepRules.no_sync; several models: one ExitStack)
-    backward             the loss divided by the divisor, times the loss scale under
-                         "16-mixed" (StepRules.backward), between on_before_backward (which
-                         sees the divided loss) and on_after_backward (StepRules.hooked)
-    unscale              each optimizer's gradients once per step, before anything reads
-                         them (a hook, clipping) (StepRules.unscale)
-    clip                 the total norm over the parameters, computed per device mesh for
-                         DTensor parameters and combined (so FSDP-only parameters beside
-                         2-D mesh ones clip together); or each value (StepRules.clip_grad_norm)
-    optimizer step       through the strategy and the precision: skipped when a gradient is
-                         inf/NaN under loss scaling (StepRules.optimizer_step)
-    scale update         once per step, after every optimizer of the step stepped: where the
-                         caller knows the step is complete (the Trainer's automatic step,
-                         StepRules.end_step), else at the next backward or when anything reads
-                         the scale (a checkpoint, ``Accelerator.scaler``); the same scale either way
-    scheduler step       never after a skipped step, and without a host sync: the skip flag
-                         is read once it has reached the host, before the next unscale or
-                         step, a log point, a checkpoint, an epoch end (StepRules.scheduler_step);
-                         never past the end of a fixed-length schedule (OneCycleLR raises
-                         there: step_scheduler; the Trainer warns once)
-    zero_grad            ``set_to_none``; an engine that owns the step (DeepSpeed) zeroes
-                         its own gradients (StepRules.zero_grad); a fit broken by an
-                         exception drops its window's gradients the same way (StepRules.discard)
+The sequence (walked in docs/architecture.md, "The one step"), each rule written at its
+method: :meth:`StepRules.micro_batch` (the accumulation window and the loss divisor:
+:func:`accumulation_window`, :meth:`StepRules.count_divisor`), :meth:`StepRules.no_sync`,
+:meth:`StepRules.backward` between the backward hooks (:meth:`StepRules.hooked`),
+:meth:`StepRules.unscale`, :meth:`StepRules.clip_grad_norm`, :meth:`StepRules.optimizer_step`,
+:meth:`StepRules.end_step` (the scale update), :meth:`StepRules.scheduler_step` and
+:func:`step_scheduler`, :meth:`StepRules.zero_grad` (:meth:`StepRules.discard` on an exception).
 
 Where the Accelerator keeps a documented Accelerate semantic, it says so here, once:
 
@@ -316,7 +289,10 @@ class StepRules:
             self.strategy.optimizer_step(optimizer, self.model, closure)
 
     def end_step(self) -> None:
-        """Every optimizer of this step stepped: update the loss scale now ("16-mixed")."""
+        """Every optimizer of this step stepped: update the loss scale now ("16-mixed").
+        A caller that cannot tell when a step is complete (the Accelerator) leaves the update
+        to the next backward or to whatever reads the scale (a checkpoint,
+        ``Accelerator.scaler``): the same scale either way."""
         self.strategy.precision.update()
 
     def step_was_skipped(self, optimizer: Any) -> bool:
@@ -383,25 +359,20 @@ class StepRules:
                   zero_grad_override: Callable | None = None, wrap: Callable | None = None
                   ) -> Callable[[int, int, Any], None]:
         """The end of an accumulation window for the Trainer's automatic optimization, as
-        one function ``step(epoch, batch_idx, loss)`` built once per epoch. ``optimizers``
-        are :class:`StepOptimizer` s. In order:
-
-        1. ``before_step(optimizer)`` (``on_before_optimizer_step``) after every optimizer's
-           gradients were unscaled;
-        2. clipping: ``clip_override(optimizer, clip_val, algorithm)``
-           (``configure_gradient_clipping``) per optimizer, gradients unscaled first; else
-           ``clip=(clip_val, algorithm)`` per optimizer (:meth:`clip_optimizer`);
-        3. each optimizer steps: ``step_override(epoch, batch_idx, optimizer, closure)``
-           (``optimizer_step``; the closure returns the loss, forward and backward already
-           ran) or :meth:`optimizer_step`;
-        4. per optimizer ``before_zero_grad(optimizer)`` (``on_before_zero_grad``), then
-           ``zero_grad_override(epoch, batch_idx, optimizer)`` (``optimizer_zero_grad``) or
-           :meth:`zero_grad`.
-
-        Then the loss scale is updated (:meth:`end_step`); the scheduler step is the
-        caller's (:meth:`scheduler_step`). ``wrap(name, fn)`` (a profiler) times the step and
-        zero_grad. With no hook, no clipping and one optimizer this is one call around the
-        precision's step."""
+        one function ``step(epoch, batch_idx, loss)`` built once per epoch; the order of its
+        hooks is written in ember/trainer/events.py. ``optimizers`` are :class:`StepOptimizer` s.
+        Each hook or override is None when it does not apply: ``before_step(optimizer)``
+        (``on_before_optimizer_step``; it and ``clip_override`` see unscaled gradients),
+        ``clip_override(optimizer, clip_val, algorithm)`` (``configure_gradient_clipping``),
+        else ``clip=(clip_val, algorithm)`` (:meth:`clip_optimizer`),
+        ``step_override(epoch, batch_idx, optimizer, closure)`` (``optimizer_step``; the
+        closure returns the loss: forward and backward already ran), else
+        :meth:`optimizer_step`, ``before_zero_grad(optimizer)`` (``on_before_zero_grad``),
+        ``zero_grad_override(epoch, batch_idx, optimizer)`` (``optimizer_zero_grad``), else
+        :meth:`zero_grad`. ``wrap(name, fn)`` (a profiler) times the step and zero_grad. The
+        loss scale is updated at the end (:meth:`end_step`); the scheduler step is the
+        caller's (:meth:`scheduler_step`). With no hook, no clipping and one optimizer this
+        is one call around the precision's step."""
         raw = [o.optimizer for o in optimizers]
         owns = self.strategy.owns_optimizer_step
         plain = self._plain_step and step_override is None

@@ -89,7 +89,7 @@ def _set_rng_state(s: dict) -> None:
 def _search_trainer(trainer, callback: Callback, max_steps: int):
     """A bare trial Trainer on the user's trainer's strategy and training settings (its own
     loop state and metrics): only ``callback``, no logger, checkpoint, validation,
-    progress bar or summary, ``max_steps`` steps. The user's trainer is never changed."""
+    progress bar or summary, ``max_steps`` steps."""
     from ember.trainer import Trainer
     env_ready = trainer.step_rules is not None   # its strategy (and precision) are set up
     search = Trainer(strategy=trainer.strategy, precision=trainer.strategy.precision if env_ready else trainer.precision,
@@ -136,8 +136,8 @@ class LRFinderResult:
         skipping the first ``skip_begin`` and the last ``skip_end`` points. The slope is
         taken over a window of a tenth of those points (per step, so per factor of the
         learning rate in ``"exponential"`` mode): the smoothed loss of the first steps still
-        wanders by as much per step as the real descent falls, which made a single-step
-        gradient pick the first point in some seeds. Always one of the swept rates, at or
+        wanders by as much per step as the real descent falls, so a single-step gradient
+        would pick the first point in some seeds. Always one of the swept rates, at or
         below the one with the lowest loss. ``None`` when fewer than 3 finite points remain."""
         n = len(self.lrs)
         idx = [i for i in range(skip_begin, n - skip_end) if i < len(self.losses) and math.isfinite(self.losses[i])]

@@ -1,7 +1,5 @@
-"""The Callback base class. Every hook receives the trainer and the module as
-arguments; callbacks never import the trainer. The trainer computes, once at
-setup, which callbacks override each hook, so a hook nobody overrides costs
-nothing per step (``ember/trainer/events.py``)."""
+"""The Callback base class and the :class:`Event` enum. Every hook receives the trainer
+and the module as arguments; a hook nobody overrides costs nothing per step."""
 from __future__ import annotations
 
 import enum
@@ -16,9 +14,8 @@ Trainer = Any
 
 
 class Event(str, enum.Enum):
-    """Every event a Trainer run fires, in the order a fit fires them (the whole order,
-    with the loop's own steps between them: ``ember/trainer/events.py``). The value is the
-    hook's name on :class:`Callback` and, where the module has it, on
+    """Every event a Trainer run fires (their order: ``ember/trainer/events.py``). The
+    value is the hook's name on :class:`Callback` and, where the module has it, on
     :class:`~ember.TrainModule`."""
 
     SETUP = "setup"
@@ -99,7 +96,7 @@ class Callback:
         """Called once at the start of ``fit`` (after any checkpoint restore)."""
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
-        """Called once at the end of a ``fit`` that was not interrupted."""
+        """Called once at the end of a ``fit`` that did not raise (also one stopped for a preemption signal)."""
 
     def on_sanity_check_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Called before the validation sanity check."""
@@ -128,7 +125,7 @@ class Callback:
 
     def on_before_backward(self, trainer: Trainer, module: TrainModule, loss: Any) -> None:
         """Called before the backward of each training micro-batch, with the loss that is
-        back-propagated (divided by the accumulation window's size)."""
+        back-propagated (divided by the accumulation window's size or item count)."""
 
     def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
         """Called after the backward of each training micro-batch."""
@@ -137,7 +134,7 @@ class Callback:
         """Called before each optimizer step, with unscaled gradients."""
 
     def on_before_zero_grad(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
-        """Called before an optimizer's gradients are zeroed, right after its step."""
+        """Called before an optimizer's gradients are zeroed, after the optimizer step."""
 
     def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Called at the start of a validation pass (not during the sanity check)."""

@@ -72,9 +72,8 @@ class RichProgressBar(ProgressBar):
     On a terminal or in Jupyter it refreshes ``refresh_per_second`` times a
     second from rich's refresh thread (in a notebook: one output widget redrawn
     in place, which needs ``ipywidgets``; without it a warning says so and plain
-    lines follow); elsewhere
-    (CI, log files) it prints a plain line every ``plain_interval`` seconds and at
-    each epoch end. Only global rank 0 draws.
+    lines follow); elsewhere (CI, log files) it prints a plain line every
+    ``plain_interval`` seconds and at each epoch end. Only global rank 0 draws.
 
     Args:
         refresh_per_second: redraws per second of the live display.

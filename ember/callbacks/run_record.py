@@ -24,7 +24,7 @@ def _now() -> str:
 class RunRecord(Callback):
     """Records the facts of a ``fit`` in ``<log_dir>/run.json`` (rank 0, only when
     the trainer has a logger). ``report=True``: also writes ``<log_dir>/report.html``
-    (see :mod:`ember.loggers.report`) and prints its path; ``trainer.report_path`` (``trainer.state.report_path``) holds it."""
+    (see :mod:`ember.loggers.report`) and prints its path; ``trainer.report_path`` holds it."""
 
     state_key = "RunRecord"
 

@@ -3,8 +3,7 @@
 Per step it only adds host integers (the batch size read from tensor shapes) and
 reads no device value; rates are computed at log points (every
 ``log_every_n_steps`` optimizer steps), where it synchronizes CUDA once so the
-time covers the work queued so far. FLOPs are measured once, on the first training
-batch (forward and backward), with ``torch.utils.flop_counter.FlopCounterMode``.
+time covers the work queued so far.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 fit once the training time reaches a duration. The elapsed training time is part of
 the checkpoint, so the budget spans resumes. Per step it costs one
 ``time.monotonic()`` call; it only asks the Trainer to stop, and the ranks agree on
-the stop at the loop's check points (``ember/trainer/loops.py``)."""
+the stop at the loop's check points (``ember.trainer.stopping.agree_stop``)."""
 from __future__ import annotations
 
 import datetime as _dt

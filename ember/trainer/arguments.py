@@ -1,9 +1,6 @@
-"""Trainer arguments from Lightning beyond the core loop ones: ``min_epochs``,
-``min_steps``, ``overfit_batches``, ``limit_test_batches``, ``limit_predict_batches``,
-``reload_dataloaders_every_n_epochs``, ``sync_batchnorm``, ``use_distributed_sampler``,
-``inference_mode``, ``benchmark``, ``barebones`` and ``enable_autolog_hparams``:
-validation (each error names the argument and the fix) and what each does outside the
-step. Nothing here runs per step."""
+"""Trainer arguments from Lightning beyond the core loop ones (``min_epochs``,
+``overfit_batches``, ``barebones``, ...): validation (each error names the argument and
+the fix) and what each does outside the step. Nothing here runs per step."""
 from __future__ import annotations
 
 import datetime as _dt

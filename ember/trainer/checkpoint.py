@@ -1,19 +1,5 @@
-"""A Trainer checkpoint: what it stores and restores, and finding one ("last", "best",
-an elastic restart's).
-
-What a resumed fit continues from (``trainer_state.pt``; see docs/checkpointing.md):
-
-- loop position: epoch, global step, batches done in the epoch (the sampler skips
-  that many batches of indices on resume, no data is read), a partial gradient
-  accumulation window (the accumulated gradients of every rank);
-- every rank's position in a train loader that is not index-based: a stateful
-  loader's or dataset's ``state_dict()``, a CombinedLoader's loaders' positions
-  (a stream without state is replayed to the batch count: ``ember/data/resume.py``);
-- optimizers (through the strategy), schedulers, the GradScaler;
-- callback states, the module's ``on_save_checkpoint`` additions, datamodule state;
-- per-rank RNG states (python, numpy, torch, cuda) and the sampler seed;
-- the epoch accumulators of the values logged during training and the latest
-  ``callback_metrics``, so epoch means and monitors agree with an uninterrupted run.
+"""A Trainer checkpoint: what it stores and restores (:func:`trainer_state`, one table;
+docs/checkpointing.md), and finding one ("last", "best", an elastic restart's).
 """
 from __future__ import annotations
 
@@ -71,7 +57,8 @@ def trainer_state(t) -> dict:
     ``precision``       the loss scaler's state
     ``callbacks``       each callback's ``state_dict()``, by ``state_key``
     ``rng``             every rank's RNG states (python, numpy, torch, cuda)
-    ``results``         every rank's epoch accumulators of the training stage (mid-epoch)
+    ``results``         every rank's epoch accumulators of the training stage (mid-epoch:
+                        the resumed epoch's values are those of an uninterrupted run)
     ``grads``           every rank's gradients of an open accumulation window
     ``callback_metrics`` the latest metrics callbacks monitor
     ``data_seed``       the seed of the data order

@@ -1,8 +1,7 @@
 """The data of a run: which dataloaders fit / validate / test / predict use (given to
 the entry point, from the datamodule, or from the module's dataloader hooks), prepared
-for the strategy (sharded, resumable), how many batches each pass runs, and the batch
-transfer. The loaders land in ``trainer.state`` (``train_dataloader``,
-``val_dataloaders``, ``eval_dataloaders``, ...).
+for the strategy (sharded, resumable) into ``trainer.state``, how many batches each pass
+runs, and the batch transfer.
 
 A prepared loader's order comes from (data seed, epoch), never from the global RNG; each
 pass still takes from the global torch RNG what the user's own DataLoader would have

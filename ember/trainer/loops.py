@@ -98,10 +98,8 @@ def _with_dataloader_idx(step: Callable, combined_pass: Any) -> Callable:
 # -------------------------------------------------------------------------------- schedulers
 def step_schedulers(t: Any, interval: str) -> None:
     """Step the ``interval`` schedulers of automatic optimization (manual optimization
-    steps its own, as Lightning). A step-interval scheduler never steps after a skipped
-    optimizer step, and waits for the skip flag without a host sync
-    (:meth:`ember.step.StepRules.scheduler_step`); one that reads a monitored metric reads
-    the flag at once (it must see this step's metric)."""
+    steps its own, as Lightning) by :meth:`ember.step.StepRules.scheduler_step`; one that
+    reads a monitored metric reads the skip flag at once (it must see this step's metric)."""
     if not t.module.automatic_optimization:
         return
     st = t.state

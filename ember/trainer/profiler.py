@@ -1,18 +1,6 @@
-"""Profilers for ``Trainer(profiler=...)``.
-
-``"simple"`` (:class:`SimpleProfiler`) times every phase of ``fit``: the train
-dataloader's ``next``, ``training_step`` (forward), ``backward``, the optimizer
-step, ``zero_grad``, validation, metric logging and each callback hook. At the end
-it prints a table and writes it (text and JSON) to the run's log folder.
-
-``"pytorch"`` (:class:`PyTorchProfiler`) runs ``torch.profiler`` over a
-wait/warmup/active schedule of training batches and writes the traces under
-``<log_dir>/plugins/profile/<run>/`` where TensorBoard's profiler plugin lists
-them.
-
-Neither touches the training loop: the loop builds its callables once per epoch
-through :meth:`Profiler.wrap` when a profiler is set (see :class:`Profiler`). With
-``profiler=None`` nothing is wrapped: no cost at all.
+"""Profilers for ``Trainer(profiler=...)``: ``"simple"`` (:class:`SimpleProfiler`, a table
+of time per phase) and ``"pytorch"`` (:class:`PyTorchProfiler`, ``torch.profiler`` traces).
+With ``profiler=None`` nothing is wrapped: no cost at all.
 """
 from __future__ import annotations
 

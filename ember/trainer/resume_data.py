@@ -206,8 +206,7 @@ def _keep_group_size(dl, saved: dict) -> None:
 
 
 def reshard(t, state: dict, path: str) -> str | None:
-    """Carry a checkpoint saved by another number of processes over to this one (issue:
-    "Change the number of processes and keep going exactly").
+    """Carry a checkpoint saved by another number of processes over to this one.
 
     * The global batch is kept: ``accumulate_grad_batches`` not given, it becomes the
       recorded global batch / (batch size per process x processes); when no whole number

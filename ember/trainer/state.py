@@ -1,20 +1,7 @@
 """All the loop state of a Trainer, in one object: :class:`TrainerState` (``trainer.state``).
-
-It holds what the Trainer is doing (Lightning's ``fn`` / ``stage`` / ``status``), where
-a fit stands (epoch, batch, global step, the accumulation phase), why and whether it
-stops (a stop request, the agreed stop reason, a preemption or interrupt signal, the
-deadline), the bookkeeping of the current epoch and evaluation pass, and it names the
-objects whose state changes during a run: the optimizer-step rules (the accumulation
-window, a scheduler step deferred until its skip flag is on the host), the schedulers
-and the logged values (``metrics``). The Trainer itself holds the configuration and the
-run's components; docs/architecture.md lists what a run rebinds on it.
-
-The loops read and write its fields directly (plain attribute access, no call per
-step); callbacks and modules read it through the Trainer's public properties
-(``current_epoch``, ``global_step``, ``stop_reason``, ``should_stop``, ...) or
-``trainer.state`` itself. :meth:`TrainerState.state_dict` is the loop part of a
-checkpoint (``trainer_state.pt["loop"]``); the rest of the checkpoint is the state of
-the objects it names (``ember/trainer/checkpoint.py``).
+Its groups of fields, who reads them and its part of a checkpoint: docs/architecture.md,
+"The state object". The loops read and write its fields directly (plain attribute access,
+no call per step).
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """How a fit stops: stop requests, signals, and the one decision every rank agrees on.
 
 **Requests** (``trainer.should_stop = True``, EarlyStopping, Timer, ``max_time``) are
-recorded in ``trainer.state.stop_request`` and decided by :func:`agree_stop` at check
-points only (ember/trainer/loops.py says where): on one process after an optimizer step
-where a stop was asked for, and at epoch ends; under several processes at log points,
-after a validation and at epoch ends, where one all-reduce of ``[request, signal]``
-makes every rank take the same decision at the same step.
+recorded in ``trainer.state.stop_request`` and decided at check points only
+(:func:`agree_stop` says where).
 
 **Signals**, while ``fit`` runs in the main thread, are ember's:
 
@@ -16,18 +13,18 @@ makes every rank take the same decision at the same step.
 - SIGINT (Ctrl-C): the handler only records the press. Inside the loop the loop raises
   ``KeyboardInterrupt`` itself at the next batch boundary (a training or evaluation
   batch, an epoch end), where no library is half-way through an operation. Python's
-  default handler raises wherever the main thread happens to be, and that is how a single
-  Ctrl-C used to look lost under load: raised inside ``threading.Condition.notify`` of
-  TensorBoard's event queue (logging a step's scalars), after the writer thread was woken
-  and before its waiter was removed, it left a stale waiter that swallowed the next
-  wake-up; the exception path's ``SummaryWriter.close()`` then waited for the writer's
-  120 s flush interval (a gap in CPython's fix of gh-92530; tests/scripts/ctrl_c_tensorboard.py
-  reproduces it). Outside the loop (setup, teardown), and at a second press anywhere, the
-  handler raises at once. Either way the Trainer then runs the ``on_exception`` hooks,
-  finalises the loggers, prints where the last checkpoint is and exits with status 130
-  (outside interactive sessions). A process started with SIGINT ignored (a command run
-  with ``&`` from a non-interactive shell inherits that) keeps it ignored: ember only
-  replaces Python's default handler.
+  default handler raises wherever the main thread happens to be, and a single Ctrl-C
+  then looks lost under load: raised inside ``threading.Condition.notify`` of
+  TensorBoard's event queue (logging a step's scalars), after the writer thread was
+  woken and before its waiter was removed, it leaves a stale waiter that swallows the
+  next wake-up; the exception path's ``SummaryWriter.close()`` then waits for the
+  writer's 120 s flush interval (a gap in CPython's fix of gh-92530;
+  tests/scripts/ctrl_c_tensorboard.py reproduces it). Outside the loop (setup,
+  teardown), and at a second press anywhere, the handler raises at once. Either way the
+  Trainer then runs the ``on_exception`` hooks, finalises the loggers, prints where the
+  last checkpoint is and exits with status 130 (outside interactive sessions). A process
+  started with SIGINT ignored (a command run with ``&`` from a non-interactive shell
+  inherits that) keeps it ignored: ember only replaces Python's default handler.
 
 The previous handlers are put back when ``fit`` ends.
 """

@@ -1,11 +1,5 @@
 """The Trainer: arguments, setup, and the fit / validate / test / predict entry points.
-
-It is composed, not assembled from mixins: its loop state is one object
-(:attr:`Trainer.state`, ``ember/trainer/state.py``), its optimizer step the shared rules
-of ``ember/step.py`` (:attr:`Trainer.step_rules`), its hooks one dispatcher
-(:attr:`Trainer.events`, ``ember/trainer/events.py``, where the event order is written),
-its logged values one object (:attr:`Trainer.metrics`). The loops are in ``loops.py``; a
-checkpoint's contents in ``checkpoint.py``; see docs/architecture.md."""
+How it is put together (its state, step rules, dispatcher and metrics objects): docs/architecture.md."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -52,7 +46,7 @@ def _records_given(init):
 class Trainer:
     """Fits, validates, tests and predicts a :class:`~ember.TrainModule`.
 
-    See ``ember/trainer/loops.py`` for the order of events and docs/trainer.md.
+    The order of events: ``ember/trainer/events.py``; a guide: docs/trainer.md.
 
     Args:
         max_epochs: stop after this many epochs (None with no other limit: 1000; -1: no limit).
@@ -376,8 +370,8 @@ class Trainer:
         """Set it to True (in any hook) to stop the fit. The request takes effect at the next
         optimizer step that is a check point: every step on one process; under several
         processes the ranks agree every ``log_every_n_steps`` steps, after a validation and
-        at epoch ends (see ``ember/trainer/loops.py``). A stop mid-epoch is recorded as
-        mid-epoch: a resume continues at the next batch."""
+        at epoch ends. A stop mid-epoch is recorded as mid-epoch: a resume continues at the
+        next batch."""
         return self.state.stop_request is not None
 
     @should_stop.setter
@@ -896,10 +890,8 @@ def _one_module(module: Any, model: Any) -> Any:
 
 
 def _prepare_data_agreed(strategy: Any, error: "BaseException | None") -> None:
-    """In place of a barrier after ``prepare_data`` (run by each node's local rank 0):
-    one all-gather of the outcomes, so a failure raises on every rank (the failing rank
-    its own error, the others a DistributedOperationError naming it) instead of the others
-    waiting in the barrier."""
+    """In place of a barrier after ``prepare_data``: a failure on a local rank 0 raises on
+    every rank instead of leaving the others waiting in the barrier."""
     if strategy.world_size == 1:
         if error is not None:
             raise error
