@@ -86,8 +86,7 @@ class ResumableSampler(Sampler[int]):
         return iter(self.global_indices()[self.rank: self.total_size: self.num_replicas])
 
     def _resumed(self) -> Iterator[int]:
-        # a generator: ``start`` is taken by the iteration that runs, at its first index (a
-        # DataLoader with workers and no automatic batching calls iter() twice, drops the first)
+        # a generator: runs at the first index (see _SkipBatchSampler.__iter__)
         start, self.start = self.start, 0
         yield from self.global_indices()[self.rank: self.total_size: self.num_replicas][start:]
 
