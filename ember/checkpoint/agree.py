@@ -4,15 +4,10 @@ The checks made when a run resumes read inputs that can differ between ranks: th
 files as one node sees them (a copy corrupted or replaced on one node's disk, a
 digest package importable on some nodes only), each rank's own train dataloader, each
 process's environment. A rank that refused alone would leave the others waiting in
-the next collective until the process-group timeout, with no common error. So each
-rank runs its checks and keeps its error, and the ranks exchange their outcomes once
-(:func:`agree_outcome`: one ``all_gather_object``, only under several processes, at
-resume time, never per step). When any rank failed, every rank raises the same
-CheckpointError carrying the first failing rank's message and naming it
-(``"rank 1: ..."``); on that rank it is chained from its own error, so its traceback
-is shown. Used by ``Trainer.fit(ckpt_path=...)`` (ember/trainer/state.py) and
-``Accelerator.load_state`` (ember/accelerator/checkpoint.py), before the load (the
-files) and after it (what was loaded).
+the next collective until the process-group timeout, with no common error. So the
+ranks exchange their outcomes (:func:`agree_outcome`), at resume time only, before the
+load (the files) and after it (what was loaded): ``Trainer.fit(ckpt_path=...)``
+(ember/trainer/checkpoint.py) and ``Accelerator.load_state`` (ember/accelerator/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -32,8 +27,9 @@ def agree_outcome(strategy: Any, error: BaseException | None, rank0_value: Any =
     """Every rank's outcome of its checks, on every rank: returns rank 0's
     ``rank0_value`` when no rank failed (a setting rank 0 decides, sent with the
     verdict); else raises on every rank the CheckpointError ``"rank R: <message>"`` of
-    the first failing rank R. Every rank must call it at the same point. On one process
-    it raises ``error`` itself, unchanged."""
+    the first failing rank R, chained on that rank from its own error so that its
+    traceback is shown. Every rank must call it at the same point (one
+    ``all_gather_object``). On one process it raises ``error`` itself, unchanged."""
     if strategy.world_size == 1:
         if error is not None:
             raise error
@@ -67,8 +63,8 @@ def collective_failed(error: BaseException) -> bool:
 def check_files(path: str | os.PathLike) -> None:
     """The checks on a checkpoint's files that need no tensor loaded: ``path`` exists,
     and a checkpoint directory's ``meta.json`` lists files inside it with the recorded
-    sizes and content digests (``checkpoint_io.read_meta_checked``). The files are
-    what each node sees, so the outcome is agreed (:func:`agree_outcome`)."""
+    sizes and content digests. The files are what each node sees: agree on the
+    outcome (:func:`agree_outcome`)."""
     from ember.checkpoint import io as cio
     path = os.fspath(path)
     if not os.path.exists(path):

@@ -1,12 +1,8 @@
-"""Checkpoint files: atomic directory writes, safetensors weights, safe ``torch.load``.
+"""Checkpoint files: atomic directory writes, safetensors weights, safe ``torch.load``
+(the layout: :mod:`ember.checkpoint.format`, docs/checkpoint_format.md).
 
-A checkpoint is a directory ``NAME/`` holding ``model.safetensors`` (or a DCP
-folder ``model/``), ``trainer_state.pt`` (weights_only-loadable) and
-``meta.json`` (written last). It is staged in ``NAME.ember-tmp/`` and moved into place
-when complete; nothing is ever unpickled beyond tensors and plain containers. Every
-write checks its target here, in :func:`make_staging`, so no caller can skip it: no
-writer replaces or deletes anything that ember did not create.
-The format and guarantees are described in ``docs/checkpoint_format.md``.
+Every write checks its target here, in :func:`make_staging`, so no caller can skip it:
+no writer replaces or deletes anything that ember did not create.
 """
 from __future__ import annotations
 
@@ -132,10 +128,8 @@ def commit_directory(tmp: str, path: str | os.PathLike, what: str = "commit_dire
 
 def make_staging(path: str | os.PathLike, what: str = "write_checkpoint") -> str:
     """Check that a save may write checkpoint ``path`` and create its empty staging folder
-    ``NAME.ember-tmp`` (:func:`tmp_path`, with ember's marker); return it. The name is fixed,
-    so every rank of a sharded save finds it; it is ember's own, so a user's ``NAME.tmp``
-    plays no part. The target check (:func:`ember.checkpoint.trust.check_save_target`) comes
-    first: a ``path`` that is not an ember checkpoint, or a ``NAME.ember-tmp`` that no ember
+    ``NAME.ember-tmp`` (:func:`tmp_path`, with ember's marker); return it. The target check
+    (:func:`ember.checkpoint.trust.check_save_target`) comes first: a ``path`` that is not an ember checkpoint, or a ``NAME.ember-tmp`` that no ember
     save made, raises CheckpointError and nothing is touched. A stale staging folder of
     ember's (a save killed midway) is removed."""
     path = os.path.normpath(os.fspath(path))
@@ -165,13 +159,10 @@ def atomic_directory(path: str | os.PathLike, keep_existing_tmp: bool = False,
     """Yield ``NAME.ember-tmp`` to write into; on success fsync it and move it to ``NAME``
     (``commit(tmp, path)`` instead of :func:`commit_directory` when given).
 
-    The one place every checkpoint write goes through checks its target first
-    (:func:`make_staging`; ``what`` names the caller in the error): nothing that is not an
-    ember checkpoint is replaced, no ``NAME.ember-tmp`` that no ember save made is deleted. A
-    stale ``NAME.ember-tmp`` of ember's (from a crashed save) is removed first, unless
-    ``keep_existing_tmp`` (other ranks already wrote shards into the staging folder made
-    with :func:`make_staging`). On an exception the staging directory is removed and the
-    exception re-raised; ``NAME`` is untouched.
+    The target is checked first (:func:`make_staging`; ``what`` names the caller in the
+    error). ``keep_existing_tmp``: other ranks already wrote shards into the staging folder
+    made with :func:`make_staging` in this save, so it is kept. On an exception the staging
+    directory is removed and the exception re-raised; ``NAME`` is untouched.
     """
     path = os.path.normpath(os.fspath(path))
     if keep_existing_tmp:   # the caller made it with make_staging, in this save
@@ -410,9 +401,7 @@ def write_checkpoint(path: str | os.PathLike, weights: dict | None, trainer_stat
     sharded strategy's verified shard files) included, so a load checks them all, and
     the content digest of ``model.safetensors``, ``trainer_state.pt`` and the extra files
     named in ``digest_extra``, so a load refuses a swapped or corrupted file.
-    ``commit``: see :func:`atomic_directory` (a background save's drop check). Like every
-    write, it replaces only an ember checkpoint and deletes only ember's staging folders
-    (:func:`make_staging`; CheckpointError naming ``what`` otherwise).
+    ``commit``: see :func:`atomic_directory` (a background save's drop check).
     """
     import ember
     path = os.path.normpath(os.fspath(path))

@@ -1,4 +1,5 @@
-"""Per-process RNG states (python, numpy, torch, CUDA) as plain values for checkpoints."""
+"""Per-process RNG states (python, numpy, torch, CUDA) as plain values for checkpoints;
+:class:`keep_rng_states`; the lazy import of optional packages under it."""
 from __future__ import annotations
 
 import random
@@ -111,9 +112,7 @@ class keep_rng_states:
 
 def missing_package(package: str, needed_by: str, install: str, detail: str = "",
                     error: type[Exception] = ModuleNotFoundError) -> Exception:
-    """The one error for an optional package that is not there: ``"{needed_by} needs the
-    `{package}` package, which is not installed: {install}"`` (``detail``, when given, is
-    said in brackets before the install command)."""
+    """The one error for an optional package that is not there, naming ``install``."""
     said = f" ({detail})" if detail else ""
     return error(f"{needed_by} needs the `{package}` package, which is not installed{said}: {install}")
 

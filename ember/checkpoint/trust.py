@@ -1,35 +1,11 @@
-"""What makes an untrusted checkpoint safe to open, and a save safe to start.
+"""What makes an untrusted checkpoint safe to open, and a save safe to start: every such
+check, once. The threat model and what each check guarantees: docs/checkpoint_format.md,
+"Threat model".
 
-The threat model (docs/checkpoint_format.md, "Threat model"): a checkpoint
-directory may come from anyone. Opening it must run no code and read or write
-nothing outside it. Every rule lives here:
-
-- ``meta.json`` is size- and depth-limited before it is parsed; its ``files`` entries
-  are plain relative names inside the directory (:func:`read_meta`, :func:`member`);
-- symlinks are resolved and must stay inside the checkpoint (:func:`member`); a file
-  that is read must be a regular file (:func:`member_file`: no FIFO, device, folder);
-  every path a checkpoint's own files name (``meta.json`` ``files``, a DCP ``.metadata``
-  storage entry's ``relative_path``, a safetensors index's ``weight_map``) is resolved
-  with these two, so a load never reads outside the folder;
-- the DCP ``.metadata`` pickle of a sharded checkpoint is read with an allow-list
-  unpickler that builds only DCP's own metadata records, and DCP byte items load
-  with ``weights_only=True`` (:func:`dcp_reader`, :func:`dcp_planner`);
-- unknown format versions are refused, a newer ember or another torch warned
-  (:func:`check_meta`);
-- ``model.safetensors``, ``trainer_state.pt`` and an Accelerator's ``model_N.safetensors``
-  have a content digest in ``meta.json`` that must match (:func:`check_digests`): a
-  swapped or corrupted file is refused before it is read. Shard files (DCP, DeepSpeed)
-  are size-checked only, and the per-rank ``rng_state_<rank>.pt`` files that
-  ``Accelerator.save_state`` adds after its commit are in neither list (they are read
-  with the tensor-only loader, like every file here).
-
-It also holds ember's one YAML reader (:func:`load_yaml`: configs, command-line values,
-launch files, run folders), which refuses a document whose aliases expand past
-:data:`MAX_YAML_NODES` values or that nests past :data:`MAX_YAML_DEPTH` levels while it is
-composed, the one check of what a save may replace or delete
-(:func:`not_a_checkpoint`, used by :func:`check_save_target`), where a single output
-file (predictions, a report) may be written (:func:`check_output_path`), and
-how an ``OSError`` while writing is reported (:func:`write_error`).
+Also here: ember's one YAML reader (:func:`load_yaml`: configs, command-line values,
+launch files, run folders), where a single output file may be written
+(:func:`check_output_path`), and how an ``OSError`` while writing is reported
+(:func:`write_error`).
 """
 from __future__ import annotations
 
@@ -639,8 +615,7 @@ def check_save_target(path: str | os.PathLike, what: str, staging: bool = True) 
     ``meta.json`` (a log folder), or one that holds other files too (a dataset folder
     with its own ``meta.json`` and ``images/``); and (``staging``) a ``NAME.ember-tmp``
     (:func:`ember.checkpoint.format.tmp_path`) that is not a staging folder of an ember save
-    (:func:`not_staging`). A user's ``NAME.tmp`` is no staging name and plays no part. Every
-    checkpoint write runs it (``ember.checkpoint.io.make_staging``), so no caller can skip it."""
+    (:func:`not_staging`)."""
     path = os.path.normpath(os.fspath(path))
     if os.path.islink(path) and not os.path.isdir(path):
         raise CheckpointError(f"{what}({path!r}): {path} is a symlink that does not point to a checkpoint; "

@@ -1,9 +1,5 @@
 """Several loaders iterated together: :class:`CombinedLoader`, with Lightning's modes and
-iteration (``for batch, batch_idx, dataloader_idx in CombinedLoader(...)``), which
-``trainer.fit(model, train_dataloaders={"a": dl_a, "b": dl_b})`` (or a list) uses in
-``"max_size_cycle"`` mode, as Lightning does. In a fit each of its loaders is prepared
-(sharded over the ranks, resumable) and resumes mid-epoch by its own kind
-(:mod:`ember.data.resume`) at its own position."""
+iteration, which ``trainer.fit`` uses for a dict or list of train loaders."""
 from __future__ import annotations
 
 import collections

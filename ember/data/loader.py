@@ -107,9 +107,8 @@ class DataLoaderShard:
         gas = acc.gradient_accumulation_steps
         ahead = self.read_ahead
         look_ahead = ahead and gas > 1 and self.num_batches is None
-        # from batch ``skip``: by index, from a stateful loader's saved state, or read again
-        # (a stream; warned about on a resume, not for skip_first_batches) (ember/data/resume.py)
-        # (read one batch ahead below, to know the last: end_of_dataloader)
+        # from batch ``skip`` (ember/data/resume.py); a stream read again is warned about on a
+        # resume, not for skip_first_batches
         src = self._pass = resume.begin_pass(base, skip, saved, read_ahead=int(ahead) + (gas - 1 if look_ahead else 0),
                                              warn=resumed and acc.is_main_process)
         self.batches_done = skip

@@ -1,10 +1,8 @@
-"""Batches moved to the device one step ahead (the training loop uses this when the
-root device is CUDA; ``EMBER_PREFETCH=0`` turns it off, ``=1`` forces it on).
-
-While step ``i`` runs, batch ``i + 1`` is already pinned and its host-to-device copy
-issued (``non_blocking``, on a side CUDA stream), so the copy overlaps step ``i``'s
-compute instead of stalling step ``i + 1``. The batches, their order and their number
-are the loader's.
+"""Batches moved to the device one step ahead: while step ``i`` runs, batch ``i + 1``
+is already pinned and its host-to-device copy issued (``non_blocking``, on a side CUDA
+stream), so the copy overlaps step ``i``'s compute instead of stalling step ``i + 1``.
+The batches, their order and their number are the loader's. When the training loop
+uses it: :func:`prefetch_enabled`.
 """
 from __future__ import annotations
 
@@ -38,9 +36,8 @@ def _record(batch: Any, stream) -> None:
 
 class DevicePrefetch:
     """Iterate ``loader`` one batch ahead, moving each batch with ``to_device`` before
-    the previous one is handed out. On a CUDA ``device`` batches are pinned first and
-    copied on a side stream that the consuming stream waits for; elsewhere ``to_device``
-    simply runs one batch early. Attributes other than iteration are the loader's."""
+    the previous one is handed out (off CUDA, ``to_device`` simply runs one batch early).
+    Attributes other than iteration are the loader's."""
 
     def __init__(self, loader, to_device: Callable[[Any], Any], device: torch.device):
         self.loader, self.to_device = loader, to_device

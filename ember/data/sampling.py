@@ -1,21 +1,12 @@
-"""Sharding samplers, resumable sampling, device transfer.
+"""Sharding samplers and resumable sampling.
 
 Every map-style DataLoader the Trainer or the Accelerator prepares is rebuilt
-around a :class:`ResumableSampler`: a permutation drawn from its own generator
-(seed + epoch, never the global RNG), sliced to this rank, and able to start at
-any offset. Resuming mid-epoch therefore skips *indices*, never reads the data
-already seen, and leaves the global RNG streams untouched. An
-``IterableDataset`` is wrapped in a :class:`ShardedIterable` (this rank's and
-this worker's share of the stream). A user's sampler carrying its own
-``torch.Generator`` (``RandomSampler(generator=g)``) is kept, generator and seed
-included; under several processes the ranks agree on its state once, at setup
-(:func:`agree_generator`); each epoch starts it from the previous epoch's start
-state advanced by one whole pass (:func:`set_epoch`), so the order of every epoch
-follows from that state and the epoch alone, however far DataLoader workers drew
-ahead, and checkpoints record it for an exact resume (:func:`generator_checkpoint_state`,
-:func:`restore_generator`, used by the Trainer and the Accelerator). DataLoader
-workers are seeded from (run seed, epoch, data-parallel rank, worker): see
-:mod:`ember.data.worker_seed`.
+around a :class:`ResumableSampler`, whose order comes from its own generator (seed +
+epoch, never the global RNG): resuming mid-epoch skips *indices*, never reads the data
+already seen, and leaves the global RNG streams untouched. An ``IterableDataset`` is
+wrapped in a :class:`ShardedIterable`. A user's sampler carrying its own
+``torch.Generator`` is kept (:func:`own_generator`; across epochs and checkpoints: the
+comment above :func:`_pass_draws`). Worker seeds: :mod:`ember.data.worker_seed`.
 """
 from __future__ import annotations
 
@@ -95,8 +86,7 @@ class ResumableSampler(Sampler[int]):
         return iter(self.global_indices()[self.rank: self.total_size: self.num_replicas])
 
     def _resumed(self) -> Iterator[int]:
-        # a generator: ``start`` is taken by the iteration that runs, at its first index (a
-        # DataLoader with workers and no automatic batching calls iter() twice, drops the first)
+        # a generator: runs at the first index (see _SkipBatchSampler.__iter__)
         start, self.start = self.start, 0
         yield from self.global_indices()[self.rank: self.total_size: self.num_replicas][start:]
 
@@ -238,16 +228,13 @@ def prepare_dataloader(dl: Any, *, seed: int, num_replicas: int = 1, rank: int =
     seeds its workers) is seeded per (``seed``, epoch, ``rank``): see :func:`set_epoch`.
 
     An ``IterableDataset`` is wrapped in a :class:`ShardedIterable` when there is
-    something to shard (several ranks or workers): each rank and worker reads its
-    own share. ``even=True`` (training) gives every rank the same number of items by
-    leaving out the incomplete last round, so no rank waits in a collective for
-    another that has run out; ``even=False`` (evaluation) keeps every item. A Hugging
-    Face ``datasets.IterableDataset`` is split over the ranks with its own
-    ``split_dataset_by_node`` instead (its workers share its shards themselves:
-    :func:`ember.data.stateful.hf_shard`).
+    something to shard (several ranks or workers); ``even`` is its argument (True for
+    training, False for evaluation). A Hugging Face ``datasets.IterableDataset`` is split
+    over the ranks with its own ``split_dataset_by_node`` instead
+    (:func:`ember.data.stateful.hf_shard`).
 
-    ``pad=False`` (evaluation) still pads map-style datasets to even shards, as a
-    DistributedSampler does, but ``sampler.padding`` tells metrics how many samples to drop.
+    ``pad`` changes nothing: map-style datasets are always padded to even shards, as a
+    DistributedSampler does, and ``sampler.padding`` tells metrics how many samples to drop.
 
     The rebuilt loader is a torchdata ``StatefulDataLoader`` when ``dl`` is one, when
     ``stateful`` asks for it (``DataLoaderConfiguration(use_stateful_dataloader=True)``),
@@ -797,10 +784,9 @@ def prepare_for(strategy: Any, dl: Any, *, seed: int, shuffle: bool | None = Non
                 stateful: bool = False) -> Any:
     """``dl`` sharded over ``strategy``'s data-parallel ranks (:func:`prepare_dataloader`;
     ``even=False`` keeps every item of an IterableDataset, for evaluation) for the Trainer
-    and the Accelerator alike. Under several processes, a sampler kept with the user's own
-    generator gets rank 0's generator state on every rank (:func:`agree_generator`: one
-    small collective, a warning when the states differed), so every rank must call it at
-    the same point. ``stateful``: rebuild it as a torchdata ``StatefulDataLoader``
+    and the Accelerator alike. Under several processes a sampler kept with the user's own
+    generator is agreed (:func:`agree_generator`), so every rank must call it at the same
+    point. ``stateful``: rebuild it as a torchdata ``StatefulDataLoader``
     (:func:`prepare_dataloader`)."""
     kw = strategy.distributed_sampler_kwargs() or {}
     out = prepare_dataloader(dl, seed=seed, shuffle=shuffle, even=even, stateful=stateful,

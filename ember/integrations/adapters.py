@@ -7,10 +7,11 @@ docs/transformers.md, "Adapters (LoRA with peft)".
 
 What trains: the adapter weights and the ``modules_to_save`` copies (peft's choice for the
 config; a classification head for ``task_type="SEQ_CLS"``). The frozen base stays as it was
-read. A checkpoint holds the state entries that are not frozen base weights
-(:func:`base_keys`), their optimizer state and the trainer state; the base is named by
-:func:`base_record` (a folder and a digest of its config and weight files, or, for a model
-given as an object, the digest of its weights when it was wrapped).
+read. A checkpoint holds the state entries that are not frozen base weights (the keys
+:func:`wrap` returns), their optimizer state and the trainer state; the base is named by
+the module's ``peft_base`` hparam (its folder and :func:`folder_digest`, or, for a model
+given as an object, :func:`state_digest` of its weights when it was wrapped), which
+:func:`check_base` compares on load.
 """
 from __future__ import annotations
 

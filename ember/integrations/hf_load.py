@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-#: set on a TrainModule whose meta tensors take rank 0's weights after sharding
-
 
 def _dtype_kwarg() -> str:
     from ember.checkpoint.rng import keep_rng_states

@@ -32,15 +32,12 @@ the argument.
 
 Packed rows of whole examples for causal language models (supervised fine-tuning,
 ``CausalLMData(packing=True)`` with prompt/completion or chat data) take another
-route, transformers' own: :func:`pack_examples` puts whole examples into rows of at
-most ``max_length`` tokens (best fit decreasing, the order TRL's ``pack_dataset``
-gives), :class:`ExamplePackCollator` gives each row ``position_ids`` that restart at
-0 for every example and no ``attention_mask``. From such position ids transformers'
-masking utilities (``find_packed_sequence_indices``) build a block-diagonal causal
-mask for the SDPA, eager and flex kernels, and the flash-attention kernels run
-varlen over them (on one flattened row: :func:`example_packed_inputs`). No example
-attends to another, and the label of each example's first token is -100, so no
-example is a target of the one before it.
+route, transformers' own: rows of whole examples (:func:`pack_examples`) whose
+``position_ids`` restart at 0 for every example, with no ``attention_mask``
+(:class:`ExamplePackCollator`). From such position ids transformers' masking utilities
+(``find_packed_sequence_indices``) build a block-diagonal causal mask for the SDPA,
+eager and flex kernels, and the flash-attention kernels run varlen over them (on one
+flattened row: :func:`example_packed_inputs`).
 """
 from __future__ import annotations
 
@@ -292,7 +289,6 @@ class ExamplePackCollator:
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
         self.pad_token_id, self.pad_to_multiple_of = int(pad_token_id), pad_to_multiple_of
-        # right padding: ``pad_token_id``, label -100 (labels align with the inputs), position 0
         self._pad = PadCollator(self.pad_token_id, "right", pad_to_multiple_of)
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:

@@ -90,13 +90,15 @@ def resume_path(checkpoint: Any = None) -> "str | None":
 class RayTrainReport(Callback):
     """Report each checkpoint that ember's ``ModelCheckpoint`` committed to Ray Train.
 
+    Args:
+        metrics: the names of ``trainer.callback_metrics`` to send (default: all numbers).
+
     After every save point (a training batch, a validation, an epoch end) and at the end of
     ``fit``, every rank looks at the checkpoint callback's kept checkpoints (the same on
     every rank: rank 0's view is broadcast at each save) and, for each folder not reported
     yet, calls ``ray.train.report(metrics, checkpoint=...)`` (rank 0 attaches the folder),
-    so every rank makes the same calls. ``metrics``: the names of
-    ``trainer.callback_metrics`` to send (default: all numbers). Weights-only files
-    (``save_weights_only=True``) are not folders and are not reported.
+    so every rank makes the same calls. Weights-only files (``save_weights_only=True``)
+    are not folders and are not reported.
 
     Use it with ``save_top_k=-1`` or a ``save_top_k`` that keeps each checkpoint until the
     next save point: a checkpoint deleted before the next point is not reported.

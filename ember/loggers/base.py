@@ -1,9 +1,7 @@
 """The `Logger` base class and the helpers every logger shares.
 
 Loggers are called by the Trainer on global rank 0 only, with plain Python
-numbers (never tensors), at most every ``log_every_n_steps``. Nothing here
-imports torch, tensorboard, wandb or yaml at module level: ``import
-ember.loggers`` stays cheap, and the backends are imported on first use.
+numbers (never tensors), at most every ``log_every_n_steps``.
 """
 
 from __future__ import annotations

@@ -137,8 +137,7 @@ class MLFlowLogger(Logger):
     What is sent: hyperparameters as params (nested values flattened as Lightning does,
     ``{"optim": {"lr": 0.1}}`` -> ``optim/lr``; values longer than MLflow's limit are cut,
     with a warning); metrics with the global step, in one ``log_batch`` request per log
-    point (the Trainer calls loggers at log points and epoch ends only, on global rank 0
-    only). The run ends ``FINISHED`` after a fit, ``FAILED`` when fit raised, ``KILLED``
+    point. The run ends ``FINISHED`` after a fit, ``FAILED`` when fit raised, ``KILLED``
     after Ctrl-C; a later ``trainer.test()`` logs into the same run.
 
     :attr:`experiment` is the ``mlflow.tracking.MlflowClient`` (as in Lightning):
@@ -188,8 +187,8 @@ class MLFlowLogger(Logger):
     @property
     def experiment(self):
         """The ``mlflow.tracking.MlflowClient`` of the run (the run is created on first access,
-        or the run ``run_id`` is continued). On a process whose global rank is not 0 (``RANK``,
-        ``LOCAL_RANK``, ``SLURM_PROCID``) an object whose methods do nothing, as in Lightning:
+        or the run ``run_id`` is continued). On a process whose global rank is not 0
+        (:func:`~ember.loggers.rank_zero.env_rank`) an object whose methods do nothing, as in Lightning:
         ``self.logger.experiment.log_text(...)`` in a hook that runs on every rank logs once."""
         if self._experiment is not None:
             return self._experiment
@@ -355,9 +354,7 @@ class MLFlowLogger(Logger):
 
     # -- checkpoints ------------------------------------------------------------------------------
     def after_save_checkpoint(self, path: str, *, aliases=(), score: float | None = None) -> None:
-        """Upload the checkpoint at ``path`` to the run's artifacts: now with
-        ``log_model="all"``; with ``log_model=True`` at the end of a successful fit (the
-        best one, or the newest when none was best)."""
+        """Upload the checkpoint at ``path`` to the run's artifacts, when ``log_model`` says."""
         if not self._log_model:
             return
         path = os.fspath(path)
@@ -394,9 +391,8 @@ class MLFlowLogger(Logger):
 
     # -- end --------------------------------------------------------------------------------------
     def finalize(self, status: str) -> None:
-        """End the run: ``FINISHED`` (``"success"``), ``FAILED`` (``"failed"``) or ``KILLED``
-        (``"interrupted"``); with ``log_model=True`` and success, upload the best checkpoint
-        first. Nothing happens when no run was started."""
+        """End the run with the MLflow status of ``status`` (:data:`RUN_STATUS`), after the
+        upload ``log_model=True`` asks for. Nothing happens when no run was started."""
         check_status(status)
         if self._experiment is None:
             return

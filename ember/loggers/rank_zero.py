@@ -2,9 +2,8 @@
 ``rank_zero_only``, ``rank_zero_info``, ``rank_zero_warn``, ``rank_zero_debug``,
 ``rank_zero_deprecation``, ``rank_prefixed_message``; public as :mod:`ember.utilities`).
 
-The rank comes from the environment the launcher sets (``RANK``, then ``LOCAL_RANK``,
-then ``SLURM_PROCID``; 0 when none is set), read when this module is imported, as
-Lightning does; ``rank_zero_only.rank`` can be set by hand. The messages go to the
+The rank comes from the environment the launcher sets (:func:`env_rank`), read when
+this module is imported, as Lightning does; ``rank_zero_only.rank`` can be set by hand. The messages go to the
 ``ember.utilities`` logger. Imports no torch."""
 from __future__ import annotations
 
@@ -22,7 +21,8 @@ log = logging.getLogger("ember.utilities")   # the name users configure (ember.u
 
 
 def env_rank() -> int:
-    """Global rank from the launcher's environment: RANK, LOCAL_RANK, SLURM_PROCID."""
+    """Global rank from the launcher's environment: the first of RANK, LOCAL_RANK,
+    SLURM_PROCID and JSM_NAMESPACE_RANK set to an integer; 0 when none is."""
     for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         value = os.environ.get(key)
         if value is not None:

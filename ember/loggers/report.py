@@ -450,9 +450,7 @@ def _is_report(path: str) -> bool:
 
 
 def _check_out(out: str, png_dir: str, overwrite: bool) -> None:
-    """``--out``: ``ember predict --output``'s rules (``check_output_path``), where a report
-    ember wrote earlier may be replaced without ``--overwrite``; the charts folder is new
-    or holds PNG files only, and lies in no checkpoint."""
+    """``--out`` and the charts folder, checked as :func:`write_report` says."""
     from ember.checkpoint.trust import check_output_path
     from ember.checkpoint.trust import checkpoint_containing
     if os.path.lexists(out) and not os.path.isdir(out) and not overwrite and not _is_report(out):
