@@ -279,13 +279,9 @@ def _read_extra_model(strategy, model, path: str, name: str, size, strict: bool)
 
 
 def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = True) -> dict:
-    """``Accelerator.load_state``: restore what :func:`save_state` wrote.
-
-    Under several processes the newest ``checkpoint_N`` (no ``input_dir``) is rank 0's
-    pick, and the ranks agree on the outcome twice (``ember.checkpoint.agree``, one
-    ``all_gather_object`` each): on the files as each node sees them before anything is
-    loaded, and on the load. A checkpoint one rank refuses is refused by every rank, with
-    the first failing rank's message."""
+    """``Accelerator.load_state``: restore what :func:`save_state` wrote. A checkpoint one
+    rank refuses is refused by every rank, with the first failing rank's message
+    (docs/architecture.md, "Where the ranks agree")."""
     strategy = acc.strategy
     if strategy.world_size == 1:
         path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)
