@@ -4,7 +4,7 @@ A Strategy owns the process group and cluster environment, the root device,
 wrapping the module, preparing optimizers, sharding data, backward and
 ``no_backward_sync``, collectives, and how checkpoints are written and read.
 The single-device strategy below is the reference implementation; DDP, FSDP
-and DeepSpeed override what differs. Strategies never import the trainer.
+and DeepSpeed override what differs.
 """
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Each rank keeps only its shard (dim 0) of every parameter, gradient and
 optimizer state; parameters are all-gathered for forward/backward per wrapped
 layer and freed again. Processes are started and found exactly as for
-:class:`~ember.strategies.ddp.DDPStrategy` (``torchrun`` / ``ember launch``,
-SLURM, or ``devices=N`` from a plain script).
+:class:`~ember.strategies.ddp.DDPStrategy`.
 
 - ``configure_model`` runs on the meta device: layers built there cost no
   memory until they are sharded, then each rank allocates its shard and calls
