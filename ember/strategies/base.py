@@ -71,8 +71,7 @@ class Strategy:
         self._device = torch.device(device) if device is not None else None
         self.precision: Precision = Precision()
         self.num_processes = 1
-        #: write checkpoints in a background thread (as ``FSDPStrategy(async_save=True)``):
-        #: the state is copied to CPU memory, then written and committed while training goes on
+        #: write checkpoints in a background thread (:mod:`ember.strategies.async_save`)
         self.async_save = bool(async_save)
         self._pending_save = None      # rank 0's PendingWrite
         self._async_in_flight = False  # every rank: a background save may be pending on rank 0

@@ -39,7 +39,7 @@ from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.precision import NULL_CONTEXT
 from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
 from ember.strategies.full_load import allocate_meta, rank0_full_state, shard_from_rank0, to_meta
-from ember.strategies.full_load import load_full_weights  # noqa: F401  (public here since it was written)
+from ember.strategies.full_load import load_full_weights  # noqa: F401  (a public name here too)
 from ember.strategies.ddp import DDPStrategy
 
 _STATE_DICT_TYPES = ("sharded", "full")
