@@ -568,8 +568,8 @@ class DeepSpeedStrategy(DDPStrategy):
         """Every rank reports the ZeRO files it wrote (``{name: bytes}``, or its error);
         rank 0 renames ``NAME.ember-tmp`` into place only when each of them is there with its
         bytes, all listed in ``meta.json``. A missing or short file, or a failed write on
-        any rank, raises on every rank a CheckpointError naming the rank (rank 0's verdict
-        is broadcast in place of a closing barrier, so no rank waits for one that failed)."""
+        any rank, raises on every rank a CheckpointError naming the rank (as
+        :meth:`Strategy.save_checkpoint`)."""
         from ember.checkpoint import io as cio
         from ember.strategies.full_load import raise_rank0_error, verify_shards
         reports = self.all_gather_object(mine)       # every rank has returned from its write

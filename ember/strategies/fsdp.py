@@ -500,8 +500,7 @@ class FSDPStrategy(DDPStrategy):
     def _commit(self, path: str, state: dict | None, meta: dict) -> None:
         """Rank 0 renames ``NAME.ember-tmp`` into place only when every shard file the DCP
         metadata names is there with its bytes (listed in ``meta.json``). A missing shard,
-        or a failed write on rank 0, raises on every rank (rank 0's verdict is broadcast
-        instead of a closing barrier, so no rank waits for one that failed)."""
+        or a failed write on rank 0, raises on every rank (as :meth:`Strategy.save_checkpoint`)."""
         from ember.checkpoint import io as cio
         from ember.strategies.full_load import raise_rank0_error, verify_dcp_shards
         self.barrier("save_checkpoint:shards")       # every rank has returned from its write
