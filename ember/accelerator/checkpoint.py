@@ -46,7 +46,6 @@ def save_model(acc: Any, model: Any, save_directory: str | os.PathLike, max_shar
             files = cio.save_model_sharded(weights, save_directory, max_shard_size)
         except Exception as err:   # reported to every process below, raised here as it is
             error = err
-    # the main process's outcome in place of a closing barrier: a failed write raises everywhere
     raise_rank0_error(acc.strategy, error, f"save_model({os.fspath(save_directory)!r}) failed on the main process")
     return files
 

@@ -341,8 +341,7 @@ class Strategy:
         self._commit_actions.append(action)
 
     def _committing(self):
-        """Context around a pending save's commit: on success the :meth:`after_commit`
-        actions run; on an error they are dropped."""
+        """Around a pending save's commit: :meth:`after_commit` actions run on success, dropped on an error."""
         import contextlib
 
         @contextlib.contextmanager
