@@ -15,9 +15,9 @@ How ember drives the engine:
   Trainer's arguments is an error that names both.
 - The caller owns accumulation: the engine runs with
   ``managed_gradient_accumulation: false``, ``backward`` never rescales the loss
-  (the Trainer already divided it by ``accumulate_grad_batches``) and every
-  ``engine.step()`` (the Trainer calls it on the last micro-batch of a window)
-  is an optimizer step.
+  (:mod:`ember.step` already divided it by its accumulation window's size) and
+  every ``engine.step()`` (called on the last micro-batch of a window) is an
+  optimizer step.
 - The user's module is wrapped so that ``training_step`` runs through the
   engine's forward (its hooks prepare backward); ``engine.module`` is an
   ``_EmberModuleWrapper`` around it.
