@@ -367,10 +367,9 @@ class FSDPStrategy(DDPStrategy):
         super().teardown()
 
     def on_exception(self, exc: BaseException) -> None:
-        """After an exception (the Trainer calls this before teardown), a pending
-        ``async_save`` is dropped, not committed: a commit needs every rank at its
-        collectives, and a rank that failed must end at once rather than wait there. Its
-        ``NAME.ember-tmp`` stays behind and never counts as a checkpoint."""
+        """As :meth:`Strategy.on_exception`; a pending DCP ``async_save`` is dropped, not
+        committed (a commit needs every rank at its collectives), and its ``NAME.ember-tmp``
+        stays behind, never counting as a checkpoint."""
         if not isinstance(self._pending_save, tuple):   # a full-state write by rank 0's thread
             return super().on_exception(exc)
         self._commit_actions = None     # the dropped save is never committed
