@@ -1,9 +1,8 @@
 """``ember.utilities``: what Lightning users import from ``lightning.pytorch.utilities``:
 the rank-zero helpers (``rank_zero_only``, ``rank_zero_info``, ``rank_zero_warn``,
-``rank_zero_debug``, ``rank_zero_deprecation``, ``rank_prefixed_message``; they live in
-:mod:`ember.loggers.rank_zero`), ``seed_everything`` (:mod:`ember.data.worker_seed`) and
-``CombinedLoader`` (:class:`ember.data.combined.CombinedLoader`). The last two are
-imported on first use (they import torch; this module does not).
+``rank_zero_debug``, ``rank_zero_deprecation``, ``rank_prefixed_message``),
+``seed_everything`` and ``CombinedLoader``. The last two are imported on first use
+(they import torch; this module does not).
 
 The rank comes from the environment the launcher sets (``RANK``, then
 ``LOCAL_RANK``, then ``SLURM_PROCID``; 0 when none is set), read when this module

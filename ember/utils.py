@@ -1,8 +1,7 @@
 """``ember.utils``: what Accelerate users import from ``accelerate.utils``, under the
 same names: ``from accelerate.utils import set_seed, ProjectConfiguration`` becomes
-``from ember.utils import set_seed, ProjectConfiguration``. The configuration classes
-are the Accelerator's own (:mod:`ember.accelerator.config`); the helpers live in
-:mod:`ember.compat.accelerate_utils`. Differences are listed in ``docs/porting.md``.
+``from ember.utils import set_seed, ProjectConfiguration``. Differences are listed in
+``docs/porting.md``.
 """
 from ember.compat.accelerate_utils import *  # noqa: F401,F403  (its __all__)
 from ember.compat.accelerate_utils import __all__  # noqa: F401

@@ -1,9 +1,5 @@
-"""The Accelerator: custom training loops on the Strategy + Precision machinery of
-the Trainer (which prepares its module, optimizers and data through the flat verbs
-``setup_module`` / ``setup_optimizers`` / ``setup_dataloader`` below). The objects
-``prepare`` returns live in :mod:`ember.accelerator.prepared` and
-:mod:`ember.data.loader`; checkpoints in :mod:`ember.accelerator.checkpoint`; the step
-rules in :mod:`ember.step`. Guide: ``docs/accelerator.md``.
+"""The Accelerator: custom training loops on the Trainer's Strategy + Precision machinery.
+Guide: ``docs/accelerator.md``.
 """
 from __future__ import annotations
 
@@ -132,23 +128,18 @@ class Accelerator(Topology):
         else:  # no draw from the global RNG: a loop's random streams stay those of a raw loop
             self.seed = torch.initial_seed() % (2**31 - 1)
         if self.strategy.world_size > 1:
-            # one broadcast at setup: rank 0's seed (when none was given) and its count of the
-            # automatic checkpoints, so every rank names the next save_state() folder alike
-            # (another rank may list the folder before or after a save, or on another node)
+            # rank 0's count: another rank may list the folder before or after a save, or on another node
             s0, it0 = self.strategy.broadcast([self.seed, self.save_iteration])
             self.seed = int(s0) if seed is None else self.seed
             self.save_iteration = int(it0)
         if data_opts.get("data_seed") is not None:   # DataLoaderConfiguration(data_seed=): the data order only
             self.seed = int(data_opts["data_seed"])
-        # no seed given: a prepared DataLoader(shuffle=True) draws its order at each pass from the
-        # global RNG as the plain loader does, so set_seed before or after Accelerator() fixes it
         self._seed_given = seed is not None or data_opts.get("data_seed") is not None
 
     def _init(self, strategy) -> None:
         self.strategy = strategy
         strategy.setup_environment()
-        #: the optimizer-step rules (ember.step): accumulation, backward, unscale, clip, step,
-        #: schedulers, zero_grad; shared with the Trainer
+        #: the optimizer-step rules (ember.step), as the Trainer's
         self.step_rules = StepRules(strategy, 1)
         self.step_scheduler_with_optimizer = True
         self.debug = False

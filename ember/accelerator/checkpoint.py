@@ -46,7 +46,6 @@ def save_model(acc: Any, model: Any, save_directory: str | os.PathLike, max_shar
             files = cio.save_model_sharded(weights, save_directory, max_shard_size)
         except Exception as err:   # reported to every process below, raised here as it is
             error = err
-    # the main process's outcome in place of a closing barrier: a failed write raises everywhere
     raise_rank0_error(acc.strategy, error, f"save_model({os.fspath(save_directory)!r}) failed on the main process")
     return files
 
@@ -279,13 +278,9 @@ def _read_extra_model(strategy, model, path: str, name: str, size, strict: bool)
 
 
 def load_state(acc: Any, input_dir: str | os.PathLike | None, strict: bool = True) -> dict:
-    """``Accelerator.load_state``: restore what :func:`save_state` wrote.
-
-    Under several processes the newest ``checkpoint_N`` (no ``input_dir``) is rank 0's
-    pick, and the ranks agree on the outcome twice (``ember.checkpoint.agree``, one
-    ``all_gather_object`` each): on the files as each node sees them before anything is
-    loaded, and on the load. A checkpoint one rank refuses is refused by every rank, with
-    the first failing rank's message."""
+    """``Accelerator.load_state``: restore what :func:`save_state` wrote. A checkpoint one
+    rank refuses is refused by every rank, with the first failing rank's message
+    (docs/architecture.md, "Where the ranks agree")."""
     strategy = acc.strategy
     if strategy.world_size == 1:
         path = os.fspath(input_dir) if input_dir is not None else _auto_dir(acc, new=False)

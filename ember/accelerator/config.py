@@ -1,9 +1,7 @@
-"""The Accelerator's keywords, under Accelerate's names: the kwargs handlers
-(``DistributedDataParallelKwargs``, ``GradScalerKwargs``, ``InitProcessGroupKwargs``,
-``ProfileKwargs``), ``ProjectConfiguration``, ``DataLoaderConfiguration``,
-``GradientAccumulationPlugin``, ``TorchDynamoPlugin``, ``DistributedType``, and how each
-Accelerator keyword of Accelerate maps onto ember (it works the same, or it raises naming
-the keyword and why). Users import these from :mod:`ember.utils`. Guide: ``docs/porting.md``.
+"""The Accelerator's keywords, under Accelerate's names: the kwargs handlers and
+configuration classes, and how each Accelerator keyword of Accelerate maps onto ember
+(it works the same, or it raises naming the keyword and why). Users import these from
+:mod:`ember.utils`. Guide: ``docs/porting.md``.
 """
 from __future__ import annotations
 

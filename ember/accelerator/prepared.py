@@ -1,7 +1,5 @@
-"""The optimizer and scheduler wrappers :meth:`ember.Accelerator.prepare` hands back
-(:class:`AcceleratedOptimizer`, :class:`AcceleratedScheduler`): Accelerate's names on
-the step rules of :mod:`ember.step`. Prepared dataloaders are
-:class:`ember.data.loader.DataLoaderShard`."""
+"""The optimizer and scheduler wrappers :meth:`ember.Accelerator.prepare` hands back.
+Prepared dataloaders are :class:`ember.data.loader.DataLoaderShard`."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,8 +1,6 @@
 """The process layout under Accelerate's names: ``PartialState`` (no Accelerator
 needed), ``accelerator.state`` (:class:`AcceleratorState`) and
-``accelerator.gradient_state`` (:class:`GradientState`). Every ``PartialState`` reads the
-process's shared strategy (:func:`ember.distributed.processes.shared_strategy`): the
-Accelerator's once one exists."""
+``accelerator.gradient_state`` (:class:`GradientState`)."""
 from __future__ import annotations
 
 from typing import Any, Callable, ContextManager

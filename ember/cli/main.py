@@ -1,10 +1,6 @@
-"""The ``ember`` command line.
-
-``ember fit|validate|test|predict`` build a Trainer, a TrainModule and a
-DataModule from YAML files plus dotted overrides and run the subcommand;
-``ember launch`` starts a script on several processes/machines (torchrun's
-elastic agent); ``ember config`` writes the launch defaults; ``ember env``
-prints the environment for bug reports. See docs/cli.md.
+"""The ``ember`` command line: ``ember fit|validate|test|predict`` build a Trainer, a
+TrainModule and a DataModule from YAML files plus dotted overrides and run the
+subcommand. See docs/cli.md.
 """
 from __future__ import annotations
 

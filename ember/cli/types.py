@@ -7,8 +7,7 @@ parameter's type where it is a class, and where the argument has no type (untype
 so a config cannot make ember build an arbitrary class such as ``subprocess.Popen``.
 An argument whose type holds data (``dict``, ``str``, ``list[int]``, ...) takes a
 mapping as data, and a mapping with a ``class_path`` there is refused, naming the
-argument. :func:`instantiate` builds only the :class:`ClassSpec` entries that
-:func:`resolve_class` checked: a ``class_path`` key in anything else is plain data.
+argument.
 """
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``ember.logging.get_logger`` (Accelerate's ``accelerate.logging.get_logger``; public as
-:mod:`ember.logging`): a
+"""``get_logger`` behind :mod:`ember.logging` (Accelerate's ``accelerate.logging``): a
 standard :mod:`logging` logger whose calls take ``main_process_only=True`` (default:
 only the main process emits) and ``in_order=True`` (every process emits, one after
 the other)."""

@@ -1,8 +1,6 @@
-"""What Accelerate users import from ``accelerate.utils``, under the same names; public
-as :mod:`ember.utils`: ``from accelerate.utils import set_seed, ProjectConfiguration``
-becomes ``from ember.utils import set_seed, ProjectConfiguration``. The helpers run on
-the process's shared strategy (:func:`ember.distributed.processes.shared_strategy`: the
-Accelerator's once one exists). Differences are listed in ``docs/porting.md``.
+"""The ``accelerate.utils`` helpers behind :mod:`ember.utils`. They run on the process's
+shared strategy (:func:`ember.distributed.processes.shared_strategy`: the Accelerator's
+once one exists).
 """
 from __future__ import annotations
 
@@ -205,13 +203,10 @@ _OOM_WAIT_S = 60.0
 
 
 def _agree_on_oom(call: int, batch_size: int, error: BaseException) -> None:
-    """Under several processes a rank retries with a smaller batch size only when every
-    rank ran out of memory at this batch size: a rank that retried alone would run its
+    """Wait until every rank ran out of memory at this batch size, else raise (see
+    :func:`find_executable_batch_size`): a rank that retried alone would run its
     collectives against the others' (a hang, or ranks training with different batch
-    sizes). Each rank that ran out counts itself in the rendezvous store (no collective:
-    the others may be blocked in one) and waits for the rest, at most the process-group
-    timeout (60 s at most); when they do not all come, it raises, chained from its out-of-
-    memory error, and its exit ends the other ranks (docs/distributed.md, "When a rank fails")."""
+    sizes). The rendezvous store, not a collective: the others may be blocked in one."""
     import time
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -1,11 +1,8 @@
 """``Fabric``: ember's Accelerator under Lightning Fabric's names, so a Fabric training
 loop runs after renaming its import (``from lightning.fabric import Fabric`` becomes
-``from ember import Fabric``). Everything runs on :class:`ember.Accelerator`'s public
-verbs (``prepare``, ``backward``, ``no_sync``, ``clip_grad_norm_``, ``reduce``,
-``gather``, ``broadcast``, ``log``, ...); this module only translates the vocabulary.
-``save`` / ``load`` write and read ember's safe checkpoint format (an atomic folder:
-``model.safetensors``, ``trainer_state.pt`` read with ``weights_only=True``,
-``meta.json``). What differs from Lightning Fabric: docs/porting.md, "Lightning Fabric".
+``from ember import Fabric``). It only translates the vocabulary: everything runs on
+:class:`ember.Accelerator`'s public verbs. What differs from Lightning Fabric:
+docs/porting.md, "Lightning Fabric".
 """
 from __future__ import annotations
 

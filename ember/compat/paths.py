@@ -1,7 +1,6 @@
 """Module paths that moved, still importable.
 
-ember's top level once held about thirty flat modules. They now live in packages by
-meaning (docs/architecture.md). Code that imports an old path (``ember.checkpoint_io``,
+Code that imports an old path (``ember.checkpoint_io``,
 ``ember.local_sgd``, ``ember.accelerator_compat`` ...) gets the module at its new
 place, the very same module object, so ``import ember.local_sgd`` and
 ``from ember.accelerator.local_sgd import LocalSGD`` give one class. No file is left

@@ -2,9 +2,7 @@
 come from a collective (:func:`is_comm_error`), which only say that another rank went
 away (:func:`is_peer_lost_error`) or that a collective timed out
 (:func:`is_timeout_error`, :func:`ranks_never_arrived`), and
-:func:`shutdown_process_group`. The launchers (:mod:`ember.strategies.launchers`), the
-resume agreement (:mod:`ember.checkpoint.agree`) and :func:`ember.distributed.destroy`
-use them."""
+:func:`shutdown_process_group`."""
 from __future__ import annotations
 
 import os

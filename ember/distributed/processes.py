@@ -1,7 +1,5 @@
-"""Where a process stands and the small helpers of the process verbs that
-:class:`ember.Accelerator` and :class:`~ember.accelerator.state.PartialState` share: the
-topology properties, the process's shared strategy, ``split_between_processes``,
-``main_process_first``, ``on_process``."""
+"""Where a process stands (:class:`Topology`), the process's shared strategy, and the
+small helpers of the process verbs."""
 from __future__ import annotations
 
 import functools

@@ -6,10 +6,7 @@ CSVLogger`` runs with ``import ember as L`` / ``from ember.fabric.loggers import
     fabric = L.fabric.Fabric(accelerator="cpu", loggers=L.fabric.loggers.CSVLogger(root_dir="logs"))
     L.fabric.seed_everything(42)
 
-Submodules: :mod:`~ember.fabric.strategies`, :mod:`~ember.fabric.loggers` (Fabric's
-``root_dir`` signatures), :mod:`~ember.fabric.utilities` (rank-zero helpers,
-``Throughput``, ``ThroughputMonitor(fabric)``, ``measure_flops``, ``types``),
-:mod:`~ember.fabric.accelerators`, :mod:`~ember.fabric.wrappers`. See docs/porting.md.
+See docs/porting.md.
 """
 from __future__ import annotations
 

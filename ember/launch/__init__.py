@@ -1,7 +1,4 @@
-"""``ember launch`` / ``ember config`` / ``ember env``: :mod:`~ember.launch.command`
-(the command, its config file and torchrun underneath), :mod:`~ember.launch.accelerate_flags`
-(Accelerate's launch flags and config files), :mod:`~ember.launch.notebook`
-(``notebook_launcher``)."""
+"""``ember launch`` / ``ember config`` / ``ember env``, and ``notebook_launcher``."""
 from ember.errors import UsageError  # noqa: F401
 from ember.launch.command import (add_launch_arguments, add_subcommands, config_command,  # noqa: F401
                                   default_config_path, default_launch_config, env_command, env_report,

@@ -3,17 +3,8 @@
 ``ember launch`` is a thin translation layer over torchrun's elastic agent
 (:mod:`torch.distributed.run`): ember's flags (and the defaults saved by
 ``ember config``) become torchrun arguments, and the precision and strategy
-choices are exported to every worker as environment variables:
-
-=================================  ==========================================
-``EMBER_PRECISION``                ``32-true`` | ``16-mixed`` | ``bf16-mixed``
-``EMBER_STRATEGY``                 ``ddp`` | ``fsdp`` | ``deepspeed`` (unset for ``no``)
-``EMBER_FSDP_RESHARD_AFTER_FORWARD``  ``1`` | ``0``  (strategy ``fsdp`` only)
-``EMBER_FSDP_CPU_OFFLOAD``         ``1`` | ``0``  (strategy ``fsdp`` only)
-``EMBER_DEEPSPEED_ZERO_STAGE``     ``1`` | ``2`` | ``3``  (strategy ``deepspeed`` only)
-``EMBER_DEEPSPEED_OFFLOAD_OPTIMIZER``  ``none`` | ``cpu``
-``EMBER_DEEPSPEED_OFFLOAD_PARAMS``  ``none`` | ``cpu``
-=================================  ==========================================
+choices are exported to every worker as environment variables (the list: docs/cli.md,
+"Environment variables for the workers").
 
 The Trainer and the Accelerator read them as defaults when their own argument
 is left at ``"auto"`` / its default. An explicit argument always wins.

@@ -7,8 +7,7 @@ float32 for the matrix products that dominate transformer training. Without them
 bfloat16 on the CPU is emulated and usually slower than float32.
 
 :func:`native_bf16` answers the same for any device (CUDA: compute capability 8.0 and
-later); ``TransformersModule.configure_precision`` uses it to pick ``bf16-mixed`` for a
-fine-tuning run whose Trainer was given no precision.
+later).
 """
 from __future__ import annotations
 
@@ -58,9 +57,7 @@ def suggest_bf16(precision: str, device_type: str, *, what: str = "fine-tuning")
     """Warn once per process when a float32 run on the CPU could use ``bf16-mixed``.
 
     ``precision`` is the Trainer's precision name (``trainer.precision``) and
-    ``device_type`` the device the model trains on. Returns True when it warned.
-    ``TransformersModule`` calls it when its fit starts in float32 on such a CPU, which
-    happens only when the precision was chosen by hand: given none, it picks bf16-mixed."""
+    ``device_type`` the device the model trains on. Returns True when it warned."""
     if _suggested or device_type != "cpu" or precision not in ("32-true", "32", "32-mixed"):
         return False
     feature = cpu_bf16_feature()

@@ -4,7 +4,7 @@ A Strategy owns the process group and cluster environment, the root device,
 wrapping the module, preparing optimizers, sharding data, backward and
 ``no_backward_sync``, collectives, and how checkpoints are written and read.
 The single-device strategy below is the reference implementation; DDP, FSDP
-and DeepSpeed override what differs. Strategies never import the trainer.
+and DeepSpeed override what differs.
 """
 from __future__ import annotations
 
@@ -71,8 +71,7 @@ class Strategy:
         self._device = torch.device(device) if device is not None else None
         self.precision: Precision = Precision()
         self.num_processes = 1
-        #: write checkpoints in a background thread (as ``FSDPStrategy(async_save=True)``):
-        #: the state is copied to CPU memory, then written and committed while training goes on
+        #: write checkpoints in a background thread (:mod:`ember.strategies.async_save`)
         self.async_save = bool(async_save)
         self._pending_save = None      # rank 0's PendingWrite
         self._async_in_flight = False  # every rank: a background save may be pending on rank 0
@@ -342,8 +341,7 @@ class Strategy:
         self._commit_actions.append(action)
 
     def _committing(self):
-        """Context around a pending save's commit: on success the :meth:`after_commit`
-        actions run; on an error they are dropped."""
+        """Around a pending save's commit: :meth:`after_commit` actions run on success, dropped on an error."""
         import contextlib
 
         @contextlib.contextmanager

@@ -347,23 +347,18 @@ class DDPStrategy(Strategy):
             self._pg.barrier(name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Tensors (same shape on every rank) via ``dist.broadcast``; anything else
-        picklable via ``broadcast_object_list``. Returns the source rank's value."""
         return obj if self._pg is None else self._pg.broadcast(obj, src)
 
     def all_gather(self, tensor: torch.Tensor, sync_grads: bool = False) -> torch.Tensor:
-        """``[world, *tensor.shape]`` (the same shape on every rank)."""
         return tensor.unsqueeze(0) if self._pg is None else self._pg.all_gather(tensor, sync_grads)
 
     def all_gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate along dim 0 in rank order; first dimensions may differ."""
         return tensor if self._pg is None else self._pg.all_gather_cat(tensor)
 
     def all_gather_object(self, obj: Any) -> list:
         return [obj] if self._pg is None else self._pg.all_gather_object(obj)
 
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """A new tensor reduced over ranks: ``op`` in sum | mean | max | min."""
         if self._pg is None:
             return ProcessGroupOps(self.root_device).reduce(tensor, op)  # validates op; identity
         return self._pg.reduce(tensor, op)

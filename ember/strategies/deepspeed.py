@@ -15,9 +15,9 @@ How ember drives the engine:
   Trainer's arguments is an error that names both.
 - The caller owns accumulation: the engine runs with
   ``managed_gradient_accumulation: false``, ``backward`` never rescales the loss
-  (the Trainer already divided it by ``accumulate_grad_batches``) and every
-  ``engine.step()`` (the Trainer calls it on the last micro-batch of a window)
-  is an optimizer step.
+  (:mod:`ember.step` already divided it by its accumulation window's size) and
+  every ``engine.step()`` (called on the last micro-batch of a window) is an
+  optimizer step.
 - The user's module is wrapped so that ``training_step`` runs through the
   engine's forward (its hooks prepare backward); ``engine.module`` is an
   ``_EmberModuleWrapper`` around it.
@@ -568,8 +568,8 @@ class DeepSpeedStrategy(DDPStrategy):
         """Every rank reports the ZeRO files it wrote (``{name: bytes}``, or its error);
         rank 0 renames ``NAME.ember-tmp`` into place only when each of them is there with its
         bytes, all listed in ``meta.json``. A missing or short file, or a failed write on
-        any rank, raises on every rank a CheckpointError naming the rank (rank 0's verdict
-        is broadcast in place of a closing barrier, so no rank waits for one that failed)."""
+        any rank, raises on every rank a CheckpointError naming the rank (as
+        :meth:`Strategy.save_checkpoint`)."""
         from ember.checkpoint import io as cio
         from ember.strategies.full_load import raise_rank0_error, verify_shards
         reports = self.all_gather_object(mine)       # every rank has returned from its write

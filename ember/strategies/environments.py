@@ -80,8 +80,7 @@ class ClusterEnvironment:
 
 
 def _int_env(name: str, default: int | None = None) -> int:
-    """The integer in environment variable ``name`` (``default`` when unset or empty); a
-    value that is not an integer >= 0 is a MisconfigurationError naming the variable."""
+    """The integer >= 0 in environment variable ``name`` (``default`` when unset or empty)."""
     value = os.environ.get(name)
     if value is None or value == "":
         if default is None:

@@ -3,8 +3,7 @@
 Each rank keeps only its shard (dim 0) of every parameter, gradient and
 optimizer state; parameters are all-gathered for forward/backward per wrapped
 layer and freed again. Processes are started and found exactly as for
-:class:`~ember.strategies.ddp.DDPStrategy` (``torchrun`` / ``ember launch``,
-SLURM, or ``devices=N`` from a plain script).
+:class:`~ember.strategies.ddp.DDPStrategy`.
 
 - ``configure_model`` runs on the meta device: layers built there cost no
   memory until they are sharded, then each rank allocates its shard and calls
@@ -40,7 +39,7 @@ from ember.errors import CheckpointError, MisconfigurationError, invalid_choice
 from ember.precision import NULL_CONTEXT
 from ember.strategies.blocks import apply_activation_checkpointing, check_block_policy, find_blocks
 from ember.strategies.full_load import allocate_meta, rank0_full_state, shard_from_rank0, to_meta
-from ember.strategies.full_load import load_full_weights  # noqa: F401  (public here since it was written)
+from ember.strategies.full_load import load_full_weights  # noqa: F401  (a public name here too)
 from ember.strategies.ddp import DDPStrategy
 
 _STATE_DICT_TYPES = ("sharded", "full")
@@ -368,10 +367,9 @@ class FSDPStrategy(DDPStrategy):
         super().teardown()
 
     def on_exception(self, exc: BaseException) -> None:
-        """After an exception (the Trainer calls this before teardown), a pending
-        ``async_save`` is dropped, not committed: a commit needs every rank at its
-        collectives, and a rank that failed must end at once rather than wait there. Its
-        ``NAME.ember-tmp`` stays behind and never counts as a checkpoint."""
+        """As :meth:`Strategy.on_exception`; a pending DCP ``async_save`` is dropped, not
+        committed (a commit needs every rank at its collectives), and its ``NAME.ember-tmp``
+        stays behind, never counting as a checkpoint."""
         if not isinstance(self._pending_save, tuple):   # a full-state write by rank 0's thread
             return super().on_exception(exc)
         self._commit_actions = None     # the dropped save is never committed
@@ -501,8 +499,7 @@ class FSDPStrategy(DDPStrategy):
     def _commit(self, path: str, state: dict | None, meta: dict) -> None:
         """Rank 0 renames ``NAME.ember-tmp`` into place only when every shard file the DCP
         metadata names is there with its bytes (listed in ``meta.json``). A missing shard,
-        or a failed write on rank 0, raises on every rank (rank 0's verdict is broadcast
-        instead of a closing barrier, so no rank waits for one that failed)."""
+        or a failed write on rank 0, raises on every rank (as :meth:`Strategy.save_checkpoint`)."""
         from ember.checkpoint import io as cio
         from ember.strategies.full_load import raise_rank0_error, verify_dcp_shards
         self.barrier("save_checkpoint:shards")       # every rank has returned from its write

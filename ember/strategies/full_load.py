@@ -2,14 +2,11 @@
 sharded model without every rank reading it, and checking a sharded save (FSDP's DCP
 files, DeepSpeed's ZeRO files) before it is committed.
 
-Loading a full checkpoint without every rank
-reading it: rank 0 reads and checks ``model.safetensors`` and ``trainer_state.pt``,
+The full load: rank 0 reads and checks ``model.safetensors`` and ``trainer_state.pt``,
 then torch's ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
 ``broadcast_from_rank0=True`` send each tensor to the other ranks, which keep only
 their shard. Peak memory: one full model (+ optimizer states) on rank 0, a shard plus
-one tensor in flight elsewhere. Used by :class:`~ember.strategies.fsdp.FSDPStrategy`
-(and so :class:`~ember.strategies.model_parallel.ModelParallelStrategy`) for
-``model.safetensors`` checkpoints (single-device runs, ``state_dict_type="full"``).
+one tensor in flight elsewhere.
 """
 from __future__ import annotations
 
