@@ -245,8 +245,8 @@ class Strategy:
             limit = getattr(self, "timeout", None)
             within = f" within the process-group timeout ({limit.total_seconds():g} s)" if limit is not None else ""
             raise DistributedOperationError(
-                f"rank(s) {who} never arrived at the ranks' agreement point (a log point or an epoch end, "
-                f"where they agree on stopping){within}: rank(s) {who} failed, hang or are much slower (see "
+                f"rank(s) {who} never arrived at a point where the ranks agree (at setup, a log point, a "
+                f"validation's end or an epoch's end: docs/architecture.md, \"Where the ranks agree\"){within}: rank(s) {who} failed, hang or are much slower (see "
                 f"their own output). If they are only slow, raise the strategy's timeout=. ({type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''})") from err
         kinds = [type(v) for v in values]

@@ -53,7 +53,7 @@ def test_ckpt_path_last_is_resolved_by_rank0_only(tmp_path):
 def test_agreement_timeout_names_the_rank_that_did_not_arrive(tmp_path):
     r0, r1 = _run("agree_timeout", tmp_path, launch=True)
     assert r0["error"] is not None and r0["error"].startswith("DistributedOperationError"), r0
-    assert "rank(s) 1 never arrived" in r0["error"] and "(4 s)" in r0["error"], r0
+    assert "rank(s) 1 never arrived at a point where the ranks agree" in r0["error"] and "(4 s)" in r0["error"], r0
     assert r0["seconds"] < 30 and r1["error"] is not None
 
 
