@@ -9,11 +9,13 @@ Hugging Face model on it:
 
 - every per-token layer runs on the T real tokens only;
 - attention stays within each text: the attention function registered here
-  (``"ember_packed"``) scatters queries, keys and values into a ``(B, heads, L, d)``
-  layout, runs PyTorch's SDPA (``torch.nn.functional.scaled_dot_product_attention``,
-  dropout included) with a key-padding mask, and gathers the T rows back; padded
-  batches (evaluation with another loader, ``generate``) fall through to the plain
-  SDPA path;
+  (``"ember_packed"``) scatters queries, keys and values into buckets of texts of
+  similar length, each a ``(n, heads, L_bucket, d)`` block, runs PyTorch's SDPA
+  (``torch.nn.functional.scaled_dot_product_attention``) on each with a key-padding
+  mask, and gathers the T rows back; padded batches (evaluation with another loader,
+  ``generate``) fall through to the plain SDPA path;
+- dropout on the CPU (the model's ``nn.Dropout`` modules and the attention's) draws
+  its mask with :func:`keep_scale`, about half the time of ``aten::bernoulli_``;
 - the classification head reads the first token of each text (a forward hook on the
   base model hands the head a ``(B, 1, hidden)`` sequence), so the logits, the
   loss and the metrics are per text what the padded batch gives (to float rounding:
@@ -41,6 +43,7 @@ flattened row: :func:`example_packed_inputs`).
 """
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from bisect import bisect_left, insort
@@ -48,6 +51,7 @@ from collections import defaultdict, deque
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from ember.errors import MisconfigurationError
@@ -106,14 +110,66 @@ def num_texts(batch: dict) -> int:
 
 
 # -- attention -------------------------------------------------------------------------------------
-def _layout(cu: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(index of each packed token in the flattened (B, L) layout, key mask (B, 1, 1, L), L)."""
-    lens = cu[1:] - cu[:-1]
-    b, longest = lens.numel(), int(lens.max())
-    doc = torch.repeat_interleave(torch.arange(b, device=device), lens.to(device))
-    pos = torch.arange(int(cu[-1]), device=device) - cu.to(device)[:-1].repeat_interleave(lens.to(device))
-    keep = torch.arange(longest, device=device)[None, :] < lens.to(device)[:, None]
-    return doc * longest + pos, keep[:, None, None, :], longest
+#: attention runs per bucket of this many texts of similar length, each bucket padded to its
+#: longest text rounded up to ATTENTION_MULTIPLE (few shapes for the kernel caches): on random
+#: batches of tweets a third fewer attention elements than one (B, L) layout
+BUCKET_TEXTS = 16
+ATTENTION_MULTIPLE = 8
+
+
+def _layout(cu: torch.Tensor, device) -> tuple[torch.Tensor, list, int]:
+    """The attention layout of a packed row: texts sorted by length into buckets of
+    :data:`BUCKET_TEXTS`, bucket ``g`` a ``(n_g, L_g)`` block of one flat buffer.
+    Returns (the buffer position of each packed token, ``[(offset, n_g, L_g, key mask
+    (n_g, 1, 1, L_g))]``, the buffer's length)."""
+    lens = (cu[1:] - cu[:-1]).cpu()
+    order = torch.argsort(lens, stable=True)
+    start = torch.empty_like(lens)   # each text's first position in the buffer
+    buckets, offset = [], 0
+    for group in order.split(BUCKET_TEXTS):
+        n, width = group.numel(), -(-int(lens[group].max()) // ATTENTION_MULTIPLE) * ATTENTION_MULTIPLE
+        start[group] = offset + torch.arange(n) * width
+        keep = torch.arange(width)[None, :] < lens[group][:, None]
+        buckets.append((offset, n, width, keep[:, None, None, :].to(device)))
+        offset += n * width
+    pos = torch.arange(int(cu[-1])) - cu.cpu()[:-1].repeat_interleave(lens)   # each token's place in its text
+    return (start.repeat_interleave(lens) + pos).to(device), buckets, offset
+
+
+# -- dropout on the CPU ----------------------------------------------------------------------------
+def keep_scale(shape: tuple, p: float, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Dropout's scaled mask: ``1 / (1 - p)`` where an element is kept (probability
+    ``1 - p``, to 2**-32), else 0. One 32-bit draw of torch's default generator per
+    element (half an int64 ``random_``); on the CPU ``aten::bernoulli_`` draws a double
+    per element in a serial loop, and was a quarter to a third of a LoRA step's time
+    (docs/benchmarks.md, "LoRA adapters"): this mask takes about half of its time."""
+    n = math.prod(shape)
+    bits = torch.empty((n + 1) // 2, dtype=torch.int64, device=device).random_(torch.iinfo(torch.int64).min, None)
+    threshold = round(p * 2 ** 32) - 2 ** 31   # an int32 half is uniform over [-2**31, 2**31)
+    return (bits.view(torch.int32)[:n] >= threshold).view(shape).to(dtype).mul_(1.0 / (1.0 - p))
+
+
+class CPUDropout(nn.Dropout):
+    """``nn.Dropout`` whose mask, on the CPU, is :func:`keep_scale` (elsewhere, and in
+    evaluation, ``nn.Dropout`` itself). :func:`packed_forward` gives a model's
+    ``nn.Dropout`` modules this class; they hold no state, so weights and checkpoints
+    are unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0 or x.device.type != "cpu" or self.inplace:
+            return super().forward(x)
+        return x * keep_scale(x.shape, self.p, x.dtype, x.device)
+
+
+def _attention_with_dropout(query, key, value, keep, dropout: float, scaling):
+    """SDPA's math (what it runs on the CPU when ``dropout_p > 0``: float32 scores and
+    softmax, the result in the inputs' dtype) with :func:`keep_scale`'s dropout."""
+    dtype = query.dtype
+    q, k, v = query.float(), key.float(), value.float()
+    scores = (q @ k.transpose(-2, -1)).mul_(scaling if scaling is not None else q.shape[-1] ** -0.5)
+    probs = torch.softmax(scores.masked_fill_(~keep, float("-inf")), dim=-1)
+    probs = probs * keep_scale(probs.shape, dropout, probs.dtype, probs.device)
+    return (probs @ v).to(dtype)
 
 
 def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -122,19 +178,24 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     layout = kwargs.get("ember_layout")
     if layout is None:   # transformers' own SDPA function (imported at registration)
         return _sdpa_forward[0](module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    index, keep, longest = layout
+    index, buckets, size = layout
     heads, d = query.shape[1], query.shape[-1]
-    b = keep.shape[0]
-
-    def spread(x):   # (1, heads, T, d) -> (B, heads, L, d), zeros at padding (the row's tail left out)
-        out = x.new_zeros(heads, b * longest, d).index_copy(1, index, x[0, :, :index.numel()])
-        return out.view(heads, b, longest, d).transpose(0, 1)
-
     if kwargs.get("ember_attention") == "flex":
         return _packed_flex(query, key, value, kwargs["ember_doc"], scaling)
-    out = F.scaled_dot_product_attention(spread(query), spread(key), spread(value), attn_mask=keep,
-                                         dropout_p=dropout, scale=scaling)
-    out = out.transpose(0, 1).reshape(heads, b * longest, d).index_select(1, index)   # (heads, T, d)
+
+    def spread(x):   # (1, heads, T, d) -> the buffer (heads, size, d), zeros at padding (the row's tail left out)
+        return x.new_zeros(heads, size, d).index_copy(1, index, x[0, :, :index.numel()])
+
+    q, k, v = spread(query), spread(key), spread(value)
+    outs = []
+    for offset, n, width, keep in buckets:
+        qb, kb, vb = (x[:, offset:offset + n * width].view(heads, n, width, d).transpose(0, 1) for x in (q, k, v))
+        if dropout > 0 and query.device.type == "cpu":
+            o = _attention_with_dropout(qb, kb, vb, keep, dropout, scaling)
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keep, dropout_p=dropout, scale=scaling)
+        outs.append(o.transpose(0, 1).reshape(heads, n * width, d))
+    out = torch.cat(outs, dim=1).index_select(1, index)   # (heads, T, d)
     out = F.pad(out, (0, 0, 0, query.shape[2] - out.shape[1]))   # the row's tokens of no text: zeros
     return out.transpose(0, 1).unsqueeze(0), None   # (1, T, heads, d), as transformers expects
 
@@ -217,6 +278,9 @@ def _prepare(model) -> _FirstTokens:
             model.set_attn_implementation(impl)
         hook = _FirstTokens()
         model.base_model.register_forward_hook(hook)
+        for m in model.modules():
+            if type(m) is nn.Dropout:
+                m.__class__ = CPUDropout
         model._ember_first_tokens = hook
     return hook
 

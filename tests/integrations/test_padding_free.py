@@ -38,12 +38,20 @@ def _items(n=12, seed=0, pairs=False):
 def _bert(dropout=0.0):
     model = hf_tiny.tiny_bert(num_labels=3)
     model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = dropout
+    for m in model.modules():   # built with the tiny model's dropout (0); the attention reads its module's p
+        if isinstance(m, torch.nn.Dropout):
+            m.p = dropout
     return model
 
 
 @pytest.mark.parametrize("pairs", [False, True])
 def test_per_text_logits_losses_and_gradients_equal_the_padded_batch(pairs):
-    items = _items(pairs=pairs)
+    """40 texts: attention runs in three length buckets (16, 16 and 8 texts)."""
+    from ember.integrations import packing
+    items = _items(40, pairs=pairs)
+    buckets = packing._layout(PackCollator()(items)["cu_seq_lens"], "cpu")[1]
+    assert [n for _, n, _, _ in buckets] == [16, 16, 8]
+    assert all(w % packing.ATTENTION_MULTIPLE == 0 for _, _, w, _ in buckets)
     padded, packed = PadCollator(0)(items), PackCollator()(items)
     lengths = [len(it["input_ids"]) for it in items]
     total = sum(lengths)   # the row: the texts' tokens, then a tail of no text up to a multiple of ROW_MULTIPLE
@@ -67,6 +75,50 @@ def test_per_text_logits_losses_and_gradients_equal_the_padded_batch(pairs):
             assert torch.allclose(p.grad, ref_grads[n], atol=TOL, rtol=1e-4), n
     # the model still runs padded batches afterwards (evaluation with another loader)
     assert torch.allclose(model(**padded).logits, ref.logits, atol=TOL, rtol=0)
+
+
+def test_dropout_on_the_cpu_keeps_1_minus_p_from_torchs_generator():
+    """Packed training on the CPU draws dropout masks with one 32-bit number per element
+    (keep_scale) instead of aten::bernoulli_: kept with probability 1 - p, scaled by
+    1 / (1 - p), reproducible from torch's seed; the model's dropout modules and its
+    attention dropout use it; evaluation is unchanged."""
+    from ember.integrations import packing
+    for p in (0.1, 0.5):
+        torch.manual_seed(0)
+        m = packing.keep_scale((1000, 1000), p, torch.float32)
+        assert m.unique().tolist() == [0.0, pytest.approx(1 / (1 - p))]
+        assert abs(float((m > 0).float().mean()) - (1 - p)) < 2e-3
+        torch.manual_seed(0)
+        assert torch.equal(packing.keep_scale((1000, 1000), p, torch.float32), m)
+    # the attention's dropout: SDPA's float32 math with that mask on the probabilities
+    q, k, v = (torch.randn(3, 2, 8, 4, dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.arange(8)[None, :] < torch.tensor([8, 5, 3])[:, None]
+    keep = keep[:, None, None, :]
+    torch.manual_seed(1)
+    out = packing._attention_with_dropout(q, k, v, keep, 0.25, None)
+    torch.manual_seed(1)
+    probs = torch.softmax((q.float() @ k.float().transpose(-2, -1) / 2).masked_fill(~keep, float("-inf")), -1)
+    expect = (probs * packing.keep_scale(probs.shape, 0.25, torch.float32)) @ v.float()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expect.to(torch.bfloat16))
+    # a model with dropout: its nn.Dropout modules become CPUDropout (no weights change)
+    items = _items(20)
+    model = _bert(dropout=0.1)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    packed = PackCollator()(items)
+    model.train()
+    torch.manual_seed(2)
+    a = packed_forward(model, packed).logits
+    torch.manual_seed(2)
+    b = packed_forward(model, packed).logits
+    assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {packing.CPUDropout}
+    assert torch.equal(a, b) and model.state_dict().keys() == before.keys()
+    model.eval()
+    with torch.no_grad():
+        plain = packed_forward(model, packed).logits
+        assert torch.allclose(plain, model(**PadCollator(0)(items)).logits, atol=TOL, rtol=0)
+    assert float((a - plain).abs().max()) > 1e-5   # dropout was applied in training
+    a.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_flex_attention_kernel_gives_the_same_logits_without_gradients():
