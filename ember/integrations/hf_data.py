@@ -320,6 +320,7 @@ class TextClassificationData(_HFTextData):
         max_length: truncation length in tokens. Padding is per batch (dynamic).
         batch_size / eval_batch_size: per-process batch sizes.
         val_split: hold out this fraction of ``train`` (drawn with ``seed``) for validation.
+        seed: the seed of the ``val_split`` draw (the training order follows the run seed).
         group_by_length: ``True``: order training batches so that similar lengths meet
             (little padding): a :class:`~ember.data.LengthGroupedSampler`, shuffled with the run
             seed (``Trainer(seed=)``), resumable mid-epoch and sharded exactly over DDP ranks.
@@ -339,6 +340,10 @@ class TextClassificationData(_HFTextData):
             ``group_by_length=None`` chooses (padding-free for adapters on such models).
         num_proc: processes that tokenise a split (``None``: several for splits of 100,000
             texts or more, one otherwise). The result is the same whatever the number.
+        num_workers: DataLoader worker processes per loader.
+        pad_to_multiple_of: round each padded batch's length up to a multiple of this.
+        local_files_only: read a tokenizer named by Hub id from the local cache only (no
+            download).
     """
 
     def __init__(self, tokenizer, train=None, val=None, test=None, predict=None, text_column: str = "text",
@@ -527,6 +532,28 @@ class CausalLMData(_HFTextData):
 
     ``predict`` data are prompts for ``generate``: left-padded, no EOS; the prompt column,
     or the messages rendered with the generation prompt.
+
+    Args:
+        tokenizer: a transformers tokenizer, or a local folder / cached Hub name.
+        train, val, test, predict: a CSV/TSV/JSON/JSON-lines path, a list of strings or of
+            dicts, a dict of columns, or a ``datasets.Dataset``.
+        text_column: the plain-text column.
+        prompt_column, completion_column: prompt/completion data (both, or neither).
+        messages_column: chat data: a column of lists of ``{"role", "content"}`` messages.
+        chat_template: a Jinja chat template used instead of the tokenizer's.
+        max_length: truncation length in tokens (the row length with ``packing``).
+        batch_size / eval_batch_size: per-process batch sizes.
+        val_split: hold out this fraction of ``train`` (drawn with ``seed``) for validation.
+        seed: the seed of the ``val_split`` draw.
+        packing: plain text: blocks of ``max_length`` tokens; prompt/completion or chat:
+            whole examples per row, each attending only to itself.
+        add_eos: plain text: append EOS to each text.
+        group_by_length: length-grouped training batches (see ``TextClassificationData``).
+        cache_dir: keep tokenised splits here (keyed by tokenizer, settings and data).
+        num_workers: DataLoader worker processes per loader.
+        pad_to_multiple_of: round each padded batch's length up to a multiple of this.
+        local_files_only: read a tokenizer named by Hub id from the local cache only.
+        num_proc: processes that tokenise a split (``None``: several for large splits).
     """
 
     _lm_labels = True
