@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
+from ember.distributed.collectives import map_tensors, tensor_leaves
 from ember.big_modeling.device_map import (DeviceMapError, check_device_map, infer_auto_device_map,
                                            owner_entry, torch_device, _device_key)
 
@@ -28,9 +28,14 @@ class DiskRef(NamedTuple):
 
 
 def send_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor (in nested lists, tuples, dicts, model outputs) on ``device``.
-    Other objects (e.g. caches) are left alone."""
-    return tree_map_only(torch.Tensor, lambda t: t if t.device == device else t.to(device), obj)
+    """``obj`` with every tensor (in nested lists, tuples, dicts, model outputs, other
+    mappings) on ``device``; the same object when nothing had to move. Other objects
+    (e.g. caches) are left alone."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device)
+    if all(x.device == device for x in tensor_leaves(obj) if isinstance(x, torch.Tensor)):
+        return obj
+    return map_tensors(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, obj)
 
 
 def _first_device(obj: Any) -> torch.device | None:

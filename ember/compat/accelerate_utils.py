@@ -97,7 +97,8 @@ def reduce(tensor, reduction: str = "mean", scale: float = 1.0):
 
 
 def send_to_device(tensor, device, non_blocking: bool = False, skip_keys=None):
-    """Move tensors inside lists, tuples, dicts, dataclasses and ``.to()``-able objects to ``device``."""
+    """Move tensors inside lists, tuples, dicts (and other mappings) and ``.to()``-able objects to
+    ``device`` (not inside dataclasses)."""
     if skip_keys:
         if isinstance(skip_keys, str):
             skip_keys = [skip_keys]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator
 
 from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -27,6 +28,17 @@ def _names(tree: Any) -> list[str]:
                 name += f".{key}" if name else str(key)
         out.append(name or "[0]")
     return out
+
+
+def _known_mappings(tree: Any) -> Any:
+    """``tree`` with every mapping torch's pytree does not know (a dict subclass such as
+    ``datasets.DatasetDict``) made a plain dict, so its loaders are walked, not taken as one."""
+    if isinstance(tree, Mapping):
+        items = {k: _known_mappings(v) for k, v in tree.items()}
+        return collections.OrderedDict(items) if type(tree) is collections.OrderedDict else items
+    if type(tree) in (list, tuple):
+        return type(tree)(_known_mappings(v) for v in tree)
+    return tree
 
 
 class CombinedLoader(Iterable):
@@ -62,7 +74,7 @@ class CombinedLoader(Iterable):
         if mode not in MODES:
             raise ValueError(f"Unsupported mode {mode!r}, please select one of: {list(MODES)}.")
         self._iterables = iterables
-        self._flattened, self._spec = tree_flatten(iterables)
+        self._flattened, self._spec = tree_flatten(_known_mappings(iterables))
         self._mode = mode
         self._limits: list | None = None
         self._iterator: _CombinedPass | None = None

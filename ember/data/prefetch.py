@@ -10,7 +10,8 @@ import os
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map_only
+
+from ember.distributed.collectives import map_tensors, tensor_leaves
 
 
 def prefetch_enabled(device: torch.device) -> bool:
@@ -23,13 +24,13 @@ def prefetch_enabled(device: torch.device) -> bool:
 
 
 def _pin(batch: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned()
-                         else t, batch)
+    return map_tensors(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                       and not t.is_pinned() else t, batch)
 
 
 def _record(batch: Any, stream) -> None:
     """Tell the caching allocator that ``stream`` uses the batch's device memory."""
-    for t in tree_leaves(batch):
+    for t in tensor_leaves(batch):
         if isinstance(t, torch.Tensor) and t.is_cuda:
             t.record_stream(stream)
 

@@ -16,6 +16,7 @@ duplicates at the end are dropped: the result is exactly the dataset's samples.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
@@ -183,16 +184,48 @@ def _gather_padded(ops, tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return ops.all_gather(tensor), sizes
 
 
+def map_tensors(fn: Callable[[Any], Any], data: Any) -> Any:
+    """``fn`` applied to every leaf of ``data``, as ``torch.utils._pytree.tree_map``, and also
+    inside the mappings the pytree does not know (dict subclasses, ``UserDict`` such as
+    transformers' ``BatchEncoding``), each rebuilt as a shallow copy of itself with its
+    values mapped, as the hand-written walks this replaced did."""
+    from collections.abc import MutableMapping
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, MutableMapping):
+            out = copy.copy(x)
+            for k, v in x.items():
+                out[k] = map_tensors(fn, v)
+            return out
+        return fn(x)
+    return tree_map(leaf, data)
+
+
+def tensor_leaves(data: Any) -> list:
+    """The leaves of ``data`` that :func:`map_tensors` reaches (into unknown mappings too)."""
+    from collections.abc import Mapping
+    out: list = []
+    for x in tree_leaves(data):
+        out.extend(tensor_leaves(list(x.values())) if isinstance(x, Mapping) else [x])
+    return out
+
+
 def is_sample_list(data: Any) -> bool:
     """A list/tuple of plain values (strings, numbers): one value per sample, gathered
     as a whole rather than element by element."""
     return isinstance(data, (list, tuple)) and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in data)
 
 
+def _per_sample(data: Any) -> bool:
+    """A list/tuple with no tensor anywhere inside: one value per sample (plain values, or
+    ragged lists such as generated token ids), joined as a whole."""
+    return isinstance(data, (list, tuple)) and not any(isinstance(v, torch.Tensor) for v in tree_leaves(data))
+
+
 def concat_outputs(parts: list) -> Any:
     """Per-batch outputs (tensors, per-sample lists or values, in dicts, lists, tuples)
     joined along dim 0, leaf by leaf."""
-    flat = [tree_flatten(p, is_leaf=is_sample_list) for p in parts]
+    flat = [tree_flatten(p, is_leaf=_per_sample) for p in parts]
 
     def join(col: tuple) -> Any:
         if isinstance(col[0], torch.Tensor):
@@ -203,8 +236,8 @@ def concat_outputs(parts: list) -> Any:
 
 def split_outputs(data: Any, size: int) -> list:
     """``data`` (as :func:`concat_outputs` joins it) cut back into batches of ``size`` rows."""
-    n = len(tree_leaves(data, is_leaf=is_sample_list)[0])
-    return [tree_map(lambda x: x[i:i + size], data, is_leaf=is_sample_list) for i in range(0, n, size)]
+    n = len(tree_leaves(data, is_leaf=_per_sample)[0])
+    return [tree_map(lambda x: x[i:i + size], data, is_leaf=_per_sample) for i in range(0, n, size)]
 
 
 def first_rows(data: Any) -> int | None:

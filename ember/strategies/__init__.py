@@ -144,6 +144,7 @@ def resolve_accelerator(accelerator: str | None, devices: Any) -> Any:
         return devices
     raise MisconfigurationError(f"accelerator='cpu' with devices={devices!r}: use a number of processes or 'auto'")
 
+
 def build_strategy(strategy="auto", devices="auto", num_nodes: int = 1) -> Strategy:
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise MisconfigurationError(f"num_nodes={num_nodes!r} is not valid; use a positive int")

@@ -13,8 +13,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
-
+from ember.distributed.collectives import map_tensors
 from ember.errors import MisconfigurationError
 from ember.precision import NULL_CONTEXT, Precision
 
@@ -22,8 +21,9 @@ from ember.precision import NULL_CONTEXT, Precision
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
     """Move every tensor in a batch (the containers torch's pytree knows: dicts, lists,
-    tuples, namedtuples, transformers' ModelOutput) to ``device``; other objects with a
-    ``.to`` (transformers' BatchEncoding) move themselves. A tensor, or a flat tuple,
+    tuples, namedtuples, transformers' ModelOutput, and other mappings:
+    :func:`~ember.distributed.collectives.map_tensors`) to ``device``; other objects with a
+    ``.to`` move themselves. A tensor, or a flat tuple,
     list or dict of tensors (most batches) moves without the tree walk, which costs
     about 6x the Python calls on this per-step path."""
     kind = type(batch)
@@ -48,7 +48,7 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) 
             except TypeError:
                 return x
         return x
-    return tree_map(move, batch)
+    return map_tensors(move, batch)
 
 
 class Strategy:

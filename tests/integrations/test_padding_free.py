@@ -77,7 +77,7 @@ def test_per_text_logits_losses_and_gradients_equal_the_padded_batch(pairs):
     assert torch.allclose(model(**padded).logits, ref.logits, atol=TOL, rtol=0)
 
 
-def test_dropout_on_the_cpu_keeps_1_minus_p_from_torchs_generator():
+def test_dropout_on_the_cpu_keeps_1_minus_p_from_torchs_generator(monkeypatch):
     """Packed training on the CPU draws dropout masks with one 32-bit number per element
     (keep_scale) instead of aten::bernoulli_: kept with probability 1 - p, scaled by
     1 / (1 - p), reproducible from torch's seed; the model's dropout modules and its
@@ -106,17 +106,30 @@ def test_dropout_on_the_cpu_keeps_1_minus_p_from_torchs_generator():
     before = {n: t.clone() for n, t in model.state_dict().items()}
     packed = PackCollator()(items)
     model.train()
+    calls = []
+    real = packing._attention_with_dropout
+
+    def counted(*args):   # the packed attention's dropout goes through keep_scale's math
+        calls.append(args[-2])
+        return real(*args)
+    monkeypatch.setattr(packing, "_attention_with_dropout", counted)
     torch.manual_seed(2)
     a = packed_forward(model, packed).logits
+    assert calls and set(calls) == {0.1}
     torch.manual_seed(2)
     b = packed_forward(model, packed).logits
     assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {packing.CPUDropout}
     assert torch.equal(a, b) and model.state_dict().keys() == before.keys()
+    drop, x = next(m for m in model.modules() if isinstance(m, packing.CPUDropout)), torch.ones(4, 8)
+    torch.manual_seed(3)
+    y = drop(x)
+    torch.manual_seed(3)
+    assert torch.equal(y, x * packing.keep_scale(x.shape, drop.p, x.dtype))   # the modules' masks are keep_scale's
     model.eval()
     with torch.no_grad():
         plain = packed_forward(model, packed).logits
         assert torch.allclose(plain, model(**PadCollator(0)(items)).logits, atol=TOL, rtol=0)
-    assert float((a - plain).abs().max()) > 1e-5   # dropout was applied in training
+    assert float((a.detach() - plain).abs().max()) > 1e-5   # dropout was applied in training
     a.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 

@@ -143,8 +143,9 @@ def test_token_exact_accumulation_equals_big_batch(tmp_path, task):
 
 def test_a_mean_loss_run_counts_nothing_per_step(tmp_path):
     """Token-exact accumulation is decided once, at train start: where it does not apply
-    (one process, no accumulation; or turned off) ``loss_count`` is None and the loop
-    enters no micro-batch context per step; with accumulation it counts every window."""
+    (one process without accumulation, or turned off) ``loss_count`` is None; a run
+    without accumulation then enters no micro-batch context per step, one with
+    accumulation enters it for the window (and counts tokens only when exact)."""
     from ember.callbacks import Callback
 
     class CountWindows(Callback):

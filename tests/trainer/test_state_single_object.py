@@ -125,16 +125,15 @@ def test_a_run_rebinds_only_the_listed_trainer_attributes(tmp_path):
     assert trainer.state.resumed and trainer.global_step == 12 and trainer.stop_reason == "max_epochs"
 
 
-def test_the_run_state_that_moved_reads_through_the_trainer(tmp_path):
+def test_the_run_state_that_moved_reads_through_the_trainer(make_trainer, data):
     """``interrupted``, ``step_rules``, ``step_optimizers``, ``lr_scheduler_configs``,
     ``report_path`` and ``metrics`` are read-through properties of ``trainer.state``."""
-    trainer = ember.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
+    trainer = make_trainer(max_steps=2, num_sanity_val_steps=0)
     st = trainer.state
     assert trainer.step_rules is None and not trainer.interrupted and trainer.report_path is None
     assert trainer.metrics is st.metrics
     module = Backboned()
-    trainer.fit(module, DataLoader(regression_data(32), batch_size=8))
+    trainer.fit(module, data(32))
     assert trainer.step_rules is st.step_rules is not None
     assert trainer.step_optimizers is st.step_optimizers and len(trainer.step_optimizers) == 1
     assert trainer.lr_scheduler_configs is st.lr_scheduler_configs and len(st.lr_scheduler_configs) == 1
@@ -154,25 +153,24 @@ class _CtrlC(Backboned):
         return super().validation_step(batch, batch_idx)
 
 
-def test_interrupted_is_read_from_the_state(tmp_path, monkeypatch):
+def test_interrupted_is_read_from_the_state(make_trainer, data, monkeypatch):
     """``trainer.interrupted``: the last run ended on Ctrl-C (a fit, or validate/test/predict),
     False again once another run starts and ends normally."""
     import ember.trainer.summary as summary
     monkeypatch.setattr(summary, "on_keyboard_interrupt", lambda t: None)   # no SystemExit(130)
-    trainer = ember.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
-    module, data = _CtrlC(), DataLoader(regression_data(32), batch_size=8)
+    trainer = make_trainer(max_steps=4, num_sanity_val_steps=0)
+    module, loader = _CtrlC(), data(32)
     try:
-        trainer.fit(module, data)
+        trainer.fit(module, loader)
     except KeyboardInterrupt:
         pass
     assert trainer.interrupted and trainer.stop_reason == "interrupted" and trainer.state.status == "interrupted"
-    trainer.test(module, data, verbose=False)   # (test_step is validation_step: only validate raises)
+    trainer.test(module, loader, verbose=False)   # (test_step is validation_step: only validate raises)
     assert not trainer.interrupted and trainer.state.status == "finished"
     try:
-        trainer.validate(module, data, verbose=False)
+        trainer.validate(module, loader, verbose=False)
     except KeyboardInterrupt:
         pass
     assert trainer.interrupted and trainer.stop_reason == "interrupted"
-    trainer.fit(Backboned(), data)
+    trainer.fit(Backboned(), loader)
     assert not trainer.interrupted and trainer.stop_reason == "max_steps" and trainer.state.exception is None
