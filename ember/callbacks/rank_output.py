@@ -186,7 +186,10 @@ class LineForwarder(io.TextIOBase):
 
     def _fail_over(self, lines: list[str]) -> None:
         """The connection ended: every line rank 0 did not acknowledge, then ``lines``, go to
-        the rank's own stdout; so does every later write."""
+        the rank's own stdout; so does every later write. Acknowledgements already received
+        are taken in first: a send that failed because rank 0 closed may leave, unread, the
+        acknowledgement of lines it showed just before (they would be printed twice)."""
+        self._read_acks(0.0)
         self._close_socket()
         lost = list(self._unacked) + list(lines)
         self._unacked.clear()
