@@ -77,8 +77,10 @@ class PackCollator:
 
     Returns ``input_ids``, ``position_ids`` and ``token_type_ids`` of shape ``(1, T)``
     (T: the batch's real tokens, rounded up to a multiple of :data:`ROW_MULTIPLE` with
-    tokens of no text), ``cu_seq_lens`` (``B + 1`` cumulative lengths, from 0) and
-    ``labels`` (one per text). :func:`packed_forward` runs a model on it."""
+    tokens of no text), ``cu_seq_lens`` (``B + 1`` cumulative lengths, from 0),
+    ``labels`` (one per text) and ``attention_layout`` (the attention's buckets, built
+    here on the CPU so that a forward on a GPU never reads the lengths back to the
+    host). :func:`packed_forward` runs a model on it."""
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         ids = [it["input_ids"] for it in items]
@@ -88,7 +90,7 @@ class PackCollator:
         tail = torch.zeros(-int(cu[-1]) % ROW_MULTIPLE, dtype=torch.long)   # belongs to no text
         out = {"input_ids": torch.cat(ids + [tail]).unsqueeze(0),
                "position_ids": torch.cat([torch.arange(n) for n in lens.tolist()] + [tail]).unsqueeze(0),
-               "cu_seq_lens": cu}
+               "cu_seq_lens": cu, "attention_layout": _layout(cu)}
         if "token_type_ids" in items[0]:
             out["token_type_ids"] = torch.cat([it["token_type_ids"] for it in items] + [tail]).unsqueeze(0)
         else:
@@ -117,12 +119,12 @@ BUCKET_TEXTS = 16
 ATTENTION_MULTIPLE = 8
 
 
-def _layout(cu: torch.Tensor, device) -> tuple[torch.Tensor, list, int]:
-    """The attention layout of a packed row: texts sorted by length into buckets of
-    :data:`BUCKET_TEXTS`, bucket ``g`` a ``(n_g, L_g)`` block of one flat buffer.
-    Returns (the buffer position of each packed token, ``[(offset, n_g, L_g, key mask
-    (n_g, 1, 1, L_g))]``, the buffer's length)."""
-    lens = (cu[1:] - cu[:-1]).cpu()
+def _layout(cu: torch.Tensor) -> tuple[torch.Tensor, list, int]:
+    """The attention layout of a packed row (``cu``: its text boundaries, on the CPU):
+    texts sorted by length into buckets of :data:`BUCKET_TEXTS`, bucket ``g`` a
+    ``(n_g, L_g)`` block of one flat buffer. Returns (the buffer position of each packed
+    token, ``[(offset, n_g, L_g, key mask (n_g, 1, 1, L_g))]``, the buffer's length)."""
+    lens = cu[1:] - cu[:-1]
     order = torch.argsort(lens, stable=True)
     start = torch.empty_like(lens)   # each text's first position in the buffer
     buckets, offset = [], 0
@@ -130,10 +132,10 @@ def _layout(cu: torch.Tensor, device) -> tuple[torch.Tensor, list, int]:
         n, width = group.numel(), -(-int(lens[group].max()) // ATTENTION_MULTIPLE) * ATTENTION_MULTIPLE
         start[group] = offset + torch.arange(n) * width
         keep = torch.arange(width)[None, :] < lens[group][:, None]
-        buckets.append((offset, n, width, keep[:, None, None, :].to(device)))
+        buckets.append((offset, n, width, keep[:, None, None, :]))
         offset += n * width
-    pos = torch.arange(int(cu[-1])) - cu.cpu()[:-1].repeat_interleave(lens)   # each token's place in its text
-    return (start.repeat_interleave(lens) + pos).to(device), buckets, offset
+    pos = torch.arange(int(cu[-1])) - cu[:-1].repeat_interleave(lens)   # each token's place in its text
+    return start.repeat_interleave(lens) + pos, buckets, offset
 
 
 # -- dropout on the CPU ----------------------------------------------------------------------------
@@ -294,7 +296,10 @@ def packed_forward(model, batch: dict, attention: str = "sdpa"):
     hook = _prepare(model)
     cu = batch["cu_seq_lens"]
     ids = batch["input_ids"]
-    layout = _layout(cu, ids.device)
+    layout = batch.get("attention_layout")
+    if layout is None:   # a packed batch built by hand: its layout from its boundaries (a host read)
+        index, buckets, size = _layout(cu.cpu())
+        layout = (index.to(ids.device), [(o, n, w, keep.to(ids.device)) for o, n, w, keep in buckets], size)
     extra = {"ember_layout": layout, "ember_attention": attention}
     if attention == "flex":
         lens = cu[1:] - cu[:-1]

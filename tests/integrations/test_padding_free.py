@@ -49,7 +49,7 @@ def test_per_text_logits_losses_and_gradients_equal_the_padded_batch(pairs):
     """40 texts: attention runs in three length buckets (16, 16 and 8 texts)."""
     from ember.integrations import packing
     items = _items(40, pairs=pairs)
-    buckets = packing._layout(PackCollator()(items)["cu_seq_lens"], "cpu")[1]
+    buckets = PackCollator()(items)["attention_layout"][1]
     assert [n for _, n, _, _ in buckets] == [16, 16, 8]
     assert all(w % packing.ATTENTION_MULTIPLE == 0 for _, _, w, _ in buckets)
     padded, packed = PadCollator(0)(items), PackCollator()(items)
@@ -75,6 +75,29 @@ def test_per_text_logits_losses_and_gradients_equal_the_padded_batch(pairs):
             assert torch.allclose(p.grad, ref_grads[n], atol=TOL, rtol=1e-4), n
     # the model still runs padded batches afterwards (evaluation with another loader)
     assert torch.allclose(model(**padded).logits, ref.logits, atol=TOL, rtol=0)
+
+
+def test_the_attention_layout_comes_from_the_collator_not_a_host_read(monkeypatch):
+    """The collator builds the attention's buckets on the CPU; packed_forward uses them
+    (on a GPU, computing them from the device's boundaries reads them back to the host at
+    every forward). A packed batch built by hand, without a layout, gets the same one."""
+    from ember.integrations import packing
+    items = _items(24)
+    packed = PackCollator()(items)
+    index, buckets, size = packed["attention_layout"]
+    ref_index, ref_buckets, ref_size = packing._layout(packed["cu_seq_lens"])
+    assert torch.equal(index, ref_index) and size == ref_size and len(buckets) == 2
+    for (o, n, w, keep), (ro, rn, rw, rkeep) in zip(buckets, ref_buckets):
+        assert (o, n, w) == (ro, rn, rw) and torch.equal(keep, rkeep)
+    model = _bert().eval()
+    by_hand = {k: v for k, v in packed.items() if k != "attention_layout"}
+    with torch.no_grad():
+        expect = packed_forward(model, by_hand).logits
+
+        def no_layout(cu):
+            raise AssertionError("packed_forward computed a layout the batch carries")
+        monkeypatch.setattr(packing, "_layout", no_layout)
+        assert torch.equal(packed_forward(model, packed).logits, expect)
 
 
 def test_dropout_on_the_cpu_keeps_1_minus_p_from_torchs_generator(monkeypatch):
