@@ -21,7 +21,8 @@ Under several processes (``Trainer(devices=N)`` or ``ember launch``) every rank 
 script; the study lives on rank 0 only: rank 0 runs ``study.optimize(objective, ...)``, the
 other ranks run ``objective(None)`` once per trial, with the trial's hyperparameters sent from
 rank 0 (docs/tools.md shows the whole script). ``PruningCallback(None, monitor)`` on those
-ranks asks nothing; rank 0's decision reaches them through the Trainer's stop agreement.
+ranks asks nothing; rank 0's decision (or the error its trial raised) reaches them at the
+same validation, in one broadcast.
 """
 from __future__ import annotations
 
@@ -49,10 +50,12 @@ class PruningCallback(Callback):
 
     After every validation of a fit (not the sanity check, not ``trainer.validate``), rank 0
     reports the metric with ``trial.report(value, step=epoch)`` and asks
-    ``trial.should_prune()``. When the trial is to be pruned it asks the Trainer to stop
-    (``trainer.request_stop("pruned")``): the ranks agree on it like on every other stop (at
-    the epoch end, or the next optimizer step after a mid-epoch validation; no extra
-    collective), the fit ends cleanly (``on_train_end``, checkpoints, loggers finalised with
+    ``trial.should_prune()``; under several processes its verdict reaches every rank in one
+    broadcast per validation (an error of the trial's storage too: rank 0 raises it, the
+    others a ``DistributedOperationError`` naming it, so no rank waits). When the trial is to
+    be pruned every rank asks the Trainer to stop (``trainer.request_stop("pruned")``; the
+    fit stops at the epoch end, or the next optimizer step after a mid-epoch validation),
+    the fit ends cleanly (``on_train_end``, checkpoints, loggers finalised with
     ``"success"``, ``trainer.stop_reason == "pruned"``), and then ``fit`` raises
     ``optuna.TrialPruned`` on every rank, so ``study.optimize`` records the trial as PRUNED.
     ``min_epochs`` does not hold a pruned trial back: the pruner's own warm-up decides.
@@ -85,12 +88,24 @@ class PruningCallback(Callback):
                 f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...) in "
                 "validation_step (or on_validation_epoch_end), or pass the name of one of these.")
         epoch = self._epoch = trainer.current_epoch
-        if not trainer.is_global_zero or self.trial is None:
-            return
-        self.trial.report(float(value), step=epoch)   # once per validation: a Python number here is fine
-        if self.trial.should_prune():
+        prune = failed = None
+        if trainer.is_global_zero and self.trial is not None:
+            try:   # once per validation: a Python number here is fine
+                self.trial.report(float(value), step=epoch)
+                prune = bool(self.trial.should_prune())
+            except Exception as err:   # the study's storage: every rank ends with it, none waits
+                failed = err
+        if trainer.world_size > 1:   # rank 0's verdict, on every rank at this validation
+            prune, verdict = trainer.strategy.broadcast(
+                (prune, None if failed is None else f"{type(failed).__name__}: {failed}"))
+            if verdict is not None and failed is None:
+                from ember.errors import DistributedOperationError
+                raise DistributedOperationError(f"PruningCallback: the trial's report failed on rank 0: {verdict}")
+        if failed is not None:
+            raise failed
+        if prune:
             self.pruned_epoch = epoch
-            trainer.request_stop("pruned")
+            trainer.request_stop("pruned", agreed=trainer.world_size > 1)
 
     def on_fit_end(self, trainer, module) -> None:
         if trainer.stop_reason != "pruned":

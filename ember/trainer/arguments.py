@@ -178,8 +178,18 @@ def agree_log_versions(t) -> None:
     shared = [lg for lg in t.loggers if type(lg).run_key is not Logger.run_key]
     if t.world_size == 1 or not shared:
         return
-    keys = [lg.run_key() for lg in shared] if t.is_global_zero else None
-    keys = t.strategy.broadcast(keys)
+    keys = failed = None
+    if t.is_global_zero:   # creating a run can fail (a tracking server down): every rank ends with it
+        try:
+            keys = [lg.run_key() for lg in shared]
+        except Exception as err:
+            failed = err
+    keys, verdict = t.strategy.broadcast((keys, None if failed is None else f"{type(failed).__name__}: {failed}"))
+    if failed is not None:
+        raise failed
+    if verdict is not None:
+        from ember.errors import DistributedOperationError
+        raise DistributedOperationError(f"a logger's run could not be created on rank 0: {verdict}")
     if not t.is_global_zero:
         for lg, key in zip(shared, keys):
             lg.use_run_key(key)

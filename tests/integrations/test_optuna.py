@@ -123,11 +123,24 @@ def test_two_processes_follow_rank_zeros_decision_and_log_one_mlflow_run(tmp_pat
     r0, r1 = (json.loads((tmp_path / f"result_{r}.json").read_text()) for r in (0, 1))
     # Optuna: rank 0 held the study; both ranks stopped the pruned trial at the same step,
     # and both saw optuna.TrialPruned come out of fit
-    assert r0["states"] == ["COMPLETE", "PRUNED"]
-    assert r0["intermediate"] == [{"0": 1.0, "1": 1.0, "2": 1.0}, {"0": 10.0, "1": 10.0}]
+    assert r0["states"] == ["COMPLETE", "PRUNED", "FAIL"]
+    assert r0["intermediate"][:2] == [{"0": 1.0, "1": 1.0, "2": 1.0}, {"0": 10.0, "1": 10.0}]
     for r in (r0, r1):
+        for trial in r["trials"]:
+            trial.pop("seconds") if trial["raised"] is None or "Pruned" in trial["raised"] else None
         assert r["trials"][0] == {"raised": None, "stop_reason": "max_epochs", "epoch": 3, "step": 12}
         assert r["trials"][1] == {"raised": "TrialPruned", "stop_reason": "pruned", "epoch": 2, "step": 8}
+        # trial 2: rank 0's should_prune raised at the first validation; every rank ended there
+        assert r["trials"][2]["step"] == 4 and r["trials"][2]["seconds"] < 8, r["trials"][2]
+    assert r0["trials"][2]["raised"] == "RuntimeError: the study's storage is unreachable"
+    assert r1["trials"][2]["raised"] == ("DistributedOperationError: PruningCallback: the trial's report failed on "
+                                         "rank 0: RuntimeError: the study's storage is unreachable")
+    # a run rank 0 cannot open ends every rank at setup, each with its error
+    for r in (r0, r1):
+        assert r["mlflow_down"]["step"] == 0 and r["mlflow_down"]["seconds"] < 8, r["mlflow_down"]
+    assert r0["mlflow_down"]["error"].startswith("MlflowException") and "0" * 32 in r0["mlflow_down"]["error"]
+    assert r1["mlflow_down"]["error"].startswith(
+        "DistributedOperationError: a logger's run could not be created on rank 0: MlflowException")
     # MLflow: one run for the job, created by rank 0; every rank has its folder
     assert r0["mlflow"]["runs"] == 1 and r0["mlflow"]["status"] == "FINISHED"
     assert r0["mlflow"]["log_dir"] == r1["mlflow"]["log_dir"] and r1["mlflow"]["client"] is False
