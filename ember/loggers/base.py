@@ -18,6 +18,21 @@ STATUSES = ("success", "failed", "interrupted")
 _VERSION_DIR = re.compile(r"^version_(\d+)$")
 
 
+class _NoRun:
+    """The ``experiment`` of ranks other than 0 for loggers whose run only rank 0 talks to
+    (MLflow, W&B): every attribute is a method that does nothing, as Lightning's
+    ``DummyExperiment``; ``config.update(...)`` and the like do nothing too."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+NO_RUN = _NoRun()
+
+
 class Logger:
     """Base class of ember's experiment loggers.
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from ember.errors import invalid_choice
-from ember.loggers.base import Logger, add_prefix, check_status, to_scalar
+from ember.loggers.base import NO_RUN, Logger, add_prefix, check_status, to_scalar
 
 #: the extra to install for MLflow
 INSTALL = 'pip install "ember[mlflow]"'
@@ -72,16 +72,6 @@ def flatten_lightning(params: Any, delimiter: str = "/") -> dict[str, Any]:
     for k, v in params.items():
         walk(str(k), v)
     return out
-
-
-class _NoRun:
-    """The ``experiment`` of ranks other than 0: every method does nothing."""
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
-
-
-_NO_RUN = _NoRun()
 
 
 def _local_mlruns(path: str) -> bool:
@@ -194,7 +184,7 @@ class MLFlowLogger(Logger):
             return self._experiment
         from ember.loggers.rank_zero import env_rank
         if env_rank() != 0:
-            return _NO_RUN
+            return NO_RUN
         _import_mlflow()
         from ember.checkpoint.rng import keep_rng_states
         with keep_rng_states():   # MLflow names a run by drawing from Python's `random`

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ember.errors import invalid_choice
-from ember.loggers.base import DEFAULT_NAME, Logger, add_prefix, check_status, flatten_params, to_scalar
+from ember.loggers.base import DEFAULT_NAME, NO_RUN, Logger, add_prefix, check_status, flatten_params, to_scalar
 
 STEP_METRIC = "trainer/global_step"
 INSTALL = "pip install wandb"
@@ -91,14 +91,23 @@ class WandbLogger(Logger):
         uploaded: W&B uploads only what is in ``run.dir`` (``.../files``)."""
         if self._run_dir is not None:   # the run's folder, also after finalize(): never a second run
             return self._run_dir
-        files_dir = getattr(self.experiment, "dir", None)
+        run = self.experiment
+        if run is NO_RUN:   # another rank before the Trainer gave it rank 0's run
+            return self._save_dir
+        files_dir = getattr(run, "dir", None)
         self._run_dir = os.path.dirname(os.path.normpath(files_dir)) if files_dir else self._save_dir
         return self._run_dir
 
     @property
     def experiment(self):
-        """The ``wandb`` run, created by ``wandb.init`` on first access."""
+        """The ``wandb`` run, created by ``wandb.init`` on first access. On a process whose
+        global rank is not 0 (:func:`~ember.loggers.rank_zero.env_rank`) an object whose
+        methods do nothing, as in Lightning: only rank 0 creates the run; under a Trainer
+        the other ranks take its id and folder at setup (:meth:`use_run_key`)."""
         if self._experiment is None:
+            from ember.loggers.rank_zero import env_rank
+            if env_rank() != 0:
+                return NO_RUN
             wandb = _import_wandb()
             if getattr(wandb, "run", None) is not None and self._id in (None, wandb.run.id):
                 # the user already called wandb.init(): log into that run
@@ -120,6 +129,13 @@ class WandbLogger(Logger):
             self._experiment.define_metric("*", step_metric=STEP_METRIC, step_sync=True)
             self._defined_metrics = True
         return self._experiment
+
+    def run_key(self) -> tuple[str, str]:
+        """What every rank shares: the run id and folder (rank 0 creates the run; the others adopt it)."""
+        return (self.experiment.id, self.log_dir)
+
+    def use_run_key(self, key) -> None:
+        self._id, self._run_dir = key
 
     # -- logging ----------------------------------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

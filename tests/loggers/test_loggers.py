@@ -227,6 +227,26 @@ def test_wandb_missing_and_bad_arguments(monkeypatch, tmp_path):
 # Weights & Biases, offline
 
 
+def test_wandb_other_ranks_never_create_a_run(tmp_path, monkeypatch):
+    """Every rank but 0 of a job: no wandb.init (a second run of the job), a no-op
+    experiment for hooks that run on every rank, and rank 0's run id and folder once
+    the Trainer agreed them at setup (run_key on rank 0, use_run_key here)."""
+    import wandb
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: pytest.fail("wandb.init on rank 1"))
+    lg = WandbLogger(project="p", save_dir=tmp_path / "save", offline=True, log_model=True)
+    lg.experiment.log({"anything": 1})            # a hook's call on every rank: nothing on this one
+    lg.experiment.config.update({"a": 1})
+    lg.log_hyperparams({"lr": 0.1})
+    lg.log_metrics({"loss": 1.0}, step=1)
+    assert lg.log_dir == str(tmp_path / "save")   # before the agreement: no run folder to give
+    lg.finalize("success")
+    assert lg._experiment is None and not (tmp_path / "save" / "wandb").exists()
+    assert type(lg).run_key is not Logger.run_key   # the Trainer agrees it under several processes
+    lg.use_run_key(("abc123", str(tmp_path / "save" / "wandb" / "offline-run-x-abc123")))
+    assert lg.version == "abc123" and lg.log_dir.endswith("offline-run-x-abc123")
+
+
 @pytest.fixture(scope="module")
 def wandb_runs(tmp_path_factory):
     """Two offline runs: log_model="all" and log_model=True."""
