@@ -650,13 +650,14 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
     fit in one shard, else the shards and ``model.safetensors.index.json`` of
     ``huggingface_hub.split_torch_state_dict_into_shards`` (what transformers' ``save_pretrained``
     writes; that package is needed then). Tied tensors stay together in one shard.
-    Returns the written file names. Stale shards of an earlier export are removed when ember
-    wrote them; a weights file ember did not write is never replaced (CheckpointError)."""
+    Returns the written file names. Stale shards and index of an earlier export are removed
+    when ember wrote them; a weights file or index ember did not write is never replaced
+    (CheckpointError)."""
     limit = parse_size(max_shard_size)
     save_dir = os.fspath(save_dir)
     os.makedirs(save_dir, exist_ok=True)
     for name in os.listdir(save_dir):    # before anything is written: only ember's weights are replaced
-        if _SHARD_RE.match(name) or name == WEIGHTS_NAME:
+        if _SHARD_RE.match(name) or name in (WEIGHTS_NAME, INDEX_NAME):
             checks.check_replace(os.path.join(save_dir, name), f"save_model({save_dir!r})")
     tensors, aliases = _prepare_tensors(state_dict)
     files, index = {WEIGHTS_NAME: list(tensors)}, None
@@ -667,7 +668,8 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
         split = hub.split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                        max_shard_size=limit)
         files = split.filename_to_tensors
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename} if split.is_sharded else None
+        index = {"metadata": {**split.metadata, checks.WEIGHTS_MARKER: str(FORMAT_VERSION)},
+                 "weight_map": split.tensor_to_filename} if split.is_sharded else None
     followers = collections.defaultdict(list)
     for alias, target in aliases.items():
         followers[target].append(alias)

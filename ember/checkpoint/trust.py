@@ -660,7 +660,8 @@ def not_replaceable(path: str | os.PathLike) -> str:
     a weights file), or ``""``: nothing is there; a symlink resolving inside its own folder
     (ember's links, e.g. ``last``: replacing one loses no data); an ember checkpoint folder
     (:func:`not_a_checkpoint`); a ``.safetensors`` file ember wrote (its metadata carries
-    ember's marker, or the epoch and step ``ModelCheckpoint`` records)."""
+    ember's marker, or the epoch and step ``ModelCheckpoint`` records); a weights index
+    ember wrote (``*.safetensors.index.json``)."""
     path = os.path.normpath(os.fspath(path))
     if not os.path.lexists(path):
         return ""
@@ -676,7 +677,32 @@ def not_replaceable(path: str | os.PathLike) -> str:
         if md is not None and (WEIGHTS_MARKER in md or {"epoch", "global_step"} <= set(md)):
             return ""
         return f"{path} is a .safetensors file that ember did not write"
+    if os.path.isfile(path) and path.endswith(".safetensors.index.json"):
+        return _index_not_replaceable(path)
     return f"{path} is a file, not one ember wrote"
+
+
+def _index_not_replaceable(path: str) -> str:
+    """A sharded-weights index is ember's when its metadata carries :data:`WEIGHTS_MARKER`,
+    or (an export written before the marker) when every shard it names is in its folder and
+    ember's; else why not."""
+    theirs = f"{path} is a weights index that ember did not write"
+    try:
+        if os.path.getsize(path) > MAX_META_BYTES:
+            return theirs
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+        if WEIGHTS_MARKER in (index.get("metadata") or {}):
+            return ""
+        names = set(index["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError):
+        return theirs
+    folder = os.path.dirname(path) or "."
+    for name in names:
+        shard = os.path.join(folder, str(name))
+        if os.path.basename(shard) != name or not os.path.isfile(shard) or not_replaceable(shard):
+            return theirs
+    return "" if names else theirs
 
 
 #: the safetensors metadata key every weights file ember writes carries

@@ -19,6 +19,7 @@ from torch import nn
 import ember
 from conftest import LinearModule, regression_data
 from ember.checkpoint import io as cio
+from ember.checkpoint import trust as checks
 from ember.errors import CheckpointError
 from helpers import reseal
 
@@ -326,6 +327,29 @@ def test_weights_files_replace_only_what_ember_wrote(tmp_path):
     cio.save_model_sharded({"a": torch.zeros(64), "b": torch.zeros(64)}, ours)      # its own export: replaced
     assert sorted(os.listdir(ours)) == ["model.safetensors"]
     assert torch.equal(cio.load_model_sharded(ours)["a"], torch.zeros(64))
+
+
+def test_a_weights_index_is_replaced_only_when_ember_wrote_it(tmp_path):
+    """save_model_sharded removes a stale index and replaces one: only its own (the marker
+    in its metadata, or, written before the marker, every shard it names is ember's)."""
+    index = "model.safetensors.index.json"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / index).write_text(json.dumps({"metadata": {"total_size": 8}, "weight_map": {"w": "w.bin"}}))
+    before = _tree(tmp_path)
+    for size in ("10GB", 300):   # one file (the index would be removed) and shards (replaced)
+        with pytest.raises(CheckpointError, match=f"refusing to replace .*{index}: .* ember did not write"):
+            cio.save_model_sharded({"a": torch.ones(64), "b": torch.ones(64)}, theirs, max_shard_size=size)
+    assert _tree(tmp_path) == before
+    ours = tmp_path / "ours"
+    cio.save_model_sharded({"a": torch.ones(64), "b": torch.ones(64)}, ours, max_shard_size=300)
+    written = json.loads((ours / index).read_text())
+    assert written["metadata"][checks.WEIGHTS_MARKER] == str(cio.FORMAT_VERSION)
+    del written["metadata"][checks.WEIGHTS_MARKER]   # as an export before the marker: its shards decide
+    (ours / index).write_text(json.dumps(written))
+    cio.save_model_sharded({"a": torch.zeros(64), "b": torch.zeros(64)}, ours, max_shard_size=300)
+    assert torch.equal(cio.load_model_sharded(ours)["b"], torch.zeros(64))
+    assert checks.WEIGHTS_MARKER in json.loads((ours / index).read_text())["metadata"]
 
 
 def test_a_deepspeed_checkpoint_with_its_recovery_scripts_is_still_ember_s(tmp_path):
