@@ -29,6 +29,7 @@ See ``docs/sharding.md``.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import itertools
@@ -164,6 +165,25 @@ class _EmberModuleWrapper(nn.Module):
         if _ember_method is None:
             return self.module(*args, **kwargs)
         return self._methods[_ember_method](*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The wrapped module's own ``load_state_dict`` (what the engine's load calls): a
+        module whose state leaves keys out (an adapter run's frozen base) decides which
+        missing keys are errors."""
+        from torch.nn.modules.module import _IncompatibleKeys
+        inner = collections.OrderedDict((k[len("module."):], v) for k, v in state_dict.items()
+                                        if k.startswith("module."))
+        meta = getattr(state_dict, "_metadata", None)
+        if meta is not None:   # per-module versions (e.g. BatchNorm's), keyed by module path
+            inner._metadata = {k[len("module."):] if k.startswith("module.") else "": v
+                               for k, v in meta.items() if k == "module" or k.startswith("module.")}
+        other = [k for k in state_dict if not k.startswith("module.")]
+        if strict and other:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                               f"unexpected keys {other[:10]}")
+        result = self.module.load_state_dict(inner, strict=strict, assign=assign)
+        return _IncompatibleKeys([f"module.{k}" for k in result.missing_keys],
+                                 [f"module.{k}" for k in result.unexpected_keys] + other)
 
 
 class DeepSpeedStrategy(DDPStrategy):
@@ -519,7 +539,8 @@ class DeepSpeedStrategy(DDPStrategy):
             writes.begin()
         failed = None
         try:
-            engine.save_checkpoint(tmp, tag=TAG, client_state={}, save_latest=False)
+            engine.save_checkpoint(tmp, tag=TAG, client_state={}, save_latest=False,
+                                   exclude_frozen_parameters=_frozen_left_out(self.unwrap_module(engine)))
         except Exception as err:     # reported at the commit, so no rank waits for this one
             failed = err
         writer, write_error = writes.take() if writes is not None else (None, None)
@@ -633,6 +654,18 @@ class DeepSpeedStrategy(DDPStrategy):
     def __repr__(self) -> str:
         return (f"DeepSpeedStrategy(stage={self.stage}, world_size={self.world_size}, rank={self.global_rank}, "
                 f"offload_optimizer={self.offload_optimizer}, offload_parameters={self.offload_parameters})")
+
+
+def _frozen_left_out(module: nn.Module) -> bool:
+    """Whether the module leaves all its frozen parameters out of its own state (an adapter
+    run: the base is loaded from its pretrained files again, docs/transformers.md); then
+    DeepSpeed's checkpoint leaves them out too (ZeRO-2 and 3 would store them). A module
+    whose state holds its frozen parameters keeps them in the checkpoint."""
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return False
+    keys = module.state_dict(keep_vars=True).keys()
+    return not any(n in keys for n in frozen)
 
 
 def _shapes_of(module: nn.Module):

@@ -142,8 +142,8 @@ def test_resuming_an_adapter_checkpoint_is_bit_exact(dist_run):
 
 def test_lora_under_deepspeed_equals_one_process(ds_ops, tmp_path_factory, reference, base_dir):
     """ZeRO-2 (DeepSpeed steps the optimizer and clips): the LoRA classifier on 2 processes
-    equals one process on the combined batch; the frozen base is untouched. (DeepSpeed's
-    checkpoint is its engine's: it holds the whole model, docs/transformers.md.)"""
+    equals one process on the combined batch; the frozen base is untouched, and DeepSpeed's
+    checkpoint holds only what trains (ZeRO-2 stores frozen parameters unless told not to)."""
     pytest.importorskip("deepspeed")
     kind, out = launch("deepspeed", tmp_path_factory, base_dir)
     full = torch.load(out / "deepspeed.bert.pt", weights_only=True)
@@ -155,11 +155,22 @@ def test_lora_under_deepspeed_equals_one_process(ds_ops, tmp_path_factory, refer
         torch.testing.assert_close(full[k], ref[k], rtol=0, atol=1e-5)
         torch.testing.assert_close(full[k] - start[k], ref[k] - start[k], rtol=1e-2, atol=1e-6)
     assert set(full) == set(ref)      # module_state_dict: the trainable entries
-    # the checkpoint is DeepSpeed's engine's: every weight, the frozen base unchanged in it
+    # the checkpoint holds the trainable weights only; it loads in one process onto the base
     from ember.strategies.deepspeed import load_full_weights
     saved = load_full_weights(str(out / "deepspeed.bert.ckpt"))
-    base = {f"model.{k}": v for k, v in start_module.model.state_dict().items()}
-    frozen = [k for k in saved if k not in ref]
-    assert frozen and all(torch.equal(saved[k].float(), base[k].float()) for k in frozen)
+    assert set(saved) == set(ref)
     for k in ref:
         torch.testing.assert_close(saved[k].float(), ref[k], rtol=0, atol=1e-5)
+    files = [f for f in (out / "deepspeed.bert.ckpt").rglob("*_states.pt")]   # weights and optimizer states
+    assert len(files) == 3, files
+    base_bytes = sum(t.numel() * t.element_size() for t in start_module.model.state_dict().values())
+    assert sum(f.stat().st_size for f in files) < 0.5 * base_bytes, [(f.name, f.stat().st_size) for f in files]
+    runs = torch.load(out / "deepspeed.resume.pt", weights_only=True)   # resumed from it: bit-exact
+    assert runs["resumed"].keys() == runs["straight"].keys() == set(ref)
+    assert all(torch.equal(runs["resumed"][k], runs["straight"][k]) for k in ref)
+    base = {k: v.clone() for k, v in start_module.model.get_base_model().state_dict().items()}
+    start_module.load_state_dict(saved)   # onto the same base: the frozen keys are not missing
+    got = start_module.state_dict()
+    assert all(torch.equal(got[k], saved[k]) for k in ref)
+    assert all(torch.equal(v, base[k]) for k, v in start_module.model.get_base_model().state_dict().items()
+               if ".lora_" not in k and "modules_to_save" not in k and k in base)

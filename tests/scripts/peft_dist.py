@@ -12,8 +12,9 @@ Three fits, each 2 optimizer steps of 2 samples per rank with gradient clipping 
 The first fit exports its adapters (ExportBestPretrained) to OUT_DIR/<STRATEGY>.named.export.
 Rank 0 writes OUT_DIR/<STRATEGY>.<fit>.pt (the full trainable state, gathered) and each
 fit saves a checkpoint (FSDP: sharded) at OUT_DIR/<STRATEGY>.<fit>.ckpt; the test
-compares both with one process on the combined batches. The Llama fit is then resumed
-from its checkpoint for a third step, and run for 3 steps in one go: OUT_DIR/<STRATEGY>.resume.pt.
+compares both with one process on the combined batches. The Llama fit (DeepSpeed: the
+BERT one) is then resumed from its checkpoint for a third step, and run for 3 steps in
+one go: OUT_DIR/<STRATEGY>.resume.pt.
 """
 import os
 import sys
@@ -87,7 +88,7 @@ def main(kind, out, base_dir):
         trainer.save_checkpoint(os.path.join(out, f"{kind}.{name}.ckpt"))
         if trainer.is_global_zero:
             torch.save({k: v.detach().cpu() for k, v in weights.items()}, os.path.join(out, f"{kind}.{name}.pt"))
-        if name == "llama":   # resumed from that checkpoint for one more step, and 3 steps in one go
+        if name == ("bert" if kind == "deepspeed" else "llama"):   # resumed for one more step, and 3 steps in one go
             runs = {}
             for run, ckpt in (("resumed", os.path.join(out, f"{kind}.{name}.ckpt")), ("straight", None)):
                 strategy = make_strategy(kind)
