@@ -194,7 +194,7 @@ def _marked(mark: str) -> list[int]:
 
 
 def run_job(cmd: list, *, out_dir: Path, env: dict[str, str], timeout: float, linger: float = 15,
-            **kw) -> subprocess.CompletedProcess:
+            _port_retries: int = 2, **kw) -> subprocess.CompletedProcess:
     """Run a job of several processes (torchrun and its ranks) to its end, its output in
     ``out_dir/stdout.txt`` and ``stderr.txt`` (a pipe would keep the test waiting while
     any process of the job holds it). On a hang, and when a process the job started
@@ -230,6 +230,15 @@ def run_job(cmd: list, *, out_dir: Path, env: dict[str, str], timeout: float, li
     out, err = so.read_text(errors="replace"), se.read_text(errors="replace")
     if problem:
         pytest.fail(f"{cmd} {problem}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-12000:]}")
+    args = [str(c) for c in cmd]
+    if proc.returncode and "EADDRINUSE" in err and "--master_port" in args and _port_retries > 0:
+        # the port was free when the test picked it, and another test's job took it before torchrun's
+        # store listened (nothing of the job ran): the same job on another port
+        from ember.strategies.environments import find_free_port
+        i = args.index("--master_port") + 1
+        retry = [*args[:i], str(find_free_port()), *args[i + 1:]]
+        return run_job(retry, out_dir=out_dir, env=env, timeout=timeout, linger=linger,
+                       _port_retries=_port_retries - 1, **kw)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
