@@ -133,8 +133,11 @@ def save_state(acc: Any, output_dir: str | os.PathLike | None) -> str:
     if output_dir is None:
         output_dir = next_auto_dir(acc)
     path = os.path.normpath(os.fspath(output_dir))
-    if sharded or strategy.is_global_zero:   # the ranks that write (another DDP rank adds its RNG file
-        # to the main process's new checkpoint, which may already hold the user's own files by then)
+    if strategy.is_global_zero and not (sharded and strategy.world_size > 1):
+        # the main process writes (another DDP rank adds its RNG file to the main process's new
+        # checkpoint, which may already hold the user's own files by then); a sharded save is
+        # checked by rank 0 inside the strategy's save, whose verdict reaches every rank (a rank
+        # that checked alone could refuse a target another rank's node does not see, or the reverse)
         from ember.checkpoint.trust import check_save_target
         check_save_target(path, "Accelerator.save_state")   # read-only: no collective
     models = acc._models

@@ -140,3 +140,7 @@ def test_save_state_on_the_main_process_only(tmp_path, mode):
         assert "must be called on every process" in r0["error"] and r0["error_s"] < 2
         assert "1 of 2 called it within 5 s" in r0["helper_error"] and r0["helper_error_s"] < 30
         assert not r0["exists"] and "error" not in r1
+        # the target check is rank 0's: its refusal reaches rank 1, which would not refuse alone
+        assert r0["refused"].startswith("CheckpointError: ") and "is not an ember checkpoint" in r0["refused"]
+        assert r1["refused"].startswith("CheckpointError: checkpoint ") and "rank 0" in r1["refused"], r1
+        assert r0["refused_s"] < 4 and r1["refused_s"] < 4   # not the 5 s timeout

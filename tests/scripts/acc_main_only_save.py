@@ -7,7 +7,8 @@
 ddp: the main process writes the checkpoint alone (no collective) and both ranks go
 on training; a later save on every rank adds each rank's RNG state; both load back.
 fsdp: the state is sharded, so a main-process-only call raises on that rank at once
-(and one hidden in a helper raises once the strategy's timeout has passed).
+(and one hidden in a helper raises once the strategy's timeout has passed); a target
+that rank 0 refuses ends every rank at once with rank 0's verdict.
 """
 from __future__ import annotations
 
@@ -76,6 +77,25 @@ if MODE == "ddp":
     res["files_main_only"] = sorted(os.listdir(os.path.join(OUT, "main_only")))
 else:
     acc, net, opt, dl = build(FSDPStrategy(timeout=5))
+    # a target only rank 0 refuses (a folder that is not a checkpoint, as rank 0's node sees
+    # it; rank 1's node would see nothing there): rank 0 decides, every rank ends at once
+    target = os.path.join(OUT, "users_folder")
+    if acc.process_index == 0:
+        os.makedirs(target, exist_ok=True)
+        with open(os.path.join(target, "notes.txt"), "w") as f:
+            f.write("the user's\n")
+    else:
+        import ember.checkpoint.trust as trust
+        trust.check_save_target = lambda *a, **k: None   # what a rank on another node finds: nothing
+        while not os.path.exists(os.path.join(target, "notes.txt")):
+            time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        acc.save_state(target)
+    except Exception as e:
+        res["refused"] = f"{type(e).__name__}: {e}"
+    res["refused_s"] = time.monotonic() - t0
+
     t0 = time.monotonic()
     if acc.is_main_process:
         try:
