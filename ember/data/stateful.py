@@ -81,7 +81,8 @@ def hf_shard(ds: Any, num_replicas: int, rank: int, num_workers: int, warn: bool
     ``num_replicas``-th example); the DataLoader workers then share the rank's shards (the
     dataset splits them itself). Each sample is read once per epoch over all ranks and
     workers. A rank that reads fewer batches than another would leave it waiting at the
-    epoch's end: with ``warn``, a warning says so when the shards cannot split evenly."""
+    epoch's end unless :func:`hf_rank_batches` knows every rank's count: with ``warn``, a
+    warning says so when the shards cannot split evenly."""
     if num_replicas <= 1:
         return ds
     from ember.checkpoint.rng import keep_rng_states
@@ -92,8 +93,9 @@ def hf_shard(ds: Any, num_replicas: int, rank: int, num_workers: int, warn: bool
         warnings.warn(
             f"the Hugging Face IterableDataset has {n} shard(s), not a multiple of {num_replicas} ranks x "
             f"{max(1, num_workers)} DataLoader worker(s): each sample is still read once per epoch, but the ranks "
-            "may read different numbers of samples, and a rank that runs out first leaves the others waiting at the "
-            "epoch's end. Make the shards even (Dataset.to_iterable_dataset(num_shards=a multiple of ranks x "
+            "may read different numbers of samples. A stream of a Dataset (its shards' lengths known) then trains "
+            "the smallest number of batches on every rank; any other stream (files, a filter, a shuffle) leaves the "
+            "ranks that still have batches waiting for one that ran out first. Make the shards even (Dataset.to_iterable_dataset(num_shards=a multiple of ranks x "
             "workers)), or set Trainer(limit_train_batches=N) to a count every rank reaches. Changing num_shards "
             "invalidates the checkpoints saved mid-epoch with the current shards (a resume from one is refused: "
             "its position belongs to other shards); resume those first, or resume from a checkpoint saved at an "
@@ -101,7 +103,35 @@ def hf_shard(ds: Any, num_replicas: int, rank: int, num_workers: int, warn: bool
     out = split_dataset_by_node(ds, rank=rank, world_size=num_replicas)
     out.ember_num_shards = n   # the shards of the whole stream, before the split (hf_identity)
     out.ember_whole = ds       # the whole stream: its shards' lengths carry positions to other ranks (hf_reshard)
+    out.ember_split = (rank, num_replicas)
     return out
+
+
+def hf_rank_batches(ds: Any, batch_size: int, drop_last: bool, num_workers: int) -> "int | None":
+    """The batches a pass over this rank's part of a Hugging Face IterableDataset yields
+    (:func:`hf_shard`'s ``ds``), when the shards' lengths are known without reading
+    (:func:`hf_shard_lengths`), else None. Whole shards per rank: rank ``r`` of ``n`` reads
+    shards ``r, r + n, ...``, and each DataLoader worker ``w`` of ``k`` batches its own
+    shards ``w, w + k, ...`` of those; otherwise (shards not a multiple of the ranks, no
+    workers) every ``n``-th example."""
+    whole, split = getattr(ds, "ember_whole", None), getattr(ds, "ember_split", None)
+    if whole is None or split is None or not batch_size:
+        return None
+    try:
+        lengths = hf_shard_lengths(whole)
+    except ValueError:
+        return None
+    rank, world = split
+    workers = max(1, int(num_workers or 0))
+
+    def batches(n: int) -> int:
+        return n // batch_size if drop_last else -(-n // batch_size)
+    if len(lengths) % world == 0:
+        mine = lengths[rank::world]
+        return sum(batches(sum(mine[w::workers])) for w in range(workers))
+    if workers > 1:
+        return None
+    return batches(len(range(rank, sum(lengths), world)))
 
 
 #: the nodes of a Hugging Face stream that yield one example per example read (their state

@@ -202,7 +202,8 @@ def check_finite_loss(t, loss, batch_idx: int, agree: bool = False) -> None:
 def agree_train_batches(t, n: float) -> float:
     """Under several processes: the number of training batches per epoch that every rank
     runs, the smallest of the ranks' (``len`` of each rank's train loader after
-    ``limit_train_batches``; ``inf`` for one without a length). The epoch's end, the
+    ``limit_train_batches``, a Hugging Face stream's from its shards' lengths
+    (``data.stateful.hf_rank_batches``); ``inf`` for one without a length). The epoch's end, the
     validation points (``val_check_interval``) and the last accumulation window are
     counted in batches, so ranks whose loaders differ in length would reach them at
     different batches and wait in each other's collectives. One small all-reduce at setup
@@ -217,7 +218,8 @@ def agree_train_batches(t, n: float) -> float:
             f"the train dataloader has a different number of batches per epoch on each rank ({shown}); every "
             f"rank trains {int(m)} batch(es) per epoch, the smallest (their steps must pair up), and leaves the "
             "rest out. Give every rank the same number of batches (the distributed sampler does: "
-            "use_distributed_sampler=True, the default)", UserWarning, stacklevel=4)
+            "use_distributed_sampler=True, the default; a Hugging Face stream needs shards of equal lengths, "
+            "a multiple of the ranks)", UserWarning, stacklevel=4)
     return m if m == float("inf") else int(m)
 
 

@@ -32,8 +32,11 @@ def count_batches(loader: Any, limit: Any) -> int | float:
     """The batches a pass over ``loader`` runs under ``limit`` (``inf``: no length)."""
     try:
         n = len(loader)
-    except TypeError:
-        n = float("inf")
+    except TypeError:   # a stream: its length when its shards say it (a Hugging Face stream split over ranks)
+        from ember.data.stateful import hf_rank_batches
+        known = hf_rank_batches(getattr(loader, "dataset", None), getattr(loader, "batch_size", None),
+                                bool(getattr(loader, "drop_last", False)), getattr(loader, "num_workers", 0))
+        n = float("inf") if known is None else known
     n = limit_batches(n, limit)
     return n if n == float("inf") else int(n)
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiproc
 # modes started by the Trainer's own launcher that end normally: run together, in one start of
 # the two processes (each start costs seconds), the first time a test asks for one of them
 TOGETHER = ("es_strict", "es_lenient", "topk_view", "weights_enospc", "lock_enospc", "nan_rank1", "uneven_batches",
-            "prepare_data_fails")
+            "prepare_data_fails", "uneven_stream")
 _together_root = None
 
 
@@ -220,3 +220,17 @@ def test_train_batches_per_epoch_are_agreed_when_the_loaders_differ(tmp_path):
     assert r0["weights"] == r1["weights"]
     assert len(r0["warnings"]) == 1 and "rank 0: 8, rank 1: 6" in r0["warnings"][0] and not r1["warnings"]
     assert r0["seconds"] < 15 and r1["seconds"] < 15
+
+
+@pytest.mark.timeout(200)
+def test_a_stream_whose_shards_are_uneven_trains_the_smallest_count_on_every_rank(tmp_path):
+    """A Hugging Face stream split over the ranks by whole shards of different lengths:
+    the ranks' batches per epoch follow from the shards' lengths, so every rank trains the
+    smallest count (before, the rank with more batches waited in a step's all-reduce for
+    one that had gone on to the epoch's end)."""
+    pytest.importorskip("datasets")
+    r0, r1 = _run("uneven_stream", tmp_path)
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    assert r0["batches"] == r1["batches"] == 3 and r0["global_step"] == r1["global_step"] == 6
+    assert r0["weights"] == r1["weights"]
+    assert len(r0["warnings"]) == 1 and "rank 0: 4, rank 1: 3" in r0["warnings"][0] and not r1["warnings"]

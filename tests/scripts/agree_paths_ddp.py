@@ -39,6 +39,8 @@ validates at the same batches; the same weights on both ranks.
 MODE ``export_refused``: ExportBestPretrained whose dirpath rank 0 refuses at setup (a file;
 rank 1 is given a folder): every rank raises within seconds, before training (rank 1 did
 not reach the training's first all-reduce alone).
+MODE ``uneven_stream``: a Hugging Face stream whose shards give rank 0 4 batches an epoch
+and rank 1 3: every rank trains 3 (its shards' lengths are known), with one warning.
 MODE ``prepare_data_fails``: the module's prepare_data (run by local rank 0 only) raises:
 every rank raises within seconds, rank 0 its own error, rank 1 one naming rank 0 (no rank
 waits in a barrier for it).
@@ -61,7 +63,7 @@ from ember.callbacks import EarlyStopping, ModelCheckpoint
 from ember.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Regressor, ddp_trainer, loader, write_result  # noqa: E402
+from common import Regressor, ddp_trainer, loader, sum_data, write_result  # noqa: E402
 
 
 class Net(Regressor):
@@ -293,6 +295,31 @@ def uneven_batches(root):
             "weights": [p.detach().flatten().tolist() for p in module.parameters()]}
 
 
+def uneven_stream(root):
+    """A Hugging Face stream of 31 samples in 2 shards (16 and 15), batches of 5: rank 0
+    reads 4 batches an epoch, rank 1 3."""
+    import warnings
+    from datasets import Dataset
+    from torch.utils.data import DataLoader
+    data = sum_data(31)
+    ds = Dataset.from_dict({"x": data.tensors[0].tolist(), "y": data.tensors[1].tolist()})
+    stream = ds.with_format("torch").to_iterable_dataset(num_shards=2)
+
+    class Dicts(Regressor):
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.net(batch["x"]), batch["y"])
+
+    t = trainer(root, log_every_n_steps=2)
+    module = Dicts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        err, seconds = _fit(t, module, DataLoader(stream, batch_size=5))
+    return {"error": err, "seconds": seconds, "rank": t.global_rank, "global_step": t.global_step,
+            "batches": t.num_training_batches,
+            "warnings": [str(w.message) for w in caught if "different number of batches" in str(w.message)],
+            "weights": [p.detach().flatten().tolist() for p in module.parameters()]}
+
+
 def export_refused(root):
     import hf_tiny
     from ember.integrations.transformers import ExportBestPretrained, TextClassificationData, TransformersModule
@@ -326,7 +353,8 @@ MODES = {"es_strict": lambda r: early_stopping(r, True), "es_lenient": lambda r:
          "find_bs_asym": lambda r: find_bs(r, True), "elastic_view": elastic_view,
          "acc_auto_dir": acc_auto_dir, "nan_rank1": nan_rank1,
          "lr_find_oom": lr_find_oom, "uneven_batches": uneven_batches,
-         "prepare_data_fails": prepare_data_fails, "export_refused": export_refused}
+         "prepare_data_fails": prepare_data_fails, "export_refused": export_refused,
+         "uneven_stream": uneven_stream}
 
 
 def run_mode(mode, root):
