@@ -304,9 +304,18 @@ def test_module_helpers(tmp_path):
 
 def test_to_onnx(tmp_path):
     pytest.importorskip("onnxscript")
+    import onnx
+    from onnx.reference import ReferenceEvaluator
     m = TwoOpt()
+    m.train()
     m.to_onnx(tmp_path / "m.onnx")
-    assert (tmp_path / "m.onnx").stat().st_size > 0
+    assert m.training   # mode restored
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    onnx.checker.check_model(model)
+    x = m.example_input_array
+    (out,) = ReferenceEvaluator(model).run(None, {model.graph.input[0].name: x.numpy()})
+    with torch.no_grad():
+        assert torch.allclose(torch.from_numpy(out), m.eval()(x), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- Trainer call shapes
