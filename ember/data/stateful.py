@@ -95,8 +95,8 @@ def hf_shard(ds: Any, num_replicas: int, rank: int, num_workers: int, warn: bool
             f"{max(1, num_workers)} DataLoader worker(s): each sample is still read once per epoch, but the ranks "
             "may read different numbers of samples. A stream of a Dataset (its shards' lengths known) then trains "
             "the smallest number of batches on every rank; any other stream (files, a filter, a shuffle) leaves the "
-            "ranks that still have batches waiting for one that ran out first. Make the shards even (Dataset.to_iterable_dataset(num_shards=a multiple of ranks x "
-            "workers)), or set Trainer(limit_train_batches=N) to a count every rank reaches. Changing num_shards "
+            "ranks that still have batches waiting for one that ran out first. Make the shards even "
+            "(Dataset.to_iterable_dataset(num_shards=a multiple of ranks x workers)), or set Trainer(limit_train_batches=N) to a count every rank reaches. Changing num_shards "
             "invalidates the checkpoints saved mid-epoch with the current shards (a resume from one is refused: "
             "its position belongs to other shards); resume those first, or resume from a checkpoint saved at an "
             "epoch end", UserWarning, stacklevel=4)

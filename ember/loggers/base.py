@@ -24,6 +24,8 @@ class _NoRun:
     ``DummyExperiment``; ``config.update(...)`` and the like do nothing too."""
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):   # copy, pickle and other protocols see a plain object
+            raise AttributeError(name)
         return self
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
