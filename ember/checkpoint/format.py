@@ -12,6 +12,8 @@ DCP_WEIGHTS_DIR = "model"
 STATE_NAME = "trainer_state.pt"
 META_NAME = "meta.json"
 INDEX_NAME = "model.safetensors.index.json"
+#: an index larger than this is refused before it is parsed (a 70B model's is ~100 KB)
+MAX_INDEX_BYTES = 64 * 2**20
 FORMAT_VERSION = 1
 #: safetensors metadata key holding ``{alias: stored_name}`` for tensors that share memory
 ALIAS_KEY = "ember.aliases"

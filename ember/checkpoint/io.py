@@ -25,7 +25,7 @@ import torch
 
 from ember.checkpoint import trust as checks
 from ember.checkpoint.format import (ALIAS_KEY, DCP_WEIGHTS_DIR, FORMAT_VERSION, INDEX_NAME, META_NAME,  # noqa: F401
-                                     LEGACY_TMP_SUFFIX, STAGING_MARKER, STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME,
+                                     MAX_INDEX_BYTES, LEGACY_TMP_SUFFIX, STAGING_MARKER, STATE_NAME, TMP_SUFFIX, WEIGHTS_NAME,
                                      is_unfinished_name, tmp_path)
 from ember.checkpoint.rng import collect_rng_states, restore_rng_states  # noqa: F401  (public here)
 from ember.errors import CheckpointError, MisconfigurationError
@@ -688,10 +688,6 @@ def save_model_sharded(state_dict: dict, save_dir: str | os.PathLike, max_shard_
             os.remove(os.path.join(save_dir, stale))
     _fsync_path(save_dir, directory=True)
     return sorted(keep)
-
-
-#: an index larger than this is refused before it is parsed (a 70B model's is ~100 KB)
-MAX_INDEX_BYTES = 64 * 2**20
 
 
 def read_index(index_file: str | os.PathLike) -> tuple[dict[str, str], list[str]]:

@@ -687,22 +687,20 @@ def _index_not_replaceable(path: str) -> str:
     or (an export written before the marker) when every shard it names is in its folder and
     ember's; else why not."""
     theirs = f"{path} is a weights index that ember did not write"
+    folder = os.path.dirname(path) or "."
     try:
-        if os.path.getsize(path) > MAX_META_BYTES:
+        if os.path.getsize(path) > cio.MAX_INDEX_BYTES:
             return theirs
         with open(path, encoding="utf-8") as f:
             index = json.load(f)
         if WEIGHTS_MARKER in (index.get("metadata") or {}):
             return ""
-        names = set(index["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError):
+        shards = [member(folder, name, os.path.basename(path)) for name in set(index["weight_map"].values())]
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError, CheckpointError):
         return theirs
-    folder = os.path.dirname(path) or "."
-    for name in names:
-        shard = os.path.join(folder, str(name))
-        if os.path.basename(shard) != name or not os.path.isfile(shard) or not_replaceable(shard):
-            return theirs
-    return "" if names else theirs
+    if shards and all(os.path.isfile(x) and not not_replaceable(x) for x in shards):
+        return ""
+    return theirs
 
 
 #: the safetensors metadata key every weights file ember writes carries

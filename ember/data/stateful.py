@@ -123,15 +123,23 @@ def hf_rank_batches(ds: Any, batch_size: int, drop_last: bool, num_workers: int)
         return None
     rank, world = split
     workers = max(1, int(num_workers or 0))
-
-    def batches(n: int) -> int:
-        return n // batch_size if drop_last else -(-n // batch_size)
     if len(lengths) % world == 0:
-        mine = lengths[rank::world]
-        return sum(batches(sum(mine[w::workers])) for w in range(workers))
+        mine = [lengths[g] for g in rank_shards(len(lengths), rank, world)]
+        return sum(batches_of(sum(mine[w::workers]), batch_size, drop_last) for w in range(workers))
     if workers > 1:
         return None
-    return batches(len(range(rank, sum(lengths), world)))
+    return batches_of(len(range(rank, sum(lengths), world)), batch_size, drop_last)
+
+
+def rank_shards(num_shards: int, rank: int, world: int) -> range:
+    """The shards process ``rank`` of ``world`` reads, in order, when they split whole over
+    the processes (``split_dataset_by_node``): ``rank, rank + world, ...``."""
+    return range(rank, num_shards, world)
+
+
+def batches_of(examples: int, batch_size: int, drop_last: bool) -> int:
+    """The batches a DataLoader makes of ``examples`` read one after another."""
+    return examples // batch_size if drop_last else -(-examples // batch_size)
 
 
 #: the nodes of a Hugging Face stream that yield one example per example read (their state
@@ -190,12 +198,12 @@ def hf_reshard(part: Any, old_world: int, consumed: int, saved_state: dict, rank
     read = [0] * n
     for r in range(old_world):   # each old process read its shards in order, `consumed` examples in all
         left = int(consumed)
-        for g in range(r, n, old_world):
+        for g in rank_shards(n, r, old_world):
             read[g] = min(lengths[g], left)
             left -= read[g]
         if left:
             raise ValueError(f"process {r} of {old_world} read {consumed} examples, more than its shards hold")
-    mine = list(range(rank, n, world))
+    mine = list(rank_shards(n, rank, world))
     done = 0
     while done < len(mine) and read[mine[done]] == lengths[mine[done]]:
         done += 1
@@ -206,7 +214,7 @@ def hf_reshard(part: Any, old_world: int, consumed: int, saved_state: dict, rank
                          f"state_dict() cannot hold ({where} read): it holds the shards read to their end, then one "
                          "place inside one shard, then shards not read at all")
     me_read = sum(read[g] for g in mine)
-    left_all = [sum(lengths[g] - read[g] for g in range(r, n, world)) for r in range(world)]
+    left_all = [sum(lengths[g] - read[g] for g in rank_shards(n, r, world)) for r in range(world)]
 
     def fill(node: Any) -> Any:
         if not isinstance(node, dict):

@@ -96,11 +96,10 @@ class PruningCallback(Callback):
             except Exception as err:   # the study's storage: every rank ends with it, none waits
                 failed = err
         if trainer.world_size > 1:   # rank 0's verdict, on every rank at this validation
-            prune, verdict = trainer.strategy.broadcast(
-                (prune, None if failed is None else f"{type(failed).__name__}: {failed}"))
-            if verdict is not None and failed is None:
-                from ember.errors import DistributedOperationError
-                raise DistributedOperationError(f"PruningCallback: the trial's report failed on rank 0: {verdict}")
+            from ember.errors import DistributedOperationError
+            from ember.strategies.full_load import raise_rank0_error
+            prune = raise_rank0_error(trainer.strategy, failed, "PruningCallback: the trial's report failed on rank 0",
+                                      value=prune, kind=DistributedOperationError)
         if failed is not None:
             raise failed
         if prune:

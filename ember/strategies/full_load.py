@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,22 +24,25 @@ from ember.errors import CheckpointError
 FROM_RANK0_ATTR = "_weights_from_rank0"
 
 
-def raise_rank0_error(strategy, error: "BaseException | None", what: str, complete: bool = False) -> None:
-    """Rank 0's outcome of a step only it ran (a read, a commit), on every rank: one
-    broadcast, then rank 0 raises its own exception and the others a CheckpointError
-    ``"<what>: <rank 0's error>"``; nothing when rank 0 succeeded. ``complete``: a
-    CheckpointError of rank 0 already says what failed (a commit's verdict), so the other
-    ranks raise its message as it is. Every rank must call it (it replaces a closing
-    barrier, so no rank waits for one that failed)."""
+def raise_rank0_error(strategy, error: "BaseException | None", what: str, complete: bool = False,
+                      value: Any = None, kind: type = CheckpointError) -> Any:
+    """Rank 0's outcome of a step only it ran (a read, a commit, a decision), on every rank:
+    one broadcast, then rank 0 raises its own exception and the others a ``kind``
+    (CheckpointError unless given) ``"<what>: <rank 0's error>"``; when rank 0 succeeded,
+    returns rank 0's ``value`` on every rank. ``complete``: a CheckpointError of rank 0
+    already says what failed (a commit's verdict), so the other ranks raise its message as
+    it is. Every rank must call it (it replaces a closing barrier, so no rank waits for one
+    that failed)."""
     verdict = None
     if error is not None:
         verdict = (str(error) if complete and isinstance(error, CheckpointError)
                    else f"{what}: {type(error).__name__}: {error}")
-    verdict = strategy.broadcast(verdict)
+    value, verdict = strategy.broadcast((value, verdict))
     if verdict is not None:
         if error is not None:
             raise error
-        raise CheckpointError(verdict)
+        raise kind(verdict)
+    return value
 
 
 def staging_on_rank0(strategy, path: str, what: str = "save_checkpoint") -> str:

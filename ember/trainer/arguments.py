@@ -178,18 +178,16 @@ def agree_log_versions(t) -> None:
     shared = [lg for lg in t.loggers if type(lg).run_key is not Logger.run_key]
     if t.world_size == 1 or not shared:
         return
+    from ember.errors import DistributedOperationError
+    from ember.strategies.full_load import raise_rank0_error
     keys = failed = None
     if t.is_global_zero:   # creating a run can fail (a tracking server down): every rank ends with it
         try:
             keys = [lg.run_key() for lg in shared]
         except Exception as err:
             failed = err
-    keys, verdict = t.strategy.broadcast((keys, None if failed is None else f"{type(failed).__name__}: {failed}"))
-    if failed is not None:
-        raise failed
-    if verdict is not None:
-        from ember.errors import DistributedOperationError
-        raise DistributedOperationError(f"a logger's run could not be created on rank 0: {verdict}")
+    keys = raise_rank0_error(t.strategy, failed, "a logger's run could not be created on rank 0", value=keys,
+                             kind=DistributedOperationError)
     if not t.is_global_zero:
         for lg, key in zip(shared, keys):
             lg.use_run_key(key)

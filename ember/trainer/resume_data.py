@@ -369,7 +369,7 @@ def _carry_stream(t, saved: list, path: str) -> None:
     (``checks.agree_train_batches``); a warning on rank 0 names the examples left out.
     Raises ValueError with the reason when the position cannot be carried."""
     from ember.data import resume
-    from ember.data.stateful import hf_reshard
+    from ember.data.stateful import batches_of, hf_reshard
     st, dl = t.state, t.state.train_dataloader
     old_w, consumed = st.reshard_stream
     if st.epoch_batches is not None:   # restored from the checkpoint's loop position
@@ -385,7 +385,7 @@ def _carry_stream(t, saved: list, path: str) -> None:
         done = st.batches_done
         state = dict(dl.state_dict(), dataset_state=state, _num_yielded=done, _sampler_iter_yielded=done,
                      _sampler_iter_state={"samples_yielded": done * bs})
-    batches = [n // bs if getattr(dl, "drop_last", False) else -(-n // bs) for n in left]
+    batches = [batches_of(n, bs, bool(getattr(dl, "drop_last", False))) for n in left]
     ends = min(batches)
     st.epoch_batches = st.batches_done + ends
     if ends != max(batches) and t.is_global_zero:
